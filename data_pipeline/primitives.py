@@ -1,0 +1,415 @@
+"""The answer grammar of seed 004 ("Physical Primitives"), shared by the validator, renderer and evaluation.
+
+`parse_answer` reads one `gpt` answer into its coordinate primitives and its `atomic_decoding`
+calls, or raises `PrimitiveError` naming what is wrong and at which character offset.
+
+Decisions where the seed leaves room (each refused rather than guessed, DESIGN "no silent fallbacks"):
+- Only the vocabulary tags are structure; any other `<name>` is plain text. A closing tag named after
+  a robot start tag (`</robot_single>`) is refused: robot atoms close with `</robot>`.
+- Inside an atom only number tokens may stand, and inside `<objects>` only `<box>` atoms or the word
+  `None`: any other text there would change the token count that `block_size` and `atom_loss_masks`
+  rely on. Whitespace may separate `</ref>` from `<objects>`, a call from its trajectory, a left arm
+  from its right arm, and consecutive dense trajectories.
+- A `<tool_call>` body must be a JSON object with a string `name`; other names stay plain text.
+- Without `count`, a dense call covers one trajectory; a dual-arm `count`, if given, is P per arm.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from data_pipeline import vocabulary
+
+ATOMIC_DECODING = "atomic_decoding"
+
+ROBOT_KINDS: tuple[str, ...] = tuple(tag[1:-1] for tag in vocabulary.ROBOT_START_TAGS)
+# Seed 004: every robot atom closes with `</robot>`, driving with `</drive>`, dense motion with `</dense>`.
+TRAJECTORY_CLOSERS: dict[str, str] = {**{k: "robot" for k in ROBOT_KINDS}, "drive": "drive", "dense": "dense"}
+# Numbers per waypoint: u,v for 2D robot atoms; x,y,z / x,y,heading otherwise.
+DIMENSIONS: dict[str, int] = {
+    **{k: 2 if k.endswith("_2d") else 3 for k in ROBOT_KINDS},
+    "drive": 3,
+    "dense": 3,
+}
+KINDS: tuple[str, ...] = ("point", "box", "objects_none", *ROBOT_KINDS, "drive", "dense")
+
+_OPEN_NAMES = frozenset({"point", "ref", "objects", "box", "action", "tool_call", *TRAJECTORY_CLOSERS})
+# Closing tags named after robot start tags are read too, to refuse them with a hint.
+_CLOSE_NAMES = frozenset(
+    {"point", "ref", "objects", "box", "action", "tool_call", "robot", "drive", "dense", *ROBOT_KINDS}
+)
+_TOKEN = re.compile(r"<(?P<number>[+-]?\d[\d.]*)>|<(?P<close>/?)(?P<name>[A-Za-z_][A-Za-z0-9_]*)>")
+# Seed 004: 1,001 number tokens `<0>` … `<1000>`; any other spelling is not a token of the vocabulary.
+_NUMBER = re.compile(r"0|[1-9]\d{0,3}")
+_TOOL_CALL_END = "</tool_call>"
+_OBJECTS_NONE = "None</objects>"
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """One atom of an answer. `start`/`end` span its text from start tag to the end of its end tag."""
+
+    kind: str
+    start: int
+    end: int
+    values: tuple[int, ...]
+    label: str | None = None  # the `<ref>` label of a box / objects_none
+
+    @property
+    def waypoints(self) -> int:
+        """Waypoints (or future frames) of a trajectory atom."""
+        return len(self.values) // DIMENSIONS[self.kind]
+
+
+@dataclass(frozen=True)
+class AtomicCall:
+    """An `atomic_decoding` call. `covers` indexes the primitives it applies to (one block each,
+    except a dual-arm pair, which is one block)."""
+
+    start: int
+    end: int
+    block_size: int
+    count: int | None
+    covers: tuple[int, ...] = ()
+
+
+class PrimitiveError(ValueError):
+    """An answer that does not follow the primitive grammar; `offset` is a character offset."""
+
+    def __init__(self, offset: int, reason: str):
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"at char {offset}: {reason}")
+
+
+def coordinate_count(primitives: Iterable[Primitive]) -> list[int]:
+    """Coordinate tokens of each primitive that takes an `atom_loss_masks` string, in order.
+
+    Seed 004: one mask string per primitive, one character per coordinate token;
+    `<objects>None</objects>` has no coordinates and takes no string.
+    """
+    return [len(p.values) for p in primitives if p.values]
+
+
+def expected_block_size(atoms: Sequence[Primitive]) -> int:
+    """`block_size` of one block: every token of its atoms, start and end tags included.
+
+    This gives the seed's table: single arm 2P+2 / 3P+2, dual arm 4P+4 / 6P+4, driving 3P+2,
+    dense 3F+2 per trajectory.
+    """
+    return sum(len(a.values) + 2 for a in atoms)
+
+
+def parse_answer(text: str) -> tuple[list[Primitive], list[AtomicCall]]:
+    """Primitives and atomic_decoding calls of one answer, in text order."""
+    parser = _Parser(text)
+    parser.scan()
+    return parser.primitives, parser.link()
+
+
+def _snippet(text: str) -> str:
+    return repr(text if len(text) <= 24 else text[:21] + "...")
+
+
+def _positive_int(offset: int, key: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PrimitiveError(
+            offset, f"atomic_decoding {key} must be an integer >= 1, got {json.dumps(value)}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class _CallDraft:
+    start: int
+    end: int
+    block_size: int
+    count: int | None
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.primitives: list[Primitive] = []
+        self.items: list[Primitive | _CallDraft] = []
+
+    # -- pass 1: tokens into atoms and calls ---------------------------------------------------------
+
+    def next_token(self, pos: int) -> re.Match[str] | None:
+        """The next number token or grammar tag from `pos`; other `<name>` tags are plain text."""
+        while (m := _TOKEN.search(self.text, pos)) is not None:
+            if m["number"] is not None:
+                return m
+            if m["name"] in (_CLOSE_NAMES if m["close"] else _OPEN_NAMES):
+                return m
+            pos = m.end()
+        return None
+
+    def scan(self) -> None:
+        pos = 0
+        while (m := self.next_token(pos)) is not None:
+            pos = self.top_level(m)
+
+    def top_level(self, m: re.Match[str]) -> int:
+        name = m["name"]
+        if m["number"] is not None:
+            raise PrimitiveError(m.start(), f"number token {m[0]} outside a primitive")
+        if m["close"]:
+            raise PrimitiveError(m.start(), f"{m[0]} closes nothing{self.closer_hint(m)}")
+        if name == "point" or name in TRAJECTORY_CLOSERS:
+            return self.atom(m, name)
+        if name == "box":
+            raise PrimitiveError(m.start(), "<box> outside <objects>…</objects>")
+        if name == "objects":
+            raise PrimitiveError(m.start(), "<objects> must follow a <ref>label</ref>")
+        if name == "ref":
+            return self.ref(m)
+        if name == "action":
+            return self.action(m)
+        return self.tool_call(m)
+
+    @staticmethod
+    def closer_hint(m: re.Match[str]) -> str:
+        return "; robot atoms close with </robot>" if m["name"] in ROBOT_KINDS else ""
+
+    def number(self, m: re.Match[str]) -> int:
+        digits = m["number"]
+        if not _NUMBER.fullmatch(digits) or int(digits) > vocabulary.NUMBER_MAX:
+            raise PrimitiveError(
+                m.start(),
+                f"{m[0]} is not a number token: numbers are <0> … <{vocabulary.NUMBER_MAX}> "
+                "without sign, leading zeros or decimals",
+            )
+        return int(digits)
+
+    def atom(self, m: re.Match[str], kind: str, label: str | None = None) -> int:
+        closer = TRAJECTORY_CLOSERS.get(kind, kind)
+        values: list[int] = []
+        pos = m.end()
+        while True:
+            t = self.next_token(pos)
+            if t is None:
+                raise PrimitiveError(m.start(), f"<{kind}> is not closed by </{closer}>")
+            if t.start() != pos:
+                raise PrimitiveError(
+                    pos,
+                    f"text {_snippet(self.text[pos : t.start()])} inside <{kind}>; only number tokens may stand there",
+                )
+            pos = t.end()
+            if t["number"] is not None:
+                values.append(self.number(t))
+            elif t["close"] and t["name"] == closer:
+                break
+            else:
+                raise PrimitiveError(
+                    t.start(),
+                    f"{t[0]} inside <{kind}> opened at char {m.start()}; expected a number token or "
+                    f"</{closer}>{self.closer_hint(t) if t['close'] else ''}",
+                )
+        self.check_shape(m.start(), kind, values)
+        primitive = Primitive(kind, m.start(), pos, tuple(values), label)
+        self.primitives.append(primitive)
+        self.items.append(primitive)
+        return pos
+
+    @staticmethod
+    def check_shape(offset: int, kind: str, values: list[int]) -> None:
+        n = len(values)
+        if kind == "point" and n != 2:
+            raise PrimitiveError(offset, f"<point> needs 2 numbers (x, y), got {n}")
+        if kind == "box":
+            if n != 4:
+                raise PrimitiveError(offset, f"<box> needs 4 numbers (x1, y1, x2, y2), got {n}")
+            x1, y1, x2, y2 = values
+            # Seed 004 table: boxes satisfy x1 < x2 and y1 < y2.
+            if not (x1 < x2 and y1 < y2):
+                raise PrimitiveError(offset, f"<box> needs x1 < x2 and y1 < y2, got {values}")
+        if kind in DIMENSIONS:
+            dim = DIMENSIONS[kind]
+            if n < dim or n % dim:
+                what = "(u, v) pairs" if dim == 2 else "triples"
+                raise PrimitiveError(offset, f"<{kind}> needs one or more {what}, got {n} numbers")
+
+    def ref(self, m: re.Match[str]) -> int:
+        t = self.next_token(m.end())
+        if t is None or not (t["close"] and t["name"] == "ref"):
+            raise PrimitiveError(m.start(), "<ref> must hold a plain-text label closed by </ref>")
+        label = self.text[m.end() : t.start()]
+        if not label.strip():
+            raise PrimitiveError(m.start(), "<ref></ref> has an empty label")
+        o = self.next_token(t.end())
+        if o is None or o["close"] or o["name"] != "objects" or self.text[t.end() : o.start()].strip():
+            raise PrimitiveError(t.end(), "<ref>label</ref> must be followed by <objects>…</objects>")
+        return self.objects(o, label)
+
+    def objects(self, o: re.Match[str], label: str) -> int:
+        pos = o.end()
+        if self.text.startswith(_OBJECTS_NONE, pos):
+            # Seed 004: an absent category; no coordinates, so no atom_loss_masks string either.
+            end = pos + len(_OBJECTS_NONE)
+            none = Primitive("objects_none", o.start(), end, (), label)
+            self.primitives.append(none)
+            self.items.append(none)
+            return end
+        boxes = 0
+        while True:
+            t = self.next_token(pos)
+            if t is None:
+                raise PrimitiveError(o.start(), "<objects> is not closed by </objects>")
+            if t.start() != pos:
+                raise PrimitiveError(
+                    pos,
+                    f"text {_snippet(self.text[pos : t.start()])} inside <objects>; only <box> atoms, "
+                    "or the word None alone, may stand there",
+                )
+            if not t["close"] and t["name"] == "box":
+                pos = self.atom(t, "box", label)
+                boxes += 1
+            elif t["close"] and t["name"] == "objects":
+                if not boxes:
+                    raise PrimitiveError(
+                        o.start(), "<objects> holds no box; an absent category is <objects>None</objects>"
+                    )
+                return t.end()
+            else:
+                raise PrimitiveError(t.start(), f"{t[0]} inside <objects>; expected <box> or </objects>")
+
+    def action(self, m: re.Match[str]) -> int:
+        t = self.next_token(m.end())
+        if t is None:
+            raise PrimitiveError(m.start(), "<action> is not closed by </action>")
+        if not (t["close"] and t["name"] == "action"):
+            raise PrimitiveError(
+                t.start(), f"{t[0]} inside <action> opened at char {m.start()}; <action> holds plain text"
+            )
+        return t.end()
+
+    def tool_call(self, m: re.Match[str]) -> int:
+        end = self.text.find(_TOOL_CALL_END, m.end())
+        if end < 0:
+            raise PrimitiveError(m.start(), f"<tool_call> is not closed by {_TOOL_CALL_END}")
+        stop = end + len(_TOOL_CALL_END)
+        try:
+            call = json.loads(self.text[m.end() : end])
+        except ValueError as err:
+            raise PrimitiveError(m.end(), f"<tool_call> body is not valid JSON: {err}") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise PrimitiveError(m.end(), '<tool_call> body must be a JSON object with a string "name"')
+        if call["name"] != ATOMIC_DECODING:
+            return stop  # another tool: the seed gives it no meaning here, so it stays text
+        self.items.append(_CallDraft(m.start(), stop, *self.atomic_arguments(m.start(), call)))
+        return stop
+
+    @staticmethod
+    def atomic_arguments(offset: int, call: dict) -> tuple[int, int | None]:
+        extra = sorted(set(call) - {"name", "arguments"})
+        if extra:
+            raise PrimitiveError(offset, f"atomic_decoding call has unknown keys {extra}")
+        args = call.get("arguments")
+        if not isinstance(args, dict):
+            raise PrimitiveError(offset, 'atomic_decoding call needs an "arguments" object')
+        extra = sorted(set(args) - {"block_size", "count"})
+        if extra:
+            raise PrimitiveError(
+                offset, f"atomic_decoding arguments has unknown keys {extra}; allowed: block_size, count"
+            )
+        block_size = _positive_int(offset, "block_size", args.get("block_size"))
+        count = _positive_int(offset, "count", args["count"]) if "count" in args else None
+        return block_size, count
+
+    # -- pass 2: calls to the trajectories they cover ----------------------------------------------
+
+    def adjacent(self, a: Primitive | _CallDraft, b: Primitive | _CallDraft) -> bool:
+        return not self.text[a.end : b.start].strip()
+
+    def link(self) -> list[AtomicCall]:
+        calls: list[AtomicCall] = []
+        index = {id(p): i for i, p in enumerate(self.primitives)}
+        items = self.items
+        i = 0
+        while i < len(items):
+            item = items[i]
+            if isinstance(item, _CallDraft):
+                atoms = self.covered(item, items[i + 1 :])
+                calls.append(
+                    AtomicCall(
+                        item.start, item.end, item.block_size, item.count, tuple(index[id(a)] for a in atoms)
+                    )
+                )
+                i += 1 + len(atoms)
+                continue
+            if item.kind in TRAJECTORY_CLOSERS:
+                if item.kind.startswith("robot_right"):
+                    raise PrimitiveError(item.start, f"<{item.kind}> without a left-arm atom right before it")
+                # Seed 004: robot, driving and dense trajectories are preceded by an atomic_decoding call.
+                raise PrimitiveError(item.start, f"<{item.kind}> is not preceded by an atomic_decoding call")
+            i += 1
+        return calls
+
+    def covered(self, call: _CallDraft, following: list[Primitive | _CallDraft]) -> list[Primitive]:
+        first = following[0] if following else None
+        if (
+            not isinstance(first, Primitive)
+            or first.kind not in TRAJECTORY_CLOSERS
+            or not self.adjacent(call, first)
+        ):
+            raise PrimitiveError(
+                call.start,
+                "atomic_decoding call must be followed by a robot, driving or dense trajectory (only whitespace between)",
+            )
+        kind, p = first.kind, first.waypoints
+        if kind.startswith("robot_right"):
+            raise PrimitiveError(first.start, f"<{kind}> without a left-arm atom right before it")
+        if kind.startswith("robot_left"):
+            atoms = [first, self.right_arm(first, following[1:])]
+            layout = f"dual-arm {DIMENSIONS[kind]}D layout with P={p} waypoints per arm"
+        elif kind == "dense":
+            atoms = self.dense_group(call, following)
+            layout = f"dense trajectory with F={p} future frames"
+        else:
+            atoms = [first]
+            layout = f"<{kind}> with P={p} waypoints"
+        if kind != "dense" and call.count is not None and call.count != p:
+            raise PrimitiveError(call.start, f"atomic_decoding count={call.count} but the {layout} follows")
+        # For dense motion block_size is per trajectory (seed 004 table: 3F + 2 per trajectory).
+        expected = expected_block_size(atoms[:1] if kind == "dense" else atoms)
+        if call.block_size != expected:
+            raise PrimitiveError(
+                call.start,
+                f"atomic_decoding block_size={call.block_size} but the {layout} needs block_size={expected}",
+            )
+        return atoms
+
+    def right_arm(self, left: Primitive, following: list[Primitive | _CallDraft]) -> Primitive:
+        # Seed 004: dual-arm robots write a left-arm atom and then a right-arm atom.
+        want = left.kind.replace("left", "right")
+        right = following[0] if following else None
+        if not isinstance(right, Primitive) or not self.adjacent(left, right) or right.kind != want:
+            raise PrimitiveError(left.end, f"<{left.kind}> must be followed directly by a <{want}> atom")
+        if right.waypoints != left.waypoints:
+            raise PrimitiveError(
+                right.start, f"<{want}> has {right.waypoints} waypoints but the left arm has {left.waypoints}"
+            )
+        return right
+
+    def dense_group(self, call: _CallDraft, following: list[Primitive | _CallDraft]) -> list[Primitive]:
+        count = call.count or 1
+        atoms = [following[0]]
+        for nxt in following[1:count]:
+            if not isinstance(nxt, Primitive) or nxt.kind != "dense" or not self.adjacent(atoms[-1], nxt):
+                break
+            if len(nxt.values) != len(atoms[0].values):
+                raise PrimitiveError(
+                    nxt.start,
+                    f"<dense> has {nxt.waypoints} future frames but the first one of its call has {atoms[0].waypoints}",
+                )
+            atoms.append(nxt)
+        if len(atoms) != count:
+            raise PrimitiveError(
+                call.start,
+                f"atomic_decoding count={count} but {len(atoms)} consecutive <dense> trajectories follow",
+            )
+        return atoms

@@ -1,0 +1,74 @@
+"""Pieces every renderer shares: chat templating with assistant masks, media embedding."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+
+class RenderError(ValueError):
+    """A record that validates but cannot be trained on as given; names the source line."""
+
+    def __init__(self, source: str, line: int, field: str, message: str):
+        super().__init__(f"{source}:{line}: {field}: {message}")
+        self.source, self.line, self.field, self.message = source, line, field, message
+
+
+@dataclass(frozen=True)
+class ChatTokens:
+    input_ids: np.ndarray  # int32 [T]
+    assistant_mask: np.ndarray  # bool [T]; True where the token is a target to train on
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], source: str, line: int) -> ChatTokens:
+    """Template a conversation and mark assistant tokens via `{% generation %}` spans.
+
+    Refuses an all-zero mask and an assistant span that does not end with the end-of-turn
+    token: both silently produce models that never learn to answer or to stop (DESIGN, Lessons).
+    """
+    encoded = tokenizer.apply_chat_template(
+        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int32)
+    mask = np.asarray(encoded["assistant_masks"], dtype=bool)
+    if not mask.any():
+        raise RenderError(source, line, "conversations", "the chat template marks no assistant token")
+    end_of_turn = tokenizer.eos_token_id
+    for _, stop in mask_runs(mask):
+        if ids[stop - 1] != end_of_turn:
+            raise RenderError(source, line, "conversations",
+                              f"an assistant span ends with token {int(ids[stop - 1])}, not the end-of-turn "
+                              f"token {tokenizer.eos_token!r}; the model would never learn to stop")
+    return ChatTokens(ids, mask)
+
+
+def mask_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) of each run of True values, in order."""
+    padded = np.concatenate([[False], mask, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+@dataclass(frozen=True)
+class MediaBlob:
+    """Original media bytes travel inside the shard so shards train anywhere (DESIGN)."""
+
+    data: bytes
+    sha256: str
+    kind: str
+    source_path: str
+    frame_index: int | None
+    resize: tuple[int, int] | None
+
+    def header(self) -> dict:
+        return {"sha256": self.sha256, "kind": self.kind, "path": self.source_path,
+                "frame_index": self.frame_index, "resize": list(self.resize) if self.resize else None}
+
+
+def read_media(path: Path, kind: str, frame_index: int | None, resize: tuple[int, int] | None) -> MediaBlob:
+    data = path.read_bytes()
+    return MediaBlob(data, hashlib.sha256(data).hexdigest(), kind, str(path), frame_index, resize)

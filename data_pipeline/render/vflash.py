@@ -1,0 +1,119 @@
+"""VFlash record → Example (seed 004, "Data Format").
+
+Arrays of the Example:
+- `input_ids` int32 [T]: the templated conversation; each `<image>` becomes
+  `<|vision_start|><|image_pad|><|vision_end|>`, one pad token per media slot, which the
+  loader expands to the processor's vision-token count (DESIGN: assemble at load time).
+- `target_weights` float32 [T]: loss weight of token t as a prediction target: 1 on assistant
+  tokens (end-of-turn included), 0 elsewhere, 0 on coordinates that `atom_loss_masks` removes.
+- `primitive_spans` int32 [N, 3]: (kind id, first token, one past last token) of every
+  primitive with coordinates, start and end tags included (the drafter's blocks).
+- `media_{i}` uint8: original bytes of the i-th media item; digests in the header.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from data_pipeline import vocabulary
+from data_pipeline.formats.vflash import VFlashRecord
+from data_pipeline.render.common import RenderError, mask_runs, read_media, render_chat
+from data_pipeline.shards import Example
+from data_pipeline.tokenizer import token_id
+
+# Stable ids for `primitive_spans`; append only (shards on disk carry these numbers).
+PRIMITIVE_KINDS: tuple[str, ...] = (
+    "point", "box", "robot_single_2d", "robot_single", "robot_left_2d", "robot_right_2d",
+    "robot_left", "robot_right", "drive", "dense",
+)
+_START_TAG_KIND = {
+    "<point>": "point", "<box>": "box", "<drive>": "drive", "<dense>": "dense",
+    **{tag: tag[1:-1] for tag in vocabulary.ROBOT_START_TAGS},
+}
+_END_TAGS = ("</point>", "</box>", "</robot>", "</drive>", "</dense>")
+_MEDIA_SLOT = vocabulary.VISION_START + vocabulary.IMAGE_PAD + vocabulary.VISION_END
+
+
+class VFlashRenderer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.start_kind = {token_id(tokenizer, tag): kind for tag, kind in _START_TAG_KIND.items()}
+        self.end_ids = {token_id(tokenizer, tag) for tag in _END_TAGS}
+        numbers = [token_id(tokenizer, t) for t in vocabulary.NUMBER_TOKENS]
+        self.number_ids = np.asarray(numbers, dtype=np.int32)
+        self.image_pad_id = token_id(tokenizer, vocabulary.IMAGE_PAD)
+
+    def render(self, record: VFlashRecord, entry: str) -> Example:
+        messages = [
+            {"role": "user" if turn.role == "human" else "assistant",
+             "content": turn.text.replace(vocabulary.IMAGE_PLACEHOLDER, _MEDIA_SLOT)}
+            for turn in record.turns
+        ]
+        chat = render_chat(self.tokenizer, messages, record.source, record.line)
+        ids = chat.input_ids
+        slots = int((ids == self.image_pad_id).sum())
+        if slots != len(record.media):
+            raise RenderError(record.source, record.line, "image",
+                              f"{slots} media slots after templating, {len(record.media)} media items")
+        weights = chat.assistant_mask.astype(np.float32)
+        spans = self._primitive_spans(ids, chat.assistant_mask, record)
+        self._apply_atom_masks(ids, weights, spans, record)
+        media = [read_media(m.path, m.kind, m.frame_index, m.resize) for m in record.media]
+        for m in record.media:
+            if m.kind == "lmdb":
+                raise RenderError(record.source, record.line, "image",
+                                  "LMDB media references are not converted yet (see issue 5)")
+        arrays = {
+            "input_ids": ids,
+            "target_weights": weights,
+            "primitive_spans": np.asarray([(PRIMITIVE_KINDS.index(k), s, e) for k, s, e, _ in spans],
+                                          dtype=np.int32).reshape(-1, 3),
+        }
+        for index, blob in enumerate(media):
+            arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)
+        meta = {
+            "format": "vflash", "source": record.source, "line": record.line, "entry": entry,
+            "media": [blob.header() for blob in media],
+            "answers": [t.text for t in record.turns if t.role == "gpt"],
+        }
+        return Example(arrays=arrays, meta=meta)
+
+    def _primitive_spans(self, ids, assistant_mask, record) -> list[tuple[str, int, int, np.ndarray]]:
+        """Find every primitive in the assistant tokens; they must match the parsed answer."""
+        spans = []
+        for start, stop in mask_runs(assistant_mask):
+            position = start
+            while position < stop:
+                kind = self.start_kind.get(int(ids[position]))
+                if kind is None:
+                    position += 1
+                    continue
+                end = position + 1
+                while end < stop and int(ids[end]) not in self.end_ids:
+                    end += 1
+                if end == stop:
+                    raise RenderError(record.source, record.line, "conversations",
+                                      f"primitive <{kind}> is not closed within its assistant turn")
+                inner = np.arange(position + 1, end)
+                numbers = inner[np.isin(ids[inner], self.number_ids)]
+                spans.append((kind, position, end + 1, numbers))
+                position = end + 1
+        expected = [p.kind for turn in record.primitives for p in turn if p.values]
+        found = [kind for kind, *_ in spans]
+        if found != expected:
+            raise RenderError(record.source, record.line, "conversations",
+                              f"tokenised primitives {found} differ from the parsed answer {expected}; "
+                              "is every number token and tag a single token?")
+        return spans
+
+    def _apply_atom_masks(self, ids, weights, spans, record) -> None:
+        if record.atom_loss_masks is None:
+            return
+        # Seed 004: one mask string per primitive, one 0/1 per coordinate token; 0 drops the loss.
+        for index, ((_, _, _, numbers), mask) in enumerate(zip(spans, record.atom_loss_masks, strict=True)):
+            if len(mask) != len(numbers):
+                raise RenderError(record.source, record.line, f"atom_loss_masks[{index}]",
+                                  f"{len(mask)} flags for {len(numbers)} coordinate tokens")
+            keep = np.frombuffer(mask.encode("ascii"), dtype=np.uint8) == ord("1")
+            weights[numbers[~keep]] = 0.0

@@ -1,0 +1,117 @@
+"""Load an HF tokenizer for training, make primitive tokens single tokens, fingerprint it.
+
+Fingerprints follow seed 003 ("The descriptor"): `tokenizerSha256` is the SHA-256 of
+`tokenizer.backend_tokenizer.to_str()`, `chatTemplateSha256` the SHA-256 of the chat
+template text. Shards and checkpoints record both; a mismatch is an error downstream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from data_pipeline import vocabulary
+from data_pipeline.chat_templates import TRAINING_TEMPLATES
+
+log = logging.getLogger(__name__)
+
+GENERATION_MARKER = "{% generation %}"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot train on our formats (missing template markers, wrong tokens)."""
+
+
+@dataclass(frozen=True)
+class TokenizerFingerprint:
+    tokenizer_sha256: str
+    chat_template_sha256: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"tokenizerSha256": self.tokenizer_sha256, "chatTemplateSha256": self.chat_template_sha256}
+
+    @classmethod
+    def from_json(cls, data: dict[str, str]) -> TokenizerFingerprint:
+        return cls(data["tokenizerSha256"], data["chatTemplateSha256"])
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def fingerprint(tokenizer: PreTrainedTokenizerBase) -> TokenizerFingerprint:
+    template = tokenizer.chat_template
+    if not isinstance(template, str):
+        raise TokenizerError("tokenizer has no single chat template to fingerprint")
+    return TokenizerFingerprint(
+        tokenizer_sha256=sha256_text(tokenizer.backend_tokenizer.to_str()),
+        chat_template_sha256=sha256_text(template),
+    )
+
+
+def has_generation_markers(template: str | None) -> bool:
+    return bool(template) and "generation" in template and "endgeneration" in template
+
+
+def add_primitive_tokens(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Add every number token, primitive tag and vision token that is not one token yet.
+
+    Returns how many were added; the caller reports it (new embedding rows follow).
+    """
+    wanted = [*vocabulary.NUMBER_TOKENS, *vocabulary.PRIMITIVE_TAGS]
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in wanted if t not in vocab]
+    # normalized=False: a number token must match its literal text, never a lowercased form.
+    added = tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in missing])
+    missing_vision = [t for t in vocabulary.VISION_TOKENS if t not in vocab]
+    added += tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in missing_vision]},
+        replace_extra_special_tokens=False,
+    ) if missing_vision else 0
+    for token in [*wanted, *vocabulary.VISION_TOKENS]:
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise TokenizerError(f"{token!r} encodes to {len(ids)} tokens, expected exactly one")
+    return added
+
+
+def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | None = None) -> None:
+    """Keep a template that marks assistant spans, or install the shipped one for `family`."""
+    if has_generation_markers(tokenizer.chat_template):
+        return
+    if family is None:
+        raise TokenizerError(
+            "the tokenizer's chat template has no {% generation %} markers, so assistant masks would be "
+            f"all zero; pass a template family ({', '.join(TRAINING_TEMPLATES)}) to use a shipped one"
+        )
+    if family not in TRAINING_TEMPLATES:
+        raise TokenizerError(f"unknown chat template family {family!r}; known: {', '.join(TRAINING_TEMPLATES)}")
+    tokenizer.chat_template = TRAINING_TEMPLATES[family]
+
+
+def load_tokenizer(path_or_name: str | Path, template_family: str | None = None) -> PreTrainedTokenizerBase:
+    """Load any HF tokenizer, ready for training: primitive tokens and a marked template."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path_or_name))
+    if not tokenizer.is_fast:
+        raise TokenizerError(f"{path_or_name}: a fast tokenizer is required (offsets and backend fingerprint)")
+    added = add_primitive_tokens(tokenizer)
+    if added:
+        log.warning("%s: added %d primitive/vision tokens missing from the tokenizer", path_or_name, added)
+    ensure_training_template(tokenizer, template_family)
+    return tokenizer
+
+
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    ids = tokenizer.convert_tokens_to_ids([token])
+    if ids[0] is None or ids[0] == tokenizer.unk_token_id:
+        raise TokenizerError(f"tokenizer lacks {token!r}")
+    return int(ids[0])
+
+
+def number_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    return [token_id(tokenizer, t) for t in vocabulary.NUMBER_TOKENS]

@@ -1,0 +1,1 @@
+"""Grain input pipeline over `data_pipeline` shards."""

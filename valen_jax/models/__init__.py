@@ -1,0 +1,1 @@
+"""NNX modules with logical axis names: decoder, vision encoder, the combined model."""

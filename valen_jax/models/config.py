@@ -1,0 +1,75 @@
+"""Architecture settings as plain frozen dataclasses, saved as JSON in checkpoint meta."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def dtype_of(name: str):
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    image_size: int
+    patch_size: int
+    merge_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Vision tokens each image fills in the text after the patch merger."""
+        return (self.grid // self.merge_size) ** 2
+
+    def __post_init__(self):
+        if self.image_size % self.patch_size or self.grid % self.merge_size:
+            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size} "
+                             f"× merge_size {self.merge_size}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    image_pad_id: int = -1
+    vision: VisionConfig | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        vision = data.pop("vision", None)
+        return cls(**data, vision=VisionConfig(**vision) if vision else None)
+
+
+def padded_vocab(size: int, multiple: int = 128) -> int:
+    """Round the vocabulary up so the `vocab` axis divides evenly over tensor-parallel shards."""
+    return -(-size // multiple) * multiple

@@ -1,0 +1,118 @@
+"""Building blocks shared by the decoder and the vision encoder.
+
+Every parameter carries `logical_axes` metadata; `valen_jax.sharding` maps the names to
+mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in `dtype`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from valen_jax.sharding import constrain
+
+_INIT_STD = 0.02
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x):
+        # Normalise in f32 whatever the compute dtype: bf16 variance loses too many bits.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped key/value heads; causal or bidirectional by mask."""
+
+    def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
+                 dtype, param_dtype, rngs: nnx.Rngs):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} key/value heads")
+        self.q = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
+        self.k = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o = param(rngs, (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), param_dtype)
+        if bias:
+            self.q_bias = param(rngs, (num_heads, head_dim), ("heads", "head_dim"), param_dtype, "zeros")
+            self.k_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype, "zeros")
+            self.v_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype, "zeros")
+        self.bias = bias
+        self.rope_theta = rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x, positions, mask):
+        """x: [B, T, D]; positions: [B, T]; mask: bool [B, 1, T, T], True where attention is allowed."""
+        x = x.astype(self.dtype)
+        q = jnp.einsum("btd,dnh->btnh", x, self.q.value.astype(self.dtype))
+        k = jnp.einsum("btd,dnh->btnh", x, self.k.value.astype(self.dtype))
+        v = jnp.einsum("btd,dnh->btnh", x, self.v.value.astype(self.dtype))
+        if self.bias:
+            q = q + self.q_bias.value.astype(self.dtype)
+            k = k + self.k_bias.value.astype(self.dtype)
+            v = v + self.v_bias.value.astype(self.dtype)
+        if self.rope_theta is not None:
+            q = rope(q, positions, self.rope_theta)
+            k = rope(k, positions, self.rope_theta)
+        q = constrain(q, ("batch", "length", "act_heads", None))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        return jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(self.dtype))
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs):
+        self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
+        self.up = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
+        self.down = param(rngs, (hidden, dim), ("mlp", "embed"), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        gate = jnp.einsum("btd,df->btf", x, self.gate.value.astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.up.value.astype(self.dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", hidden, self.down.value.astype(self.dtype))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
+                 dtype, param_dtype, rngs):
+        self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
+        self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
+        self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
+
+    def __call__(self, x, positions, mask):
+        x = x + self.attn(self.attn_norm(x), positions, mask).astype(x.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)

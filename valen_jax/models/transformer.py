@@ -1,0 +1,85 @@
+"""The decoder-only language model, optionally fed vision tokens in its media slots."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from valen_jax.models.config import ModelConfig, dtype_of
+from valen_jax.models.layers import Block, RMSNorm, param
+from valen_jax.models.vision import VisionEncoder
+from valen_jax.sharding import constrain
+
+
+def attention_mask(segment_ids):
+    """Causal within a segment; padding (segment 0) attends only to itself.
+
+    Packing puts several examples in one row; equal segment ids keep them apart (DESIGN).
+    """
+    length = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+    diagonal = jnp.eye(length, dtype=bool)
+    return ((same & causal) | diagonal)[:, None, :, :]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
+        self.cfg = cfg
+        self.dtype = cdt
+        self.embed = param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pdt)
+        self.layers = nnx.List([
+            Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
+                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
+            for _ in range(cfg.num_layers)
+        ])
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt)
+        self.vision = VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs) if cfg.vision else None
+
+    def embed_tokens(self, tokens, images=None):
+        # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
+        # full rematerialisation to reach the batch-sharded activation layout.
+        table = constrain(self.embed.value, ("act_vocab", None))
+        x = jnp.take(table, tokens, axis=0).astype(self.dtype)
+        if self.vision is None or images is None:
+            return x
+        batch, max_images = images.shape[:2]
+        features = self.vision(images.reshape(batch * max_images, *images.shape[2:]))
+        features = features.reshape(batch, -1, self.cfg.dim).astype(self.dtype)
+        # Keep vision tokens batch-sharded like the text so the gather below stays local.
+        features = constrain(features, ("batch", None, "act_embed"))
+        # The k-th media-slot token of a row takes the row's k-th vision token, in image order.
+        is_slot = tokens == self.cfg.image_pad_id
+        index = jnp.clip(jnp.cumsum(is_slot, axis=1) - 1, 0, features.shape[1] - 1)
+        gathered = jnp.take_along_axis(features, index[..., None], axis=1)
+        return jnp.where(is_slot[..., None], gathered, x)
+
+    def __call__(self, tokens, positions, segment_ids, images=None):
+        """tokens, positions, segment_ids: int32 [B, T]; images: [B, M, H, W, 3] → f32 logits [B, T, V]."""
+        x = constrain(self.embed_tokens(tokens, images), ("batch", "length", "act_embed"))
+        mask = attention_mask(segment_ids)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        x = self.final_norm(x)
+        head = self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "act_vocab"))
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Shapes and metadata only: nothing is allocated (used to derive shardings first)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def init_params(cfg: ModelConfig, seed: int, shardings) -> dict:
+    """Initialise directly into the given shardings; no device ever holds the whole model."""
+
+    def create():
+        return nnx.to_pure_dict(nnx.split(Transformer(cfg, nnx.Rngs(seed)))[1])
+
+    return jax.jit(create, out_shardings=shardings)()

@@ -1,0 +1,201 @@
+"""Train a model from a config; resumes from the workdir's latest checkpoint.
+
+    python -m valen_jax.train --config=configs/vflash.py --workdir=runs/vflash-smoke
+    python -m valen_jax.train --config=configs/vflash.py:tiny --workdir=/tmp/tiny --config.train.steps=4
+
+The run converts its data into `WORKDIR/shards/` when needed, checkpoints to
+`WORKDIR/checkpoints/` (state, Grain iterator, meta), writes `metrics.jsonl` and TensorBoard
+events, and with `eval.at_end` writes `WORKDIR/eval/report-STEP.json`. Running the same command
+again continues from the latest checkpoint at the same step and data position.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+from tqdm import tqdm
+
+import valen_jax
+from data_pipeline.tokenizer import load_tokenizer
+from valen_jax import checkpoint, evaluate, experiment, sharding
+from valen_jax.data.pipeline import build_dataset
+from valen_jax.metrics import MetricsLog
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.transformer import init_params
+from valen_jax.optim import build_optimizer
+from valen_jax.step import TrainLayout, make_train_step
+
+log = logging.getLogger("valen_jax.train")
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and reports")
+
+
+class Preempted:
+    """SIGTERM (preemption) asks the loop to checkpoint and stop at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def _batch_shapes(spec, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
+    size = int(spec.media_kwargs["image_size"])
+    row = {"tokens": ((spec.seq_len,), jnp.int32), "targets": ((spec.seq_len,), jnp.int32),
+           "target_weights": ((spec.seq_len,), jnp.float32), "positions": ((spec.seq_len,), jnp.int32),
+           "segment_ids": ((spec.seq_len,), jnp.int32),
+           "images": ((spec.max_images, size, size, 3), jnp.float32),
+           "image_mask": ((spec.max_images,), jnp.bool_)}
+    return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in row.items()}
+
+
+def _print_memory(compiled) -> None:
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    parts = [f"{f.replace('_size_in_bytes', '')}={getattr(analysis, f) / 2**20:.1f}MiB"
+             for f in fields if hasattr(analysis, f)]
+    log.info("train step memory per device: %s", " ".join(parts))
+
+
+def run(config, workdir: str | Path) -> dict:
+    experiment.validate_config(config)
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
+    fingerprint = checkpoint.fingerprint_of(tokenizer)
+    model_cfg = experiment.model_config(config, tokenizer)
+    train_set = experiment.ensure_shards(config.data.format, config.data.train, workdir / "shards",
+                                         config.data.tokenizer, fingerprint)
+    log.info("train shards: %s", experiment.summary(train_set))
+
+    mesh = sharding.make_mesh(config.mesh)
+    tx, schedule = build_optimizer(config.train)
+    layout = TrainLayout(model_cfg, tx, mesh)
+    spec = experiment.row_spec(config.data.seq_len, config.data.max_images, tokenizer, model_cfg,
+                               config.media_kwargs.to_dict())
+    dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
+                            shuffle=config.data.shuffle, repeat=True, workers=config.data.workers)
+    iterator = iter(dataset)
+
+    meta = {
+        "project_version": valen_jax.__version__,
+        "model": model_cfg.to_json(),
+        "media_kwargs": config.media_kwargs.to_dict(),
+        "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
+        "shards": {"train": train_set.manifest.data},
+        "row": {"seq_len": spec.seq_len, "max_images": spec.max_images},
+        "config": json.loads(config.to_json_best_effort()),
+    }
+    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints)
+    latest = mgr.latest_step()
+    if latest is not None:
+        saved = checkpoint.restore_meta(mgr, latest)
+        if saved["tokenizer"]["fingerprint"] != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: checkpoint {latest} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
+                f"this run uses {fingerprint}")
+        if ModelConfig.from_json(saved["model"]) != model_cfg:
+            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {latest} has another model config")
+        state = checkpoint.restore_state(mgr, latest, layout.abstract_state(), iterator)
+        log.info("resumed from step %d", latest)
+    else:
+        checkpoint.save_tokenizer(workdir, tokenizer)
+        params = init_params(model_cfg, config.train.seed, layout.param_shardings)
+        opt_state = jax.jit(tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
+
+    batch_shapes = _batch_shapes(spec, config.data.global_batch)
+    batch_shardings = layout.batch_shardings(batch_shapes)
+    step_fn = jax.jit(make_train_step(layout.graphdef, tx, schedule),
+                      in_shardings=(layout.state_shardings, batch_shardings),
+                      out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+    started = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(layout.abstract_state(), batch_shapes).compile()
+    log.info("compiled the train step in %.1fs", time.perf_counter() - started)
+    _print_memory(compiled)
+
+    metrics_log = MetricsLog(workdir)
+    preempted = Preempted()
+    step = int(state["step"])
+    first_step = step
+    losses = []
+    window_tokens, window_start = 0, time.perf_counter()
+    bar = tqdm(total=config.train.steps, initial=step, desc="train", disable=jax.process_index() != 0,
+               dynamic_ncols=True)
+    while step < config.train.steps:
+        local = next(iterator)
+        window_tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
+        batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
+        state, metrics = compiled(state, batch)
+        step += 1
+        bar.update(1)
+        if step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1:
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            elapsed = time.perf_counter() - window_start
+            values["tokens_per_second"] = window_tokens / max(elapsed, 1e-9)
+            values["examples_seen"] = step * config.data.global_batch
+            values["padding_fraction"] = 1.0 - float(np.mean(local["segment_ids"] > 0))
+            losses.append((step, values["loss"]))
+            metrics_log.write(step, values)
+            bar.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
+            window_tokens, window_start = 0, time.perf_counter()
+        if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
+            checkpoint.save(mgr, step, state, iterator, meta, force=True)
+        if preempted.requested:
+            log.warning("SIGTERM: saved step %d, stopping", step)
+            break
+    bar.close()
+    mgr.wait_until_finished()
+    metrics_log.close()
+    result = {"workdir": str(workdir), "step": step, "checkpoint": str(checkpoint.checkpoint_dir(workdir) / str(step)),
+              "losses": losses, "preempted": preempted.requested}
+    if config.eval.at_end and not preempted.requested:
+        report_path = workdir / "eval" / f"report-{step}.json"
+        with jax.set_mesh(mesh):
+            report = evaluate.evaluate_params(
+                state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, config.data.eval,
+                workdir, fingerprint, config.eval, data_format="vflash")
+        evaluate.write_report(report, report_path)
+        result["report"] = str(report_path)
+    mgr.close()
+    return result
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "orbax", "jax._src", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if _WORKDIR.value is None:
+        raise app.UsageError("--workdir is required")
+    result = run(_CONFIG.value, _WORKDIR.value)
+    if result["losses"]:
+        print(f"loss: first logged {result['losses'][0][1]:.4f} (step {result['losses'][0][0]}), "
+              f"last {result['losses'][-1][1]:.4f} (step {result['losses'][-1][0]})")
+    print(f"checkpoint: {result['checkpoint']}")
+    if "report" in result:
+        print(f"evaluation report: {result['report']}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
