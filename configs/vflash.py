@@ -54,8 +54,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.model.vision.mlp_dim = 256
 
     config.train = ml_collections.ConfigDict()
-    config.train.steps = 300
-    config.train.checkpoint_every = 100
+    config.train.steps = 160
+    config.train.checkpoint_every = 80
     config.train.keep_checkpoints = 3
     config.train.seed = 0
     config.train.log_every = 20
