@@ -24,6 +24,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # tensor. Activations keep `embed` whole and split the batch over data × fsdp.
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
+    "layers": None,
     "length": None,
     "embed": "fsdp",
     "mlp": "tensor",
@@ -103,9 +104,9 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Mapping[str, object] = 
         where = "/".join(str(getattr(p, "key", p)) for p in path)
         if axes is None:
             return NamedSharding(mesh, PartitionSpec())
-        if len(axes) != len(variable.value.shape):
-            raise ShardingError(f"{where}: {len(axes)} logical axes for shape {variable.value.shape}")
-        return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules), variable.value.shape, mesh, where))
+        if len(axes) != len(variable.get_value().shape):
+            raise ShardingError(f"{where}: {len(axes)} logical axes for shape {variable.get_value().shape}")
+        return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules), variable.get_value().shape, mesh, where))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

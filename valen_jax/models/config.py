@@ -43,6 +43,21 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_parameters` beyond the plain theta: "linear" or Llama 3's "llama3" frequency bands."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(f"rope type {self.rope_type!r} is not supported; supported: linear, llama3")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     dim: int
@@ -53,8 +68,12 @@ class ModelConfig:
     mlp_dim: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query/key head before RoPE (Qwen3)
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True
+    remat: bool = False  # recompute each block in the backward pass: activations O(1 layer)
+    scan_layers: bool = False  # one stacked block under nnx.scan: compile time independent of depth
     dtype: str = "float32"
     param_dtype: str = "float32"
     image_pad_id: int = -1
@@ -67,7 +86,9 @@ class ModelConfig:
     def from_json(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         vision = data.pop("vision", None)
-        return cls(**data, vision=VisionConfig(**vision) if vision else None)
+        scaling = data.pop("rope_scaling", None)
+        return cls(**data, vision=VisionConfig(**vision) if vision else None,
+                   rope_scaling=RopeScaling(**scaling) if scaling else None)
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:

@@ -6,10 +6,14 @@ mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from valen_jax.models.config import RopeScaling
 from valen_jax.sharding import constrain
 
 _INIT_STD = 0.02
@@ -34,13 +38,32 @@ class RMSNorm(nnx.Module):
         # Normalise in f32 whatever the compute dtype: bf16 variance loses too many bits.
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """RoPE frequencies as HF computes them (`modeling_rope_utils`), in float64 then f32."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # Llama 3: long wavelengths slowed by `factor`, short ones kept, a smooth band in between.
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
     """Rotary embedding, HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     x32 = x.astype(jnp.float32)
@@ -53,7 +76,7 @@ class Attention(nnx.Module):
     """Multi-head attention with grouped key/value heads; causal or bidirectional by mask."""
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
-                 dtype, param_dtype, rngs: nnx.Rngs):
+                 dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6):
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} key/value heads")
         self.q = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -64,26 +87,33 @@ class Attention(nnx.Module):
             self.q_bias = param(rngs, (num_heads, head_dim), ("heads", "head_dim"), param_dtype, "zeros")
             self.k_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype, "zeros")
             self.v_bias = param(rngs, (num_kv_heads, head_dim), ("kv_heads", "head_dim"), param_dtype, "zeros")
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps, param_dtype, rngs)
+            self.k_norm = RMSNorm(head_dim, eps, param_dtype, rngs)
         self.bias = bias
+        self.qk_norm = qk_norm
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.dtype = dtype
 
     def __call__(self, x, positions, mask):
         """x: [B, T, D]; positions: [B, T]; mask: bool [B, 1, T, T], True where attention is allowed."""
         x = x.astype(self.dtype)
-        q = jnp.einsum("btd,dnh->btnh", x, self.q.value.astype(self.dtype))
-        k = jnp.einsum("btd,dnh->btnh", x, self.k.value.astype(self.dtype))
-        v = jnp.einsum("btd,dnh->btnh", x, self.v.value.astype(self.dtype))
+        q = jnp.einsum("btd,dnh->btnh", x, self.q[...].astype(self.dtype))
+        k = jnp.einsum("btd,dnh->btnh", x, self.k[...].astype(self.dtype))
+        v = jnp.einsum("btd,dnh->btnh", x, self.v[...].astype(self.dtype))
         if self.bias:
-            q = q + self.q_bias.value.astype(self.dtype)
-            k = k + self.k_bias.value.astype(self.dtype)
-            v = v + self.v_bias.value.astype(self.dtype)
+            q = q + self.q_bias[...].astype(self.dtype)
+            k = k + self.k_bias[...].astype(self.dtype)
+            v = v + self.v_bias[...].astype(self.dtype)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            q = rope(q, positions, self.rope_theta)
-            k = rope(k, positions, self.rope_theta)
+            q = rope(q, positions, self.rope_theta, self.rope_scaling)
+            k = rope(k, positions, self.rope_theta, self.rope_scaling)
         q = constrain(q, ("batch", "length", "act_heads", None))
         out = jax.nn.dot_product_attention(q, k, v, mask=mask)
-        return jnp.einsum("btnh,nhd->btd", out, self.o.value.astype(self.dtype))
+        return jnp.einsum("btnh,nhd->btd", out, self.o[...].astype(self.dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -95,20 +125,21 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x):
         x = x.astype(self.dtype)
-        gate = jnp.einsum("btd,df->btf", x, self.gate.value.astype(self.dtype))
-        up = jnp.einsum("btd,df->btf", x, self.up.value.astype(self.dtype))
+        gate = jnp.einsum("btd,df->btf", x, self.gate[...].astype(self.dtype))
+        up = jnp.einsum("btd,df->btf", x, self.up[...].astype(self.dtype))
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", hidden, self.down.value.astype(self.dtype))
+        return jnp.einsum("btf,fd->btd", hidden, self.down[...].astype(self.dtype))
 
 
 class Block(nnx.Module):
     """Pre-norm transformer block."""
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
-                 dtype, param_dtype, rngs):
+                 dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
-                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
+                              rope_scaling=rope_scaling, eps=eps)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
 

@@ -24,26 +24,64 @@ def attention_mask(segment_ids):
     return ((same & causal) | diagonal)[:, None, :, :]
 
 
+def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    return Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
+                 rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
+                 param_dtype=dtype_of(cfg.param_dtype), rngs=rngs, qk_norm=cfg.qk_norm,
+                 rope_scaling=cfg.rope_scaling)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """All layers as one Block whose parameters carry a leading `layers` axis, for nnx.scan."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+    def create(layer_rngs):
+        return _block(cfg, layer_rngs)
+
+    stacked = create(rngs)
+    for _, variable in nnx.iter_graph(stacked):
+        if isinstance(variable, nnx.Variable) and variable.has_metadata("logical_axes"):
+            variable.set_metadata("logical_axes", ("layers", *variable.get_metadata()["logical_axes"]))
+    return stacked
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.dtype)
         self.cfg = cfg
         self.dtype = cdt
         self.embed = param(rngs, (cfg.vocab_size, cfg.dim), ("vocab", "embed"), pdt)
-        self.layers = nnx.List([
-            Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
-                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
-            for _ in range(cfg.num_layers)
-        ])
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([_block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt)
         self.vision = VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs) if cfg.vision else None
 
+    def _run_layers(self, x, positions, mask):
+        def run(block, h):
+            return block(h, positions, mask)
+
+        if self.cfg.remat:
+            run = nnx.remat(run)
+        if not self.cfg.scan_layers:
+            for layer in self.layers:
+                x = run(layer, x)
+            return x
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def scan(h, block):
+            return run(block, h)
+
+        return scan(x, self.layers)
+
     def embed_tokens(self, tokens, images=None):
         # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
         # full rematerialisation to reach the batch-sharded activation layout.
-        table = constrain(self.embed.value, ("act_vocab", None))
+        table = constrain(self.embed[...], ("act_vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         if self.vision is None or images is None:
             return x
@@ -61,11 +99,9 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions, segment_ids, images=None):
         """tokens, positions, segment_ids: int32 [B, T]; images: [B, M, H, W, 3] → f32 logits [B, T, V]."""
         x = constrain(self.embed_tokens(tokens, images), ("batch", "length", "act_embed"))
-        mask = attention_mask(segment_ids)
-        for layer in self.layers:
-            x = layer(x, positions, mask)
+        x = self._run_layers(x, positions, attention_mask(segment_ids))
         x = self.final_norm(x)
-        head = self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
 

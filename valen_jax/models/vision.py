@@ -36,8 +36,8 @@ class VisionEncoder(nnx.Module):
         cfg = self.cfg
         n, g, p, m = images.shape[0], cfg.grid, cfg.patch_size, cfg.merge_size
         patches = images.reshape(n, g, p, g, p, 3).transpose(0, 1, 3, 2, 4, 5).reshape(n, g * g, p * p * 3)
-        x = jnp.einsum("npc,cd->npd", patches.astype(self.dtype), self.patch_embed.value.astype(self.dtype))
-        x = x + self.position.value.astype(self.dtype)
+        x = jnp.einsum("npc,cd->npd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
+        x = x + self.position[...].astype(self.dtype)
         positions = jnp.zeros(x.shape[:2], jnp.int32)
         full = jnp.ones((n, 1, g * g, g * g), bool)
         for block in self.blocks:
@@ -46,5 +46,5 @@ class VisionEncoder(nnx.Module):
         x = x.reshape(n, g // m, m, g // m, m, cfg.dim).transpose(0, 1, 3, 2, 4, 5)
         x = x.reshape(n, (g // m) ** 2, m * m * cfg.dim)
         x = self.merge_norm(x)
-        hidden = nnx.gelu(jnp.einsum("ntd,df->ntf", x, self.merge_in.value.astype(self.dtype)))
-        return jnp.einsum("ntf,fd->ntd", hidden, self.merge_out.value.astype(self.dtype))
+        hidden = nnx.gelu(jnp.einsum("ntd,df->ntf", x, self.merge_in[...].astype(self.dtype)))
+        return jnp.einsum("ntf,fd->ntd", hidden, self.merge_out[...].astype(self.dtype))
