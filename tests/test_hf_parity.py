@@ -32,7 +32,7 @@ def _random_hf_model(family: str, directory):
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         # HF initialises norms to one and biases to zero; randomise them so a wrong mapping shows.
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.ndim == 1:
                 parameter.copy_(1.0 + 0.3 * torch.randn_like(parameter))
     model.save_pretrained(directory)

@@ -292,7 +292,9 @@ def test_vflash_absent_category_rows():
 
 def test_regenerated_smoke_data_is_byte_identical(tmp_path):
     make_smoke.main(["--out", str(tmp_path / "smoke")], log=lambda _: None)
-    assert _tree_digests(tmp_path / "smoke") == _tree_digests(SMOKE)
+    # Other formats' smoke sets (vakforge/ …) have their own generators and determinism tests.
+    ours = {k: v for k, v in _tree_digests(SMOKE).items() if k.split("/")[0] in ("vflash", "valen")}
+    assert _tree_digests(tmp_path / "smoke") == ours
 
 
 def test_regenerated_tokenizer_is_byte_identical(tmp_path):

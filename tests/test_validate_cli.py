@@ -104,8 +104,14 @@ def test_missing_file(files):
 
 
 def test_formats_without_validator_exit_2(files):
-    result = run("--format=chat", "good.jsonl", cwd=files)
-    assert result.returncode == 2 and "'chat' has no validator yet" in result.stderr and result.stdout == ""
+    from data_pipeline.validate import FORMATS, VALIDATORS
+
+    missing = [fmt for fmt in FORMATS if fmt not in VALIDATORS]
+    if not missing:
+        pytest.skip("every format has a validator now")
+    result = run(f"--format={missing[0]}", "good.jsonl", cwd=files)
+    assert result.returncode == 2 and f"'{missing[0]}' has no validator yet" in result.stderr
+    assert result.stdout == ""
 
 
 def test_unknown_format_is_a_usage_error(files):

@@ -1,78 +1,142 @@
 """JSONL reading shared by every line-oriented format: UTF-8, blank lines, strict JSON.
 
 Seed 000 ("Data format"): UTF-8, one JSON record per line, blank lines ignored, an empty file
-refused. Every undecodable line becomes a `Problem` with its line number.
+refused. Every undecodable line becomes a `Problem` with its line number, never a traceback:
+invalid UTF-8, truncated JSON, nesting deeper than the parser's stack, integers longer than
+Python's int/str conversion limit, NaN/Infinity and repeated keys alike.
+
+`iter_jsonl_objects` reads one line at a time, so memory does not grow with the file (only with
+its longest line); `read_jsonl_objects` is the list form.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from data_pipeline.formats.errors import FILE_FIELD, RECORD_FIELD, Problem
 
 
-class _DuplicateKey(ValueError):
+class ProblemSink(Protocol):
+    """Where readers put problems: a plain list, or an `errors.ProblemLog` that caps them."""
+
+    def append(self, problem: Problem, /) -> None: ...
+
+
+class _NotJSON(ValueError):
     pass
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    # json keeps the last of repeated keys silently; a repeated key is a data bug (DESIGN: no silent fallbacks).
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(f"duplicate key {key!r}")
-        result[key] = value
+    # json keeps the last of repeated keys silently; a repeated key is a data bug (DESIGN: no silent
+    # fallbacks). Building the dict in C and comparing sizes keeps the common case cheap: this hook
+    # runs for every object of every line.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _NotJSON(f"duplicate key {key!r}")
+            seen.add(key)
     return result
 
 
+def _refuse_constant(name: str) -> object:
+    raise _NotJSON(f"{name} is not JSON")
+
+
+# One decoder for every line: `json.loads(text, **options)` would build a new one per call.
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
+_scan = _DECODER.scan_once  # the C scanner: one JSON value starting exactly at an index
+_JSON_SPACE = " \t\n\r"
+
+
 def loads_strict(text: str) -> object:
-    """json.loads that refuses repeated keys and NaN/Infinity."""
+    """json.loads that refuses repeated keys and NaN/Infinity; every failure is a ValueError.
 
-    def refuse_constant(name: str) -> object:
-        raise _DuplicateKey(f"{name} is not JSON")
-
-    return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=refuse_constant)
-
-
-def read_jsonl_objects(path: Path, source: str, problems: list[Problem]) -> list[tuple[int, object]]:
-    """(line number, parsed JSON) of every non-blank line; undecodable lines become problems."""
+    `json.JSONDecodeError` keeps its position; nesting too deep for the parser (a RecursionError)
+    and integers over `sys.get_int_max_str_digits()` digits become plain ValueErrors with a
+    readable message.
+    """
     try:
-        data = path.read_bytes()
+        return _DECODER.decode(text)
+    except RecursionError:
+        raise _NotJSON("nested too deeply for the JSON parser") from None
+    except (json.JSONDecodeError, _NotJSON):
+        raise
+    except ValueError as err:
+        if "integer string conversion" in str(err):
+            limit = sys.get_int_max_str_digits()
+            raise _NotJSON(f"an integer with more than {limit} digits") from None
+        raise
+
+
+def iter_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) of every non-blank line, one line in memory at a time.
+
+    Undecodable lines, and a missing, unreadable or empty file, are appended to `problems`; the
+    caller must exhaust the generator before looking at them.
+    """
+    try:
+        # surrogateescape: an invalid byte becomes a lone surrogate that is reported below with its
+        # line, instead of a UnicodeDecodeError that would end the whole read. newline="\n": lines
+        # end at LF only, as in a byte-wise split (a stray CR stays inside its line).
+        handle = open(path, encoding="utf-8", errors="surrogateescape", newline="\n")  # noqa: SIM115
     except FileNotFoundError:
         problems.append(Problem(source, 0, FILE_FIELD, "no such file"))
-        return []
+        return
     except OSError as err:
         problems.append(Problem(source, 0, FILE_FIELD, f"cannot read: {err.strerror}"))
-        return []
-    found: list[tuple[int, object]] = []
-    bad_lines = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if number == 1 and raw.startswith(codecs.BOM_UTF8):
-            raw = raw[len(codecs.BOM_UTF8) :]
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            problems.append(
-                Problem(source, number, RECORD_FIELD, f"not UTF-8: invalid byte at column {err.start + 1}")
-            )
-            bad_lines += 1
-            continue
-        if not text.strip():
-            continue
-        try:
-            found.append((number, loads_strict(text)))
-        except json.JSONDecodeError as err:
-            problems.append(
-                Problem(source, number, RECORD_FIELD, f"invalid JSON: {err.msg} at column {err.colno}")
-            )
-            bad_lines += 1
-        except ValueError as err:
-            problems.append(Problem(source, number, RECORD_FIELD, f"invalid JSON: {err}"))
-            bad_lines += 1
+        return
+    found = bad_lines = number = 0
+    try:
+        for number, text in enumerate(handle, start=1):  # noqa: B007 - number is read after the loop
+            if not text.isascii():
+                if number == 1 and text.startswith("\ufeff"):
+                    text = text[1:]
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    column = len(text[: err.start].encode("utf-8", "surrogateescape")) + 1
+                    problems.append(Problem(source, number, RECORD_FIELD, f"not UTF-8: invalid byte at column {column}"))
+                    bad_lines += 1
+                    continue
+            # Fast path: the C scanner on a line that is one value and its newline; anything else
+            # (blank lines, leading spaces, errors) goes through loads_strict for the exact answer.
+            try:
+                obj, end = _scan(text, 0)
+                if end != len(text) and text[end:].strip(_JSON_SPACE):
+                    raise ValueError
+            except (StopIteration, ValueError, RecursionError):
+                if not text or text.isspace():
+                    continue
+                try:
+                    obj = loads_strict(text)
+                except json.JSONDecodeError as err:
+                    problems.append(
+                        Problem(source, number, RECORD_FIELD, f"invalid JSON: {err.msg} at column {err.colno}")
+                    )
+                    bad_lines += 1
+                    continue
+                except ValueError as err:
+                    problems.append(Problem(source, number, RECORD_FIELD, f"invalid JSON: {err}"))
+                    bad_lines += 1
+                    continue
+            found += 1
+            yield number, obj
+    except OSError as err:
+        problems.append(Problem(source, number + 1, FILE_FIELD, f"cannot read: {err.strerror}"))
+        return
+    finally:
+        handle.close()
     if not found and not bad_lines:
         problems.append(Problem(source, 0, FILE_FIELD, "empty file: no records"))
-    return found
 
 
+def read_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> list[tuple[int, object]]:
+    """(line number, parsed JSON) of every non-blank line; undecodable lines become problems."""
+    return list(iter_jsonl_objects(path, source, problems))
