@@ -77,6 +77,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     image_pad_id: int = -1
+    score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
 
     def to_json(self) -> dict[str, Any]:

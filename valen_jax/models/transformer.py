@@ -7,21 +7,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from valen_jax.models.config import ModelConfig, dtype_of
+from valen_jax.models.heads import ScoreHead
 from valen_jax.models.layers import Block, RMSNorm, param
 from valen_jax.models.vision import VisionEncoder
 from valen_jax.sharding import constrain
 
 
-def attention_mask(segment_ids):
+def attention_mask(segment_ids, branch_ids=None):
     """Causal within a segment; padding (segment 0) attends only to itself.
 
     Packing puts several examples in one row; equal segment ids keep them apart (DESIGN).
+    With `branch_ids` (0 = shared prefix, k > 0 = branch k) a Valen branch tree is one row:
+    each branch sees the prefix and itself only, so its scores equal those of a separate
+    sequence prefix + branch (positions restart after the prefix, set by the loader).
     """
     length = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((length, length), bool))
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+    allowed = same & causal
+    if branch_ids is not None:
+        key_branch = branch_ids[:, None, :]
+        allowed &= (key_branch == 0) | (key_branch == branch_ids[:, :, None])
     diagonal = jnp.eye(length, dtype=bool)
-    return ((same & causal) | diagonal)[:, None, :, :]
+    return (allowed | diagonal)[:, None, :, :]
 
 
 def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -60,6 +68,7 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt)
         self.vision = VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs) if cfg.vision else None
+        self.score_head = ScoreHead(cfg.dim, pdt, rngs) if cfg.score_head else None
 
     def _run_layers(self, x, positions, mask):
         def run(block, h):
@@ -96,14 +105,20 @@ class Transformer(nnx.Module):
         gathered = jnp.take_along_axis(features, index[..., None], axis=1)
         return jnp.where(is_slot[..., None], gathered, x)
 
-    def __call__(self, tokens, positions, segment_ids, images=None):
-        """tokens, positions, segment_ids: int32 [B, T]; images: [B, M, H, W, 3] → f32 logits [B, T, V]."""
+    def hidden(self, tokens, positions, segment_ids, images=None, branch_ids=None):
+        """Final-norm hidden states [B, T, D] (what heads read)."""
         x = constrain(self.embed_tokens(tokens, images), ("batch", "length", "act_embed"))
-        x = self._run_layers(x, positions, attention_mask(segment_ids))
-        x = self.final_norm(x)
+        x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids))
+        return self.final_norm(x)
+
+    def logits(self, hidden):
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
+
+    def __call__(self, tokens, positions, segment_ids, images=None, branch_ids=None):
+        """tokens, positions, segment_ids: int32 [B, T]; images: [B, M, H, W, 3] → f32 logits [B, T, V]."""
+        return self.logits(self.hidden(tokens, positions, segment_ids, images, branch_ids))
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
