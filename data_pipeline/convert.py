@@ -20,11 +20,12 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import shards
 from data_pipeline.formats.errors import FormatError
@@ -35,36 +36,53 @@ from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
 
 log = logging.getLogger(__name__)
-CONVERTIBLE_FORMATS = ("vflash", "recipe")
 _RECORDS_PER_SHARD = 512
 
 
 @dataclass(frozen=True)
 class SourceEntry:
+    """One named group of records (a recipe entry, or a whole file), kept in input order."""
+
     name: str
     files: tuple[Path, ...]
     repeat_time: float
     records: list
 
 
-def _load_entries(fmt: str, input_path: Path) -> list[SourceEntry]:
-    if fmt == "vflash":
-        return [SourceEntry(input_path.stem, (input_path,), 1.0, read_vflash(input_path))]
-    if fmt == "recipe":
-        entries = []
-        for entry, records in read_recipe_records(input_path):
-            entries.append(SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records))
-        return entries
-    raise ValueError(f"--format={fmt}: conversion supports {', '.join(CONVERTIBLE_FORMATS)}")
+@dataclass(frozen=True)
+class ConvertFormat:
+    """How one format reaches shards: read its input into entries; render one record.
+
+    `make_renderer(tokenizer)` returns an object with `render(record, entry_name) -> Example`;
+    it runs in worker processes, so it must be a picklable module-level callable.
+    """
+
+    load: Callable[[Path], list[SourceEntry]]
+    make_renderer: Callable[[PreTrainedTokenizerBase], object]
 
 
-_worker_renderer: VFlashRenderer | None = None
+def _load_vflash(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_vflash(path))]
 
 
-def _init_worker(tokenizer_path: str) -> None:
+def _load_recipe(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records)
+            for entry, records in read_recipe_records(path)]
+
+
+FORMATS: dict[str, ConvertFormat] = {
+    "vflash": ConvertFormat(_load_vflash, VFlashRenderer),
+    "recipe": ConvertFormat(_load_recipe, VFlashRenderer),
+}
+
+
+_worker_renderer = None
+
+
+def _init_worker(fmt: str, tokenizer_path: str) -> None:
     global _worker_renderer
     logging.getLogger("data_pipeline.tokenizer").setLevel(logging.ERROR)
-    _worker_renderer = VFlashRenderer(load_tokenizer(tokenizer_path))
+    _worker_renderer = FORMATS[fmt].make_renderer(load_tokenizer(tokenizer_path))
 
 
 def _render_one(job: tuple) -> bytes:
@@ -84,18 +102,20 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
     input_path, output = Path(input_path), Path(output)
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+    if fmt not in FORMATS:
+        raise ValueError(f"--format={fmt}: conversion supports {', '.join(sorted(FORMATS))}")
     tok = load_tokenizer(tokenizer)
-    entries = _load_entries(fmt, input_path)
+    entries = FORMATS[fmt].load(input_path)
     jobs = [(record, entry.name) for entry in entries for record in entry.records]
     if not jobs:
         raise ValueError(f"{input_path}: no records to convert")
     if workers > 1:
         context = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-        with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
+        with context.Pool(workers, initializer=_init_worker, initargs=(fmt, str(tokenizer))) as pool:
             rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=8), total=len(jobs),
                                  desc="convert", disable=not progress))
     else:
-        _init_worker(str(tokenizer))
+        _init_worker(fmt, str(tokenizer))
         rendered = [_render_one(job) for job in tqdm(jobs, desc="convert", disable=not progress)]
 
     stats = _statistics(rendered)
@@ -155,7 +175,7 @@ def _statistics(rendered: Sequence[bytes]) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", required=True, choices=CONVERTIBLE_FORMATS)
+    parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
