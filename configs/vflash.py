@@ -35,6 +35,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.media_kwargs.image_size = 64
 
     config.model = ml_collections.ConfigDict()
+    # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture.
+    config.model.init_from = ""
     config.model.dim = 128
     config.model.num_layers = 3
     config.model.num_heads = 4
@@ -45,6 +47,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.model.tie_embeddings = True
     config.model.dtype = "float32"
     config.model.param_dtype = "float32"
+    config.model.remat = False
+    config.model.scan_layers = False
     config.model.vision = ml_collections.ConfigDict()
     config.model.vision.patch_size = 8
     config.model.vision.merge_size = 2
@@ -94,6 +98,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
         config.train.warmup_steps = 2
         config.eval.max_examples = 8
         config.eval.max_new_tokens = 16
+    elif variant == "hf":
+        # Start the decoder from an HF Qwen2/Qwen3/Llama checkpoint; the vision tower starts fresh:
+        #   --config=configs/vflash.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
+        for key in ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+                    "tie_embeddings"):
+            config.model[key] = None
+        config.model.init_from = ml_collections.config_dict.placeholder(str)
+        config.model.dtype = "bfloat16"
+        config.model.remat = True
+        config.model.scan_layers = True
+        config.train.learning_rate = 2e-5
+        config.train.steps = 1000
     elif variant:
-        raise ValueError(f"configs/vflash.py: unknown variant {variant!r}; known: tiny")
+        raise ValueError(f"configs/vflash.py: unknown variant {variant!r}; known: tiny, hf")
     return config

@@ -82,3 +82,27 @@ def test_unsupported_families_are_refused():
         hf.config_from_hf({"model_type": "gpt2"})
     with pytest.raises(hf.HFImportError, match="sliding-window"):
         hf.config_from_hf({"model_type": "qwen2", "use_sliding_window": True})
+
+
+def test_added_token_rows_follow_the_documented_rule(tmp_path):
+    reference = _random_hf_model("llama", tmp_path / "hf")
+    base = COMMON["vocab_size"]
+    pieces = {base: [1, 2, 3], base + 1: [7], 5: [9, 10]}  # id 5: a spare row re-initialised too
+    cfg = hf.config_from_hf(__import__("json").loads((tmp_path / "hf" / "config.json").read_text()))
+    cfg = __import__("dataclasses").replace(cfg, vocab_size=base + 128)
+    from valen_jax import sharding
+    from valen_jax.models.transformer import abstract_model
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_model(cfg)[1], mesh))
+    params = hf.load_params(tmp_path / "hf", cfg, shardings, pieces)
+    table = reference.model.embed_tokens.weight.detach().numpy()
+    head = reference.lm_head.weight.detach().numpy()
+    embed, lm_head = np.asarray(params["embed"]), np.asarray(params["lm_head"]).T
+    for ours, theirs in ((embed, table), (lm_head, head)):
+        np.testing.assert_allclose(ours[base], theirs[[1, 2, 3]].mean(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(ours[base + 1], theirs[7], rtol=1e-6)
+        np.testing.assert_allclose(ours[5], theirs[[9, 10]].mean(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(ours[base + 50], theirs.mean(axis=0), rtol=1e-5)
+        np.testing.assert_array_equal(ours[6:base], theirs[6:base])
+    with pytest.raises(hf.HFImportError, match="not checkpoint tokens"):
+        hf.load_params(tmp_path / "hf", cfg, shardings, {base: [base + 3]})

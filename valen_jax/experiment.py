@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import ml_collections
+from transformers import AutoTokenizer
 
 from data_pipeline import convert as converter
 from data_pipeline import vocabulary
@@ -15,7 +18,9 @@ from data_pipeline.shards import Manifest, ShardError, sha256_file
 from data_pipeline.tokenizer import token_id
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.sources import ShardSet
+from valen_jax.models import hf
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
+from valen_jax.models.transformer import init_params
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +28,8 @@ REQUIRED = {
     "data": ("format", "train", "eval", "tokenizer", "template_family", "seq_len", "max_images",
              "global_batch", "workers", "shuffle"),
     "media_kwargs": ("image_size",),
-    "model": ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
-              "tie_embeddings", "dtype", "param_dtype", "vision"),
+    "model": ("init_from", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+              "tie_embeddings", "dtype", "param_dtype", "remat", "scan_layers", "vision"),
     "train": ("steps", "checkpoint_every", "keep_checkpoints", "seed", "log_every", "learning_rate",
               "warmup_steps", "end_learning_rate_fraction", "weight_decay", "adam_b1", "adam_b2",
               "grad_clip_norm"),
@@ -51,6 +56,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path} must be positive, got {config[group][key]}")
     if config.data.workers < 0:
         raise ConfigError("config.data.workers must be ≥ 0")
+    if config.model.init_from:
+        # The checkpoint fixes the architecture; a value here too would be silently ignored.
+        clashing = [k for k in ARCHITECTURE_KEYS if config.model[k] is not None]
+        if clashing:
+            raise ConfigError(f"config.model.init_from is set, so {', '.join(clashing)} come from the checkpoint; "
+                              "set them to None (the :hf variants do)")
+
+
+ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+                     "tie_embeddings")
 
 
 def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
@@ -60,11 +75,29 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         vision = VisionConfig(image_size=int(config.media_kwargs.image_size), patch_size=m.vision.patch_size,
                               merge_size=m.vision.merge_size, dim=m.vision.dim, num_layers=m.vision.num_layers,
                               num_heads=m.vision.num_heads, mlp_dim=m.vision.mlp_dim)
+    common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=bool(m.remat), scan_layers=bool(m.scan_layers),
+                  image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision)
+    if m.init_from:
+        hf_config = json.loads((hf.resolve(m.init_from) / "config.json").read_text())
+        base = hf.config_from_hf(hf_config, **common)
+        # Added primitive tokens may outgrow the checkpoint's table; never shrink it.
+        return dataclasses.replace(base, vocab_size=max(base.vocab_size, padded_vocab(len(tokenizer))))
     return ModelConfig(
         vocab_size=padded_vocab(len(tokenizer)), dim=m.dim, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, rope_theta=float(m.rope_theta),
-        tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, param_dtype=m.param_dtype,
-        image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision)
+        tie_embeddings=bool(m.tie_embeddings), **common)
+
+
+def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
+    """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule."""
+    params = init_params(model_cfg, config.train.seed, shardings)
+    if not config.model.init_from:
+        return params
+    directory = hf.resolve(config.model.init_from)
+    base_tokenizer = AutoTokenizer.from_pretrained(str(config.data.tokenizer))
+    pieces = hf.added_token_pieces(base_tokenizer, tokenizer)
+    log.info("initialising from %s; %d added token rows set from their pieces", directory, len(pieces))
+    return hf.load_params(directory, model_cfg, shardings, pieces, fresh=params)
 
 
 def row_spec(seq_len: int, max_images: int, tokenizer, model_cfg: ModelConfig, media_kwargs: dict) -> RowSpec:

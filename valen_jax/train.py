@@ -31,7 +31,6 @@ from valen_jax import checkpoint, evaluate, experiment, sharding
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.metrics import MetricsLog
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.transformer import init_params
 from valen_jax.optim import build_optimizer
 from valen_jax.step import TrainLayout, make_train_step
 
@@ -115,7 +114,7 @@ def run(config, workdir: str | Path) -> dict:
         log.info("resumed from step %d", latest)
     else:
         checkpoint.save_tokenizer(workdir, tokenizer)
-        params = init_params(model_cfg, config.train.seed, layout.param_shardings)
+        params = experiment.initial_params(config, model_cfg, tokenizer, layout.param_shardings)
         opt_state = jax.jit(tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}

@@ -112,7 +112,7 @@ def _top_tensors(cfg: ModelConfig):
     yield ("embed",), "model.embed_tokens.weight", None, None
     yield ("final_norm", "scale"), "model.norm.weight", None, None
     if not cfg.tie_embeddings:
-        yield ("lm_head",), "lm_head.weight", np.transpose, np.transpose
+        yield ("lm_head",), "lm_head.weight", None, np.transpose  # import transposes after growing rows
 
 
 def _get(tree, path):
@@ -127,12 +127,51 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
-def _host_param(tensors: CheckpointTensors, cfg: ModelConfig, path: tuple, dtype) -> np.ndarray:
+def extend_rows(table: np.ndarray, rows: int, added_pieces: dict[int, list[int]]) -> np.ndarray:
+    """A [rows, D] table: the checkpoint's rows, grown and re-initialised for added tokens.
+
+    The rule (documented, deterministic): an added token's row is the mean of the checkpoint
+    rows of the pieces the base tokenizer splits its text into (`<521>` → `<`, `5`, `21`, `>`),
+    so a new number token starts near the meaning of its digits instead of at random. This also
+    overwrites the untrained spare rows some checkpoints carry (Qwen's table is larger than its
+    tokenizer). Rows with no token at all (padding to a multiple of 128) take the mean of the
+    checkpoint rows, so their logits sit at the average instead of at an arbitrary value.
+    """
+    base = table.shape[0]
+    if rows < base:
+        raise HFImportError(f"model vocabulary {rows} is smaller than the checkpoint's {base}")
+    extended = np.empty((rows, table.shape[1]), dtype=table.dtype)
+    extended[:base] = table
+    extended[base:] = table.astype(np.float32).mean(axis=0).astype(table.dtype)
+    for token_id, pieces in added_pieces.items():
+        if not 0 <= token_id < rows:
+            raise HFImportError(f"added token id {token_id} outside the vocabulary of {rows}")
+        if not pieces or max(pieces) >= base:
+            raise HFImportError(f"added token id {token_id}: pieces {pieces} are not checkpoint tokens")
+        extended[token_id] = table[pieces].astype(np.float32).mean(axis=0).astype(table.dtype)
+    return extended
+
+
+def added_token_pieces(base_tokenizer, tokenizer) -> dict[int, list[int]]:
+    """For every token the training tokenizer added, its pieces under the base tokenizer."""
+    pieces = {}
+    for token_id in range(len(base_tokenizer), len(tokenizer)):
+        text = tokenizer.convert_ids_to_tokens(token_id)
+        pieces[token_id] = base_tokenizer.encode(text, add_special_tokens=False)
+    return pieces
+
+
+def _host_param(tensors: CheckpointTensors, cfg: ModelConfig, path: tuple, dtype,
+                added_pieces: dict[int, list[int]]) -> np.ndarray:
     """The full host array of one parameter of ours, converted from the HF tensors."""
     if path[0] != "layers":
         for ours, name, convert, _ in _top_tensors(cfg):
             if ours == path:
                 value = np.asarray(tensors.get(name))
+                if path in (("embed",), ("lm_head",)) and (added_pieces or value.shape[0] != cfg.vocab_size):
+                    value = extend_rows(value, cfg.vocab_size, added_pieces)
+                if path == ("lm_head",):  # HF stores [V, D]; ours is [D, V]
+                    return value.T.astype(dtype)
                 return (convert(value) if convert else value).astype(dtype)
     layer_path = path[2:] if not cfg.scan_layers else path[1:]
     layers = [path[1]] if not cfg.scan_layers else range(cfg.num_layers)
@@ -147,8 +186,15 @@ def _host_param(tensors: CheckpointTensors, cfg: ModelConfig, path: tuple, dtype
     return stacked[0] if not cfg.scan_layers else np.stack(stacked)
 
 
-def load_params(directory: str | Path, cfg: ModelConfig, shardings) -> dict:
-    """Sharded parameters of `cfg` from an HF checkpoint; each device receives only its slice."""
+def load_params(directory: str | Path, cfg: ModelConfig, shardings, added_pieces: dict[int, list[int]] | None = None,
+                fresh: dict | None = None) -> dict:
+    """Sharded parameters of `cfg` from an HF checkpoint; each device receives only its slice.
+
+    `added_pieces` maps token ids beyond the checkpoint's vocabulary to their base-tokenizer
+    pieces (see `extend_rows`). Parameters the checkpoint has no counterpart for (a vision
+    tower, a score head) are taken from `fresh`, a freshly initialised parameter tree;
+    without it they are an error.
+    """
     tensors = CheckpointTensors(directory)
     _, abstract = abstract_model(cfg)
     shapes = nnx.to_pure_dict(abstract)
@@ -156,9 +202,12 @@ def load_params(directory: str | Path, cfg: ModelConfig, shardings) -> dict:
     params: dict = jax.tree.map(lambda _: None, shapes)
     for key_path, shape in jax.tree_util.tree_leaves_with_path(shapes):
         path = tuple(k.key for k in key_path)
-        if path[0] == "vision":
-            raise HFImportError("vision towers are not imported from HF checkpoints yet")
-        host = _host_param(tensors, cfg, path, dtype)
+        if path[0] in ("vision", "score_head"):
+            if fresh is None:
+                raise HFImportError(f"{'/'.join(map(str, path))}: not in a text checkpoint; pass fresh parameters")
+            _set(params, path, _get(fresh, path))
+            continue
+        host = _host_param(tensors, cfg, path, dtype, added_pieces or {})
         if host.shape != shape.shape:
             raise HFImportError(f"{'/'.join(map(str, path))}: checkpoint gives {host.shape}, model wants {shape.shape}")
         target = _get(shardings, path)

@@ -1,0 +1,68 @@
+"""A run with no checkpoint in its workdir starts from the configured HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.train_runs import ROOT, metrics, run_train
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+
+def _base_model(directory):
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from data_pipeline.chat_templates import CHATML
+
+    texts = [json.loads(line)["conversations"][0]["value"]
+             for line in (ROOT / "data/smoke/vflash/points.jsonl").read_text().splitlines()]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(texts * 5, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(directory)
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return len(tokenizer)
+
+
+def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
+    base = tmp_path / "base"
+    base_vocab = _base_model(base)
+    workdir = tmp_path / "run"
+    result = run_train("configs/vflash.py:hf", workdir, f"--config.model.init_from={base}",
+                       f"--config.data.tokenizer={base}", "--config.train.steps=2", "--config.train.log_every=1",
+                       "--config.train.checkpoint_every=2", "--config.train.warmup_steps=1",
+                       "--config.model.dtype=float32", "--config.eval.at_end=False", "--config.data.global_batch=8",
+                       "--config.model.vision.dim=32", "--config.model.vision.num_layers=1",
+                       "--config.data.seq_len=512")
+    assert "initialising from" in result.stderr and "added token rows" in result.stderr
+    logged = metrics(workdir)
+    assert [m["step"] for m in logged] == [1, 2] and all(m["loss"] == m["loss"] for m in logged)
+    from valen_jax import checkpoint
+    meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 2)
+    assert meta["model"]["dim"] == 64 and meta["model"]["attention_bias"] and meta["model"]["scan_layers"]
+    assert meta["model"]["vocab_size"] >= base_vocab + 1028
+
+
+def test_architecture_fields_next_to_init_from_are_refused(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.train_runs import env_with_devices
+    result = subprocess.run([sys.executable, "-m", "valen_jax.train", "--config=configs/vflash.py:tiny",
+                             f"--workdir={tmp_path}", f"--config.model.init_from={tmp_path}"],
+                            cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "come from the checkpoint" in result.stderr
