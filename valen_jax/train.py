@@ -28,6 +28,7 @@ from tqdm import tqdm
 import valen_jax
 from data_pipeline.tokenizer import load_tokenizer
 from valen_jax import checkpoint, evaluate, experiment, sharding
+from valen_jax.data.assemble import batch_shapes_of
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.metrics import MetricsLog
 from valen_jax.models.config import ModelConfig
@@ -49,16 +50,6 @@ class Preempted:
 
     def _handle(self, signum, frame):
         self.requested = True
-
-
-def _batch_shapes(spec, global_batch: int) -> dict[str, jax.ShapeDtypeStruct]:
-    size = int(spec.media_kwargs["image_size"])
-    row = {"tokens": ((spec.seq_len,), jnp.int32), "targets": ((spec.seq_len,), jnp.int32),
-           "target_weights": ((spec.seq_len,), jnp.float32), "positions": ((spec.seq_len,), jnp.int32),
-           "segment_ids": ((spec.seq_len,), jnp.int32),
-           "images": ((spec.max_images, size, size, 3), jnp.float32),
-           "image_mask": ((spec.max_images,), jnp.bool_)}
-    return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in row.items()}
 
 
 def _print_memory(compiled) -> None:
@@ -119,7 +110,7 @@ def run(config, workdir: str | Path) -> dict:
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
 
-    batch_shapes = _batch_shapes(spec, config.data.global_batch)
+    batch_shapes = batch_shapes_of(spec, config.data.global_batch)
     batch_shardings = layout.batch_shardings(batch_shapes)
     step_fn = jax.jit(make_train_step(layout.graphdef, tx, schedule),
                       in_shardings=(layout.state_shardings, batch_shardings),

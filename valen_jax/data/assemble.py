@@ -70,3 +70,17 @@ def assemble(example: Example, spec: RowSpec) -> dict[str, np.ndarray]:
         "images": images,
         "image_mask": np.arange(spec.max_images) < len(example.meta.get("media", [])),
     }
+
+
+def batch_shapes_of(spec: RowSpec, global_batch: int) -> dict:
+    """Abstract shapes of a global batch, for compiling the step before the first batch."""
+    import jax
+    import jax.numpy as jnp
+
+    size = int(spec.media_kwargs["image_size"])
+    row = {"tokens": ((spec.seq_len,), jnp.int32), "targets": ((spec.seq_len,), jnp.int32),
+           "target_weights": ((spec.seq_len,), jnp.float32), "positions": ((spec.seq_len,), jnp.int32),
+           "segment_ids": ((spec.seq_len,), jnp.int32),
+           "images": ((spec.max_images, size, size, 3), jnp.float32),
+           "image_mask": ((spec.max_images,), jnp.bool_)}
+    return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in row.items()}
