@@ -134,8 +134,9 @@ def main() -> None:
         "target_weights": np.ones(tokens.shape, np.float32),
         "positions": np.tile(np.arange(args.seq, dtype=np.int32), (args.batch, 1)),
         "segment_ids": np.ones(tokens.shape, np.int32),
-        "images": np.zeros((args.batch, 0, 1, 1, 3), np.float32),
-        "image_mask": np.zeros((args.batch, 0), bool),
+        "patches": np.zeros((args.batch, 0, 0), np.float32),
+        "patch_positions": np.zeros((args.batch, 0, 3), np.int32),
+        "patch_segments": np.zeros((args.batch, 0), np.int32),
     }
     print(f"backend={jax.default_backend()} devices={jax.device_count()} shape: dim={args.dim} layers={args.layers} "
           f"heads={args.heads}/{args.kv_heads} mlp={args.mlp} vocab={args.vocab} batch={args.batch}x{args.seq} "

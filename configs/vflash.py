@@ -25,14 +25,18 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.data.tokenizer = str(ROOT / "data/tokenizer")
     config.data.template_family = "chatml"
     config.data.seq_len = 192
-    config.data.max_images = 2
+    # Vision patches per row (before merging): 2 images of 8×8 patches fit.
+    config.data.max_patches = 128
     config.data.global_batch = 16
     config.data.workers = 0
     config.data.shuffle = True
 
     # Passed to the media processor and saved in the checkpoint (seed 000, "Images and video").
     config.media_kwargs = ml_collections.ConfigDict()
-    config.media_kwargs.image_size = 64
+    config.media_kwargs.min_pixels = 32 * 32
+    config.media_kwargs.max_pixels = 64 * 64
+    config.media_kwargs.fps = 2.0
+    config.media_kwargs.max_frames = 8
 
     config.model = ml_collections.ConfigDict()
     # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture.
@@ -52,6 +56,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.model.vision = ml_collections.ConfigDict()
     config.model.vision.patch_size = 8
     config.model.vision.merge_size = 2
+    config.model.vision.temporal_patch_size = 2
     config.model.vision.dim = 96
     config.model.vision.num_layers = 2
     config.model.vision.num_heads = 4

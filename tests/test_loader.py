@@ -22,9 +22,9 @@ def setup(tmp_path_factory):
     tok = load_tokenizer(ROOT / "data/tokenizer")
     cfg = ModelConfig(vocab_size=2176, dim=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8,
                       image_pad_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-                      vision=VisionConfig(image_size=32, patch_size=8, merge_size=2, dim=8, num_layers=1,
-                                          num_heads=1, mlp_dim=8))
-    spec = experiment.row_spec(192, 2, tok, cfg, {"image_size": 32})
+                      vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=8,
+                                          num_layers=1, num_heads=1, mlp_dim=8))
+    spec = experiment.row_spec(192, 128, tok, cfg, {"max_pixels": 64 * 64})
     return ShardSet.open(out), spec
 
 
@@ -56,17 +56,19 @@ def test_batches_have_fixed_shapes_and_media_slots_match_vision_tokens(setup):
     iterator = iter(dataset)
     for _ in range(5):
         batch = next(iterator)
-        assert batch["tokens"].shape == (4, 192) and batch["images"].shape == (4, 2, 32, 32, 3)
+        assert batch["tokens"].shape == (4, 192) and batch["patches"].shape == (4, 128, 2 * 8 * 8 * 3)
         slots = (batch["tokens"] == spec.image_pad_id).sum(axis=1)
-        np.testing.assert_array_equal(slots, batch["image_mask"].sum(axis=1) * spec.tokens_per_image)
+        # Every media slot token is one merged window of 2×2 patches.
+        np.testing.assert_array_equal(slots * 4, (batch["patch_segments"] > 0).sum(axis=1))
         assert (batch["target_weights"][batch["segment_ids"] == 0] == 0).all()
         assert (batch["target_weights"].sum(axis=1) > 0).all()
 
 
 def test_iterator_state_restores_the_exact_position(setup):
     shard_set, spec = setup
-    make = lambda: iter(build_dataset(shard_set, spec, global_batch=4, seed=1, shuffle=True, repeat=True,
-                                      workers=0))
+    def make():
+        return iter(build_dataset(shard_set, spec, global_batch=4, seed=1, shuffle=True, repeat=True, workers=0))
+
     straight = make()
     expected = [next(straight)["tokens"] for _ in range(40)]
     first = make()

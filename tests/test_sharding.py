@@ -20,7 +20,7 @@ from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.transformer import abstract_model, init_params
 
 cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
-                  image_pad_id=7, vision=VisionConfig(image_size=32, patch_size=8, merge_size=2, dim=32,
+                  image_pad_id=7, vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=32,
                   num_layers=1, num_heads=2, mlp_dim=64))
 mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 _, abstract = abstract_model(cfg)
@@ -34,13 +34,16 @@ local = jax.device_put(params, jax.devices()[0])
 rng = np.random.default_rng(0)
 tokens = rng.integers(8, 256, (8, 24)).astype(np.int32); tokens[:, 1:5] = 7
 positions = np.tile(np.arange(24, dtype=np.int32), (8, 1)); segments = np.ones((8, 24), np.int32)
-images = rng.normal(size=(8, 1, 32, 32, 3)).astype(np.float32)
+patches = rng.normal(size=(8, 16, 2 * 8 * 8 * 3)).astype(np.float32)
+patch_positions = np.tile(np.stack(np.meshgrid([0], range(4), range(4), indexing="ij"), -1).reshape(1, 16, 3), (8, 1, 1)).astype(np.int32)
+patch_segments = np.ones((8, 16), np.int32)
 graphdef = abstract_model(cfg)[0]
-forward = lambda p, *a: nnx.merge(graphdef, p)(*a)
-reference = jax.jit(forward)(local, tokens, positions, segments, images)
-batch = sharding.global_batch({"t": tokens, "p": positions, "s": segments, "i": images}, mesh)
+forward = lambda p, t, pos, s, pa, pp, ps: nnx.merge(graphdef, p)(t, pos, s, (pa, pp, ps))
+reference = jax.jit(forward)(local, tokens, positions, segments, patches, patch_positions, patch_segments)
+batch = sharding.global_batch({"t": tokens, "p": positions, "s": segments, "pa": patches, "pp": patch_positions,
+                               "ps": patch_segments}, mesh)
 with jax.set_mesh(mesh):
-    sharded = jax.jit(forward)(params, batch["t"], batch["p"], batch["s"], batch["i"])
+    sharded = jax.jit(forward)(params, batch["t"], batch["p"], batch["s"], batch["pa"], batch["pp"], batch["ps"])
 print(json.dumps({"specs": specs, "replicated_big": replicated_big,
                   "max_diff": float(jnp.max(jnp.abs(np.asarray(sharded) - np.asarray(reference))))}))
 """

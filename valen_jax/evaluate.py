@@ -25,10 +25,10 @@ from flax import nnx
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from valen_jax import checkpoint, experiment, sharding
-from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots
+from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
 from valen_jax.models.config import ModelConfig
 from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout, forward_loss
+from valen_jax.step import TrainLayout, forward_loss, vision_inputs
 
 log = logging.getLogger("valen_jax.evaluate")
 
@@ -57,20 +57,21 @@ def _teacher_forced(params, graphdef, examples, spec, mesh, batch_size) -> dict[
             "accuracy": correct / max(weight_sum, 1.0)}
 
 
-def _prompt_rows(example: Example, spec: RowSpec) -> tuple[np.ndarray, np.ndarray, int]:
-    """Expanded ids of the conversation before its last assistant answer, and its images."""
-    ids, weights, images = expand_media_slots(example, spec)
-    targets = np.flatnonzero(weights > 0)
+def _prompt_rows(example: Example, spec: RowSpec) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+    """Expanded ids of the conversation before its last assistant answer, and its vision inputs."""
+    expanded = expand_media_slots(example, spec)
+    targets = np.flatnonzero(expanded.weights > 0)
     breaks = np.flatnonzero(np.diff(targets) > 1)
     answer_start = int(targets[breaks[-1] + 1] if len(breaks) else targets[0])
-    return ids[:answer_start], images, answer_start
+    where = f"{example.meta.get('source')}:{example.meta.get('line')}"
+    return expanded.ids[:answer_start], vision_arrays(expanded.media, spec, where), answer_start
 
 
 def _greedy(params, graphdef, examples, spec, mesh, batch_size, max_new_tokens, eos_id) -> list[list[int]]:
-    def next_tokens(p, tokens, cursor, images):
+    def next_tokens(p, tokens, cursor, vision):
         model = nnx.merge(graphdef, p)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits = model(tokens, positions, jnp.ones_like(tokens), images)
+        logits = model(tokens, positions, jnp.ones_like(tokens), vision_inputs(vision))
         last = jnp.take_along_axis(logits, (cursor - 1)[:, None, None], axis=1)[:, 0]
         return jnp.argmax(last, axis=-1).astype(jnp.int32)
 
@@ -80,21 +81,19 @@ def _greedy(params, graphdef, examples, spec, mesh, batch_size, max_new_tokens, 
         chunk = examples[start:start + batch_size]
         prompts = [_prompt_rows(e, spec) for e in chunk]
         tokens = np.full((batch_size, spec.seq_len), spec.pad_id, np.int32)
-        images = np.zeros((batch_size, *prompts[0][1].shape), np.float32)
         cursor = np.ones(batch_size, np.int32)
-        for row, (ids, imgs, length) in enumerate(prompts):
+        for row, (ids, _, length) in enumerate(prompts):
             tokens[row, :length] = ids
-            images[row] = imgs
             cursor[row] = length
+        vision = sharding.global_batch(_stack([v for _, v, _ in prompts], batch_size), mesh)
         generated = [[] for _ in chunk]
         done = np.zeros(batch_size, bool)
         done[len(chunk):] = True
-        images_dev = sharding.global_batch({"images": images}, mesh)["images"]
         for _ in range(max_new_tokens):
             if done.all() or cursor.max() >= spec.seq_len:
                 break
             batch = sharding.global_batch({"tokens": tokens, "cursor": cursor}, mesh)
-            new = np.asarray(jax.device_get(step(params, batch["tokens"], batch["cursor"], images_dev)))
+            new = np.asarray(jax.device_get(step(params, batch["tokens"], batch["cursor"], vision)))
             for row in range(len(chunk)):
                 if done[row]:
                     continue
@@ -164,7 +163,7 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     layout = TrainLayout(model_cfg, tx, mesh)
     state = checkpoint.restore_state(mgr, step, layout.abstract_state())
     mgr.close()
-    spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_images"], tokenizer, model_cfg,
+    spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                                meta["media_kwargs"])
     with jax.set_mesh(mesh):
         report = evaluate_params(state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, data,

@@ -18,6 +18,7 @@ from data_pipeline.shards import Manifest, ShardError, sha256_file
 from data_pipeline.tokenizer import token_id
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.sources import ShardSet
+from valen_jax.data.vision_processor import media_settings
 from valen_jax.models import hf
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import init_params
@@ -25,9 +26,8 @@ from valen_jax.models.transformer import init_params
 log = logging.getLogger(__name__)
 
 REQUIRED = {
-    "data": ("format", "train", "eval", "tokenizer", "template_family", "seq_len", "max_images",
+    "data": ("format", "train", "eval", "tokenizer", "template_family", "seq_len", "max_patches",
              "global_batch", "workers", "shuffle"),
-    "media_kwargs": ("image_size",),
     "model": ("init_from", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
               "tie_embeddings", "dtype", "param_dtype", "remat", "scan_layers", "vision"),
     "train": ("steps", "checkpoint_every", "keep_checkpoints", "seed", "log_every", "learning_rate",
@@ -72,9 +72,9 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
     m = config.model
     vision = None
     if m.vision is not None:
-        vision = VisionConfig(image_size=int(config.media_kwargs.image_size), patch_size=m.vision.patch_size,
-                              merge_size=m.vision.merge_size, dim=m.vision.dim, num_layers=m.vision.num_layers,
-                              num_heads=m.vision.num_heads, mlp_dim=m.vision.mlp_dim)
+        vision = VisionConfig(patch_size=m.vision.patch_size, merge_size=m.vision.merge_size,
+                              temporal_patch_size=m.vision.temporal_patch_size, dim=m.vision.dim,
+                              num_layers=m.vision.num_layers, num_heads=m.vision.num_heads, mlp_dim=m.vision.mlp_dim)
     common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=bool(m.remat), scan_layers=bool(m.scan_layers),
                   image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision)
     if m.init_from:
@@ -100,10 +100,10 @@ def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, to
     return hf.load_params(directory, model_cfg, shardings, pieces, fresh=params)
 
 
-def row_spec(seq_len: int, max_images: int, tokenizer, model_cfg: ModelConfig, media_kwargs: dict) -> RowSpec:
-    return RowSpec(seq_len=seq_len, max_images=max_images, image_pad_id=model_cfg.image_pad_id,
-                   pad_id=int(tokenizer.pad_token_id), tokens_per_image=model_cfg.vision.tokens_per_image,
-                   media_kwargs=dict(media_kwargs))
+def row_spec(seq_len: int, max_patches: int, tokenizer, model_cfg: ModelConfig, media_kwargs: dict) -> RowSpec:
+    media_settings(media_kwargs)  # unknown keys are an error at start-up, not mid-epoch
+    return RowSpec(seq_len=seq_len, max_patches=max_patches, image_pad_id=model_cfg.image_pad_id,
+                   pad_id=int(tokenizer.pad_token_id), vision=model_cfg.vision, media_kwargs=dict(media_kwargs))
 
 
 def _input_key(fmt: str, path: Path, fingerprint: dict[str, str]) -> str:

@@ -15,12 +15,14 @@ from valen_jax.losses import token_cross_entropy
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
 
-BATCH_FIELDS = ("tokens", "targets", "target_weights", "positions", "segment_ids", "images", "image_mask")
+
+def vision_inputs(batch):
+    return batch["patches"], batch["patch_positions"], batch["patch_segments"]
 
 
 def forward_loss(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], batch["images"])
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
     loss_sum, weight_sum, correct = token_cross_entropy(logits, batch["targets"], batch["target_weights"])
     return loss_sum, weight_sum, correct
 

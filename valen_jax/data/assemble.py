@@ -1,7 +1,10 @@
 """Example → fixed-length training row: media slots expanded, inputs shifted, padding marked.
 
 Row fields: `tokens`, `targets`, `target_weights`, `positions`, `segment_ids` (1 for the
-example, 0 for padding), `images` [max_images, S, S, 3] and `image_mask`.
+example, 0 for padding), and the vision inputs `patches` [max_patches, patch_dim],
+`patch_positions` [max_patches, 3] (t, h, w) and `patch_segments` [max_patches] (k for the
+row's k-th media item, 0 for padding). Media slot k of the text is expanded to exactly the
+number of merged vision tokens media item k yields.
 """
 
 from __future__ import annotations
@@ -9,10 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from data_pipeline.shards import Example
-from valen_jax.data.media import load_image
+from valen_jax.data.media import load_frames
+from valen_jax.data.vision_processor import ProcessedMedia, process_frames, tokens_of
+from valen_jax.models.config import VisionConfig
 
 
 class AssemblyError(ValueError):
@@ -22,39 +29,65 @@ class AssemblyError(ValueError):
 @dataclass(frozen=True)
 class RowSpec:
     seq_len: int
-    max_images: int
+    max_patches: int
     image_pad_id: int
     pad_id: int
-    tokens_per_image: int
+    vision: VisionConfig | None
     media_kwargs: Mapping
+
+    @property
+    def patch_dim(self) -> int:
+        return self.vision.patch_dim if self.vision else 0
+
+
+@dataclass(frozen=True)
+class ExpandedExample:
+    ids: np.ndarray  # int32 [T] with every media slot expanded
+    weights: np.ndarray  # float32 [T], weight of each token as a target
+    media: list[ProcessedMedia]
 
 
 def _where(example: Example) -> str:
     return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
 
 
-def expand_media_slots(example: Example, spec: RowSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each media slot becomes the processor's number of vision tokens; images decoded.
-
-    Returns (ids, target weights, images [max_images, S, S, 3]).
-    """
+def expand_media_slots(example: Example, spec: RowSpec) -> ExpandedExample:
     ids = example.arrays["input_ids"]
     weights = example.arrays["target_weights"]
+    headers = example.meta.get("media", [])
     slots = ids == spec.image_pad_id
-    repeat = np.where(slots, spec.tokens_per_image, 1)
-    media = example.meta.get("media", [])
-    if len(media) > spec.max_images:
-        raise AssemblyError(f"{_where(example)}: {len(media)} images exceed data.max_images={spec.max_images}")
-    size = int(spec.media_kwargs["image_size"])
-    images = np.zeros((spec.max_images, size, size, 3), np.float32)
-    for index, header in enumerate(media):
-        images[index] = load_image(example.arrays[f"media_{index}"].tobytes(), header, spec.media_kwargs,
-                                   _where(example))
-    return np.repeat(ids, repeat), np.repeat(np.where(slots, 0.0, weights).astype(np.float32), repeat), images
+    if int(slots.sum()) != len(headers):
+        raise AssemblyError(f"{_where(example)}: {int(slots.sum())} media slots for {len(headers)} media items")
+    if headers and spec.vision is None:
+        raise AssemblyError(f"{_where(example)}: has media but the model has no vision encoder")
+    media = [process_frames(load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs,
+                                        _where(example)), spec.vision, spec.media_kwargs)
+             for i, header in enumerate(headers)]
+    repeat = np.ones(len(ids), np.int64)
+    repeat[np.flatnonzero(slots)] = [tokens_of(m, spec.vision) for m in media]
+    return ExpandedExample(np.repeat(ids, repeat), np.repeat(np.where(slots, 0.0, weights), repeat).astype(np.float32),
+                           media)
+
+
+def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dict[str, np.ndarray]:
+    patches = np.zeros((spec.max_patches, spec.patch_dim), np.float32)
+    positions = np.zeros((spec.max_patches, 3), np.int32)
+    segments = np.zeros((spec.max_patches,), np.int32)
+    total = sum(m.num_tokens for m in media)
+    if total > spec.max_patches:
+        raise AssemblyError(f"{where}: {total} vision patches exceed data.max_patches={spec.max_patches}; "
+                            "raise it or lower media_kwargs.max_pixels")
+    start = 0
+    for index, item in enumerate(media, start=1):
+        stop = start + item.num_tokens
+        patches[start:stop], positions[start:stop], segments[start:stop] = item.patches, item.positions, index
+        start = stop
+    return {"patches": patches, "patch_positions": positions, "patch_segments": segments}
 
 
 def assemble(example: Example, spec: RowSpec) -> dict[str, np.ndarray]:
-    ids, weights, images = expand_media_slots(example, spec)
+    expanded = expand_media_slots(example, spec)
+    ids = expanded.ids
     length = len(ids) - 1
     if length > spec.seq_len:
         # Cutting could split a media placeholder or drop every target (DESIGN); refuse instead.
@@ -64,23 +97,19 @@ def assemble(example: Example, spec: RowSpec) -> dict[str, np.ndarray]:
     return {
         "tokens": np.pad(ids[:-1], (0, pad), constant_values=spec.pad_id).astype(np.int32),
         "targets": np.pad(ids[1:], (0, pad), constant_values=spec.pad_id).astype(np.int32),
-        "target_weights": np.pad(weights[1:], (0, pad)).astype(np.float32),
+        "target_weights": np.pad(expanded.weights[1:], (0, pad)).astype(np.float32),
         "positions": np.pad(np.arange(length, dtype=np.int32), (0, pad)),
         "segment_ids": np.pad(np.ones(length, np.int32), (0, pad)),
-        "images": images,
-        "image_mask": np.arange(spec.max_images) < len(example.meta.get("media", [])),
+        **vision_arrays(expanded.media, spec, _where(example)),
     }
 
 
 def batch_shapes_of(spec: RowSpec, global_batch: int) -> dict:
     """Abstract shapes of a global batch, for compiling the step before the first batch."""
-    import jax
-    import jax.numpy as jnp
-
-    size = int(spec.media_kwargs["image_size"])
     row = {"tokens": ((spec.seq_len,), jnp.int32), "targets": ((spec.seq_len,), jnp.int32),
            "target_weights": ((spec.seq_len,), jnp.float32), "positions": ((spec.seq_len,), jnp.int32),
            "segment_ids": ((spec.seq_len,), jnp.int32),
-           "images": ((spec.max_images, size, size, 3), jnp.float32),
-           "image_mask": ((spec.max_images,), jnp.bool_)}
+           "patches": ((spec.max_patches, spec.patch_dim), jnp.float32),
+           "patch_positions": ((spec.max_patches, 3), jnp.int32),
+           "patch_segments": ((spec.max_patches,), jnp.int32)}
     return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in row.items()}

@@ -1,11 +1,10 @@
-"""Decode media bytes from shards into the vision encoder's input, driven by `media_kwargs`."""
+"""Decode media bytes from shards into frames (PIL images) for the vision processor."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Mapping
 
-import numpy as np
 from PIL import Image
 
 
@@ -23,8 +22,8 @@ def decode_video_frame(data: bytes, frame_index: int, where: str) -> Image.Image
     raise MediaError(f"{where}: video has no frame {frame_index}")
 
 
-def load_image(data: bytes, header: Mapping, media_kwargs: Mapping, where: str) -> np.ndarray:
-    """Original bytes → float32 [S, S, 3] in [-1, 1]; `resize` from the record is an exact stretch first."""
+def load_frames(data: bytes, header: Mapping, media_kwargs: Mapping, where: str) -> list[Image.Image]:
+    """Original bytes → the frames the processor patches; `resize` from the record is an exact stretch."""
     try:
         if header["kind"] == "video_frame":
             image = decode_video_frame(data, int(header["frame_index"]), where)
@@ -36,6 +35,4 @@ def load_image(data: bytes, header: Mapping, media_kwargs: Mapping, where: str) 
     image = image.convert("RGB")
     if header.get("resize"):
         image = image.resize(tuple(header["resize"]), Image.BICUBIC)
-    size = int(media_kwargs["image_size"])
-    image = image.resize((size, size), Image.BICUBIC)
-    return np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return [image]

@@ -19,27 +19,24 @@ def dtype_of(name: str):
 
 @dataclass(frozen=True)
 class VisionConfig:
-    image_size: int
+    """A ViT over variable grids: images and video clips of any size the processor allows."""
+
     patch_size: int
     merge_size: int
+    temporal_patch_size: int
     dim: int
     num_layers: int
     num_heads: int
     mlp_dim: int
+    rope_theta: float = 10000.0
 
     @property
-    def grid(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def tokens_per_image(self) -> int:
-        """Vision tokens each image fills in the text after the patch merger."""
-        return (self.grid // self.merge_size) ** 2
+    def patch_dim(self) -> int:
+        return self.temporal_patch_size * self.patch_size * self.patch_size * 3
 
     def __post_init__(self):
-        if self.image_size % self.patch_size or self.grid % self.merge_size:
-            raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size} "
-                             f"× merge_size {self.merge_size}")
+        if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
+            raise ValueError(f"vision dim {self.dim} must split into {self.num_heads} heads of even size")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,19 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
-    """Rotary embedding, HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T]."""
+    """Rotary embedding, HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T] or [B, T, A].
+
+    With A position axes (vision patches: t, h, w) the head's frequency pairs are split into A
+    sections, each rotated by its own coordinate: positions on any grid size, no learned table.
+    """
+    if positions.ndim == 3:
+        pairs = x.shape[-1] // 2
+        first = pairs // 4  # time gets fewer frequencies than the two spatial axes
+        sizes = [first, (pairs - first) // 2]
+        sizes.append(pairs - sum(sizes))
+        bounds = np.cumsum([0, *[2 * n for n in sizes]])
+        parts = [rope(x[..., bounds[i]:bounds[i + 1]], positions[..., i], theta) for i in range(3) if sizes[i]]
+        return jnp.concatenate(parts, axis=-1)
     head_dim = x.shape[-1]
     inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]

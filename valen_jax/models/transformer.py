@@ -87,27 +87,29 @@ class Transformer(nnx.Module):
 
         return scan(x, self.layers)
 
-    def embed_tokens(self, tokens, images=None):
+    def embed_tokens(self, tokens, vision_inputs=None):
+        """Token embeddings, with media slots filled by vision tokens.
+
+        vision_inputs: (patches [B, P, patch_dim], patch positions [B, P, 3], patch segments [B, P]).
+        The k-th media-slot token of a row takes the row's k-th merged vision token, in order.
+        """
         # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
         # full rematerialisation to reach the batch-sharded activation layout.
         table = constrain(self.embed[...], ("act_vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
-        if self.vision is None or images is None:
+        if self.vision is None or vision_inputs is None or vision_inputs[0].shape[1] == 0:
             return x
-        batch, max_images = images.shape[:2]
-        features = self.vision(images.reshape(batch * max_images, *images.shape[2:]))
-        features = features.reshape(batch, -1, self.cfg.dim).astype(self.dtype)
+        features = self.vision(*vision_inputs).astype(self.dtype)
         # Keep vision tokens batch-sharded like the text so the gather below stays local.
         features = constrain(features, ("batch", None, "act_embed"))
-        # The k-th media-slot token of a row takes the row's k-th vision token, in image order.
         is_slot = tokens == self.cfg.image_pad_id
         index = jnp.clip(jnp.cumsum(is_slot, axis=1) - 1, 0, features.shape[1] - 1)
         gathered = jnp.take_along_axis(features, index[..., None], axis=1)
         return jnp.where(is_slot[..., None], gathered, x)
 
-    def hidden(self, tokens, positions, segment_ids, images=None, branch_ids=None):
+    def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
         """Final-norm hidden states [B, T, D] (what heads read)."""
-        x = constrain(self.embed_tokens(tokens, images), ("batch", "length", "act_embed"))
+        x = constrain(self.embed_tokens(tokens, vision_inputs), ("batch", "length", "act_embed"))
         x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids))
         return self.final_norm(x)
 
@@ -116,9 +118,9 @@ class Transformer(nnx.Module):
         logits = jnp.einsum("btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
-    def __call__(self, tokens, positions, segment_ids, images=None, branch_ids=None):
-        """tokens, positions, segment_ids: int32 [B, T]; images: [B, M, H, W, 3] → f32 logits [B, T, V]."""
-        return self.logits(self.hidden(tokens, positions, segment_ids, images, branch_ids))
+    def __call__(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
+        """tokens, positions, segment_ids: int32 [B, T]; vision_inputs as in `embed_tokens` → f32 logits [B, T, V]."""
+        return self.logits(self.hidden(tokens, positions, segment_ids, vision_inputs, branch_ids))
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -1,0 +1,66 @@
+"""Variable-grid vision processing and the encoder that consumes it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from PIL import Image
+
+from valen_jax.data.vision_processor import ProcessorError, process_frames, smart_resize, tokens_of
+from valen_jax.models.config import VisionConfig
+from valen_jax.models.vision import VisionEncoder
+
+VISION = VisionConfig(patch_size=4, merge_size=2, temporal_patch_size=2, dim=16, num_layers=1, num_heads=2,
+                      mlp_dim=32)
+
+
+def test_smart_resize_keeps_aspect_within_pixel_bounds():
+    assert smart_resize(128, 128, 16, 32 * 32, 64 * 64) == (64, 64)
+    assert smart_resize(100, 200, 16, 32 * 32, 64 * 64) == (32, 80)
+    h, w = smart_resize(10, 10, 16, 32 * 32, 64 * 64)
+    assert (h, w) == (32, 32)
+    for height, width in ((480, 640), (37, 333), (1000, 90)):
+        h, w = smart_resize(height, width, 16, 32 * 32, 96 * 96)
+        assert h % 16 == 0 and w % 16 == 0 and 32 * 32 <= h * w <= 96 * 96
+    with pytest.raises(ProcessorError, match="aspect ratio"):
+        smart_resize(1, 500, 16, 32 * 32, 64 * 64)
+
+
+def test_patches_are_ordered_in_merge_windows():
+    pixels = np.zeros((16, 24, 3), np.uint8)
+    pixels[:, :, 0] = np.arange(24)[None, :] * 10  # red encodes the column
+    pixels[:, :, 1] = np.arange(16)[:, None] * 10  # green encodes the row
+    media = process_frames([Image.fromarray(pixels)], VISION, {"min_pixels": 16, "max_pixels": 16 * 24})
+    assert media.grid == (1, 4, 6) and tokens_of(media, VISION) == 6
+    # The first merge window holds the patches at (0,0), (0,1), (1,0), (1,1).
+    assert media.positions[:4].tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    assert media.positions[4:8].tolist() == [[0, 0, 2], [0, 0, 3], [0, 1, 2], [0, 1, 3]]
+    # Patch content: first pixel of the patch at (h=1, w=1) is row 4, column 4.
+    first = media.patches[3].reshape(2, 4, 4, 3)[0, 0, 0]
+    np.testing.assert_allclose((first + 1) * 127.5, [40, 40, 0], atol=1.0)
+
+
+def test_a_clip_pads_its_last_temporal_patch_and_an_image_fills_one():
+    frames = [Image.new("RGB", (16, 16), (i * 40, 0, 0)) for i in range(3)]
+    clip = process_frames(frames, VISION, {"min_pixels": 16, "max_pixels": 16 * 16})
+    assert clip.grid == (2, 4, 4) and clip.positions[:, 0].max() == 1
+    image = process_frames(frames[:1], VISION, {"min_pixels": 16, "max_pixels": 16 * 16})
+    assert image.grid == (1, 4, 4)
+    with pytest.raises(ProcessorError, match="unknown keys"):
+        process_frames(frames[:1], VISION, {"image_size": 64})
+
+
+def test_encoder_keeps_media_items_apart_and_merges_windows():
+    encoder = VisionEncoder(VISION, 24, "float32", "float32", nnx.Rngs(0))
+    a = process_frames([Image.new("RGB", (16, 16), (200, 10, 10))], VISION, {"min_pixels": 16, "max_pixels": 256})
+    b = process_frames([Image.new("RGB", (16, 8), (10, 200, 10))], VISION, {"min_pixels": 16, "max_pixels": 256})
+    patches = np.concatenate([a.patches, b.patches])[None]
+    positions = np.concatenate([a.positions, b.positions])[None]
+    segments = np.concatenate([np.full(len(a.patches), 1), np.full(len(b.patches), 2)])[None]
+    together = np.asarray(encoder(jnp.asarray(patches), jnp.asarray(positions), jnp.asarray(segments)))
+    alone = np.asarray(encoder(jnp.asarray(a.patches[None]), jnp.asarray(a.positions[None]),
+                               jnp.ones((1, len(a.patches)), jnp.int32)))
+    assert together.shape == (1, (len(a.patches) + len(b.patches)) // 4, 24)
+    np.testing.assert_allclose(together[:, : alone.shape[1]], alone, atol=1e-5)
