@@ -51,22 +51,31 @@ def _where(example: Example) -> str:
     return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
 
 
-def expand_media_slots(example: Example, spec: RowSpec) -> ExpandedExample:
-    ids = example.arrays["input_ids"]
-    weights = example.arrays["target_weights"]
+def process_media(example: Example, spec: RowSpec) -> list[ProcessedMedia]:
     headers = example.meta.get("media", [])
-    slots = ids == spec.image_pad_id
-    if int(slots.sum()) != len(headers):
-        raise AssemblyError(f"{_where(example)}: {int(slots.sum())} media slots for {len(headers)} media items")
     if headers and spec.vision is None:
         raise AssemblyError(f"{_where(example)}: has media but the model has no vision encoder")
-    media = [process_frames(load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs,
-                                        _where(example)), spec.vision, spec.media_kwargs)
-             for i, header in enumerate(headers)]
+    return [process_frames(load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs,
+                                       _where(example)), spec.vision, spec.media_kwargs)
+            for i, header in enumerate(headers)]
+
+
+def expand_slots(ids: np.ndarray, weights: np.ndarray, media: list[ProcessedMedia], spec: RowSpec,
+                 where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each media slot token repeated to its item's merged vision-token count (weight 0)."""
+    slots = ids == spec.image_pad_id
+    if int(slots.sum()) != len(media):
+        raise AssemblyError(f"{where}: {int(slots.sum())} media slots for {len(media)} media items")
     repeat = np.ones(len(ids), np.int64)
     repeat[np.flatnonzero(slots)] = [tokens_of(m, spec.vision) for m in media]
-    return ExpandedExample(np.repeat(ids, repeat), np.repeat(np.where(slots, 0.0, weights), repeat).astype(np.float32),
-                           media)
+    return np.repeat(ids, repeat), np.repeat(np.where(slots, 0.0, weights), repeat).astype(np.float32)
+
+
+def expand_media_slots(example: Example, spec: RowSpec) -> ExpandedExample:
+    media = process_media(example, spec)
+    ids, weights = expand_slots(example.arrays["input_ids"], example.arrays["target_weights"], media, spec,
+                                _where(example))
+    return ExpandedExample(ids, weights, media)
 
 
 def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dict[str, np.ndarray]:
