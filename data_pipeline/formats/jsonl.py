@@ -11,7 +11,6 @@ its longest line); `read_jsonl_objects` is the list form.
 
 from __future__ import annotations
 
-import codecs
 import json
 import sys
 from collections.abc import Iterator
@@ -102,23 +101,29 @@ def iter_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> Iterat
                     text.encode("utf-8")
                 except UnicodeEncodeError as err:
                     column = len(text[: err.start].encode("utf-8", "surrogateescape")) + 1
-                    problems.append(Problem(source, number, RECORD_FIELD, f"not UTF-8: invalid byte at column {column}"))
+                    problems.append(
+                        Problem(source, number, RECORD_FIELD, f"not UTF-8: invalid byte at column {column}")
+                    )
                     bad_lines += 1
                     continue
             # Fast path: the C scanner on a line that is one value and its newline; anything else
             # (blank lines, leading spaces, errors) goes through loads_strict for the exact answer.
             try:
                 obj, end = _scan(text, 0)
-                if end != len(text) and text[end:].strip(_JSON_SPACE):
+                if end != len(text) and text[end:] != "\n" and text[end:].strip(_JSON_SPACE):
                     raise ValueError
             except (StopIteration, ValueError, RecursionError):
                 if not text or text.isspace():
                     continue
                 try:
-                    obj = loads_strict(text)
+                    # Without its newline, so a truncated line reads "Unterminated string", not
+                    # "Invalid control character" (the newline inside the open string).
+                    obj = loads_strict(text[:-1] if text.endswith("\n") else text)
                 except json.JSONDecodeError as err:
+                    # json's message for a control character ends in "at"; the column follows.
+                    msg = err.msg.removesuffix(" at")
                     problems.append(
-                        Problem(source, number, RECORD_FIELD, f"invalid JSON: {err.msg} at column {err.colno}")
+                        Problem(source, number, RECORD_FIELD, f"invalid JSON: {msg} at column {err.colno}")
                     )
                     bad_lines += 1
                     continue
