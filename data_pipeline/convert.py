@@ -6,7 +6,16 @@ Example (from the repository root):
         --output=/tmp/vflash_shards --tokenizer=data/tokenizer --workers=2
 
 `--format=vflash` takes one JSONL file; `--format=recipe` takes a VFlash recipe and converts
-every entry in recipe order. The output appears atomically (written beside, then renamed), so
+every entry in recipe order; `--format=chat` one chat JSONL file (`--assistant-turns=all|last`);
+`--format=prepared` a prepared zip or directory (`--max-seq-length=N`); `--format=vakforge` a
+vakforge.jsonl beside its splits.json (`--split=NAME`, `--overlap=merge|drop`,
+`--assistant-turns`). An option a format does not take is refused, never ignored.
+`--template-family=chatml|llama3` installs a training template for a tokenizer without one.
+
+    python -m data_pipeline.convert --format=vakforge --input=data/smoke/vakforge/vakforge.jsonl \
+        --output=/tmp/vakforge_train --tokenizer=data/tokenizer --split=train --overlap=drop
+
+The output appears atomically (written beside, then renamed), so
 an interrupted run never leaves a half-written shard set behind a valid-looking manifest.
 Identical inputs and options give byte-identical shards and manifest for any `--workers`.
 """
@@ -20,18 +29,22 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import shards
+from data_pipeline.chat_templates import TRAINING_TEMPLATES
+from data_pipeline.formats.chat import read_chat
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.recipe import read_recipe_records
 from data_pipeline.formats.vflash import read_vflash
+from data_pipeline.render.chat import ASSISTANT_TURNS, ChatRenderer
 from data_pipeline.render.common import RenderError
+from data_pipeline.render.prepared import PreparedRenderer, check_prepared, read_prepared_rows
+from data_pipeline.render.vakforge import OVERLAP_POLICIES, VakforgeRenderer, read_vakforge_items
 from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
 
@@ -53,12 +66,23 @@ class SourceEntry:
 class ConvertFormat:
     """How one format reaches shards: read its input into entries; render one record.
 
-    `make_renderer(tokenizer)` returns an object with `render(record, entry_name) -> Example`;
-    it runs in worker processes, so it must be a picklable module-level callable.
+    `make_renderer(tokenizer, **render_options)` returns an object with
+    `render(record, entry_name) -> Example`; it runs in worker processes, so it must be a picklable
+    module-level callable. `load(path, **load_options)` runs once in the main process. Each
+    options mapping names the options the format takes, with their defaults.
+
+    `check(input_path, entries, tokenizer_path, **load_options)`, when given, runs in the main
+    process after loading and before rendering, and returns additions to manifest.json. It exists
+    for checks that need the tokenizer path rather than the training tokenizer (prepared rows are
+    compared with the tokenizer as shipped, seed 003) and for provenance only the loader knows
+    (vakforge's manifest_hash, seed 002 "Adapters").
     """
 
-    load: Callable[[Path], list[SourceEntry]]
-    make_renderer: Callable[[PreTrainedTokenizerBase], object]
+    load: Callable[..., list[SourceEntry]]
+    make_renderer: Callable[..., object]
+    load_options: Mapping[str, object] = field(default_factory=dict)
+    render_options: Mapping[str, object] = field(default_factory=dict)
+    check: Callable[..., dict] | None = None
 
 
 def _load_vflash(path: Path) -> list[SourceEntry]:
@@ -70,19 +94,52 @@ def _load_recipe(path: Path) -> list[SourceEntry]:
             for entry, records in read_recipe_records(path)]
 
 
+def _load_chat(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_chat(path))]
+
+
+def _load_prepared(path: Path, max_seq_length: int | None) -> list[SourceEntry]:
+    _, rows = read_prepared_rows(path)
+    files = (path,) if path.is_file() else tuple(sorted(p for p in path.rglob("*") if p.is_file()))
+    return [SourceEntry(path.stem, files, 1.0, rows)]
+
+
+def _check_prepared(path: Path, entries: list[SourceEntry], tokenizer_path: str,
+                    max_seq_length: int | None) -> dict:
+    return check_prepared(path, entries[0].records, tokenizer_path, max_seq_length)
+
+
+def _load_vakforge(path: Path, split: str | None) -> list[SourceEntry]:
+    items = read_vakforge_items(path, split)
+    return [SourceEntry(path.stem if split is None else split, (path, path.parent / "splits.json"), 1.0, items)]
+
+
+def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str, split: str | None) -> dict:
+    # Seed 002, "Adapters": the output names the exact data it came from (one hash per manifest).
+    return {"manifest_hash": entries[0].records[0].manifest_hash}
+
+
 FORMATS: dict[str, ConvertFormat] = {
     "vflash": ConvertFormat(_load_vflash, VFlashRenderer),
     "recipe": ConvertFormat(_load_recipe, VFlashRenderer),
+    "chat": ConvertFormat(_load_chat, ChatRenderer, render_options={"assistant_turns": "all"}),
+    "prepared": ConvertFormat(_load_prepared, PreparedRenderer, load_options={"max_seq_length": None},
+                              check=_check_prepared),
+    "vakforge": ConvertFormat(_load_vakforge, VakforgeRenderer, load_options={"split": None},
+                              render_options={"overlap": "merge", "assistant_turns": "all"},
+                              check=_check_vakforge),
 }
 
 
 _worker_renderer = None
 
 
-def _init_worker(fmt: str, tokenizer_path: str) -> None:
+def _init_worker(fmt: str, tokenizer_path: str, template_family: str | None = None,
+                 render_options: Mapping[str, object] | None = None) -> None:
     global _worker_renderer
     logging.getLogger("data_pipeline.tokenizer").setLevel(logging.ERROR)
-    _worker_renderer = FORMATS[fmt].make_renderer(load_tokenizer(tokenizer_path))
+    _worker_renderer = FORMATS[fmt].make_renderer(load_tokenizer(tokenizer_path, template_family),
+                                                  **(render_options or {}))
 
 
 def _render_one(job: tuple) -> bytes:
@@ -97,25 +154,47 @@ def _relative(path: Path, base: Path) -> str:
         return str(path.resolve())
 
 
+def _split_options(fmt: str, options: Mapping[str, object] | None) -> tuple[dict, dict]:
+    """(load options, render options) of `fmt`: its defaults, updated by the given ones."""
+    spec = FORMATS[fmt]
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(spec.load_options) - set(spec.render_options))
+    if unknown:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unknown)
+        raise ValueError(f"{flags}: not an option of --format={fmt}")
+    load = {k: given.get(k, v) for k, v in spec.load_options.items()}
+    render = {k: given.get(k, v) for k, v in spec.render_options.items()}
+    return load, render
+
+
 def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
-            workers: int = 1, overwrite: bool = False, progress: bool = True) -> shards.Manifest:
+            workers: int = 1, overwrite: bool = False, progress: bool = True,
+            options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
+    """`options`: the format's options (see FORMATS); None values mean "not given"."""
     input_path, output = Path(input_path), Path(output)
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(f"{output}: exists and is not empty; pass --overwrite to replace it")
     if fmt not in FORMATS:
         raise ValueError(f"--format={fmt}: conversion supports {', '.join(sorted(FORMATS))}")
-    tok = load_tokenizer(tokenizer)
-    entries = FORMATS[fmt].load(input_path)
+    load_options, render_options = _split_options(fmt, options)
+    tok = load_tokenizer(tokenizer, template_family)
+    # Built once here, so a bad option fails before any worker starts (a failing Pool initializer
+    # would be restarted forever).
+    FORMATS[fmt].make_renderer(tok, **render_options)
+    entries = FORMATS[fmt].load(input_path, **load_options)
     jobs = [(record, entry.name) for entry in entries for record in entry.records]
     if not jobs:
         raise ValueError(f"{input_path}: no records to convert")
+    check = FORMATS[fmt].check
+    additions = check(input_path, entries, str(tokenizer), **load_options) if check is not None else {}
+    initargs = (fmt, str(tokenizer), template_family, render_options)
     if workers > 1:
         context = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-        with context.Pool(workers, initializer=_init_worker, initargs=(fmt, str(tokenizer))) as pool:
+        with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
             rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=8), total=len(jobs),
                                  desc="convert", disable=not progress))
     else:
-        _init_worker(fmt, str(tokenizer))
+        _init_worker(*initargs)
         rendered = [_render_one(job) for job in tqdm(jobs, desc="convert", disable=not progress)]
 
     stats = _statistics(rendered)
@@ -142,8 +221,11 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
                           "vocab_size": len(tok)},
             "counts": stats["counts"],
             "media": stats["media"],
-            "options": {"records_per_shard": _RECORDS_PER_SHARD},
+            # Only the options of this format (none for vflash/recipe), so older manifests keep their bytes.
+            "options": {"records_per_shard": _RECORDS_PER_SHARD, **load_options, **render_options,
+                        **({"template_family": template_family} if template_family else {})},
             "shards": written,
+            **additions,
         })
         manifest.write(staging)
         if output.exists():
@@ -156,8 +238,15 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
 
 
 def _statistics(rendered: Sequence[bytes]) -> dict:
+    """Totals over the Examples; `skipped` and `overlaps` sum the counters renderers put in meta.
+
+    DESIGN: "a deliberate skip is counted and reported" (vakforge drops overlapping turns, seed 002
+    "log how many"). `overlaps` appears only for formats that report it.
+    """
     tokens = supervised = longest = 0
     media: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    overlaps: dict[str, int] = {}
     for data in rendered:
         example = shards.Example.from_bytes(data)
         length = len(example.arrays["input_ids"])
@@ -166,9 +255,15 @@ def _statistics(rendered: Sequence[bytes]) -> dict:
         longest = max(longest, length)
         for item in example.meta.get("media", []):
             media.setdefault(item["sha256"], Path(item["path"]).name)
+        for totals, key in ((skipped, "skipped"), (overlaps, "overlaps")):
+            for name, count in example.meta.get(key, {}).items():
+                totals[name] = totals.get(name, 0) + count
+    counts = {"records": len(rendered), "skipped": dict(sorted(skipped.items())), "tokens": tokens,
+              "supervised_tokens": supervised, "longest_example": longest}
+    if overlaps:
+        counts["overlaps"] = dict(sorted(overlaps.items()))
     return {
-        "counts": {"records": len(rendered), "skipped": {}, "tokens": tokens,
-                   "supervised_tokens": supervised, "longest_example": longest},
+        "counts": counts,
         "media": [{"sha256": digest, "name": name} for digest, name in sorted(media.items())],
     }
 
@@ -181,10 +276,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--template-family", choices=sorted(TRAINING_TEMPLATES),
+                        help="install this training chat template when the tokenizer's has no generation markers")
+    # Format options: left unset (None) they take the format's default; set for a format that does
+    # not take them, they are refused.
+    parser.add_argument("--assistant-turns", choices=ASSISTANT_TURNS, help="chat, vakforge: loss policy (all)")
+    parser.add_argument("--split", help="vakforge: convert only this split of splits.json (all)")
+    parser.add_argument("--overlap", choices=OVERLAP_POLICIES, help="vakforge: overlapping turns (merge)")
+    parser.add_argument("--max-seq-length", type=int, help="prepared: refuse rows longer than this (unchecked)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    options = {"assistant_turns": args.assistant_turns, "split": args.split, "overlap": args.overlap,
+               "max_seq_length": args.max_seq_length}
     try:
-        manifest = convert(args.format, args.input, args.output, args.tokenizer, args.workers, args.overwrite)
+        manifest = convert(args.format, args.input, args.output, args.tokenizer, args.workers, args.overwrite,
+                           options=options, template_family=args.template_family)
     except FormatError as err:
         print(err, file=sys.stderr)
         return 1

@@ -16,7 +16,8 @@ from tokenizers import AddedToken
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data_pipeline import vocabulary
-from data_pipeline.chat_templates import TRAINING_TEMPLATES
+from data_pipeline.chat_templates import END_OF_TURN, FAMILY_TOKENS, TRAINING_TEMPLATES
+from data_pipeline.chat_templates import template_family as family_of_template
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,14 @@ def add_primitive_tokens(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | None = None) -> None:
-    """Keep a template that marks assistant spans, or install the shipped one for `family`."""
+    """Keep a template that marks assistant spans, or install the shipped one for `family`.
+
+    An unknown family is refused even when the template has markers, so a typo never passes
+    unnoticed; installing a family's template needs that family's control tokens as single tokens
+    (otherwise they would be tokenised as text and no end-of-turn token would be trained).
+    """
+    if family is not None and family not in TRAINING_TEMPLATES:
+        raise TokenizerError(f"unknown chat template family {family!r}; known: {', '.join(TRAINING_TEMPLATES)}")
     if has_generation_markers(tokenizer.chat_template):
         return
     if family is None:
@@ -89,9 +97,26 @@ def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | N
             "the tokenizer's chat template has no {% generation %} markers, so assistant masks would be "
             f"all zero; pass a template family ({', '.join(TRAINING_TEMPLATES)}) to use a shipped one"
         )
-    if family not in TRAINING_TEMPLATES:
-        raise TokenizerError(f"unknown chat template family {family!r}; known: {', '.join(TRAINING_TEMPLATES)}")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in FAMILY_TOKENS[family] if t not in vocab]
+    if missing:
+        raise TokenizerError(f"the {family} template writes {', '.join(missing)}, which this tokenizer lacks; "
+                             "pick the family the model was trained with")
     tokenizer.chat_template = TRAINING_TEMPLATES[family]
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that ends an assistant turn under the tokenizer's template (see chat_templates).
+
+    A family template's own end-of-turn (Llama-3: `<|eot_id|>`, not the eos token); for a user's
+    template of no known family, the eos token.
+    """
+    family = family_of_template(tokenizer.chat_template)
+    token = END_OF_TURN[family] if family is not None else tokenizer.eos_token
+    if token is None:
+        raise TokenizerError("the chat template is of no known family and the tokenizer has no eos token, "
+                             "so no end-of-turn token can be checked")
+    return token_id(tokenizer, token)
 
 
 def load_tokenizer(path_or_name: str | Path, template_family: str | None = None) -> PreTrainedTokenizerBase:

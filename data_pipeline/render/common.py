@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
+
+from data_pipeline.tokenizer import end_of_turn_id
 
 
 class RenderError(ValueError):
@@ -25,24 +28,34 @@ class ChatTokens:
     assistant_mask: np.ndarray  # bool [T]; True where the token is a target to train on
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], source: str, line: int) -> ChatTokens:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], source: str, line: int,
+                tools: Sequence[dict] | None = None, end_of_turn: int | None = None) -> ChatTokens:
     """Template a conversation and mark assistant tokens via `{% generation %}` spans.
 
     Refuses an all-zero mask and an assistant span that does not end with the end-of-turn
     token: both silently produce models that never learn to answer or to stop (DESIGN, Lessons).
+    `end_of_turn` defaults to the template family's own token (`data_pipeline.tokenizer.end_of_turn_id`), which
+    for Llama-3 is `<|eot_id|>`, not the eos token. A template that refuses the conversation
+    (`raise_exception`) becomes a RenderError naming the line.
     """
-    encoded = tokenizer.apply_chat_template(
-        list(messages), tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    try:
+        encoded = tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True)
+    except TemplateError as err:
+        raise RenderError(source, line, "messages", f"the chat template refuses the conversation: {err}") from None
     ids = np.asarray(encoded["input_ids"], dtype=np.int32)
     mask = np.asarray(encoded["assistant_masks"], dtype=bool)
     if not mask.any():
         raise RenderError(source, line, "conversations", "the chat template marks no assistant token")
-    end_of_turn = tokenizer.eos_token_id
+    if end_of_turn is None:
+        end_of_turn = end_of_turn_id(tokenizer)
     for _, stop in mask_runs(mask):
         if ids[stop - 1] != end_of_turn:
             raise RenderError(source, line, "conversations",
                               f"an assistant span ends with token {int(ids[stop - 1])}, not the end-of-turn "
-                              f"token {tokenizer.eos_token!r}; the model would never learn to stop")
+                              f"token {tokenizer.convert_ids_to_tokens(end_of_turn)!r}; "
+                              "the model would never learn to stop")
     return ChatTokens(ids, mask)
 
 
