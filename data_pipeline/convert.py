@@ -40,11 +40,13 @@ from data_pipeline.chat_templates import TRAINING_TEMPLATES
 from data_pipeline.formats.chat import read_chat
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.recipe import read_recipe_records
+from data_pipeline.formats.valen import read_valen
 from data_pipeline.formats.vflash import read_vflash
 from data_pipeline.render.chat import ASSISTANT_TURNS, ChatRenderer
 from data_pipeline.render.common import RenderError
 from data_pipeline.render.prepared import PreparedRenderer, check_prepared, read_prepared_rows
 from data_pipeline.render.vakforge import OVERLAP_POLICIES, VakforgeRenderer, read_vakforge_items
+from data_pipeline.render.valen import ValenRenderer
 from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
 
@@ -60,6 +62,9 @@ class SourceEntry:
     files: tuple[Path, ...]
     repeat_time: float
     records: list
+    # What the loader needs to treat this entry's media (recipe `data_augment`, `visual_aug`,
+    # `video_reader_backend`, seed 004); written into the manifest's entry when non-empty.
+    media_options: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,22 @@ def _load_vflash(path: Path) -> list[SourceEntry]:
 
 
 def _load_recipe(path: Path) -> list[SourceEntry]:
-    return [SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records)
+    return [SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records, _media_options(entry))
             for entry, records in read_recipe_records(path)]
+
+
+def _media_options(entry) -> dict:
+    aug = entry.visual_aug
+    options = {"data_augment": entry.data_augment, "video_reader_backend": entry.video_reader_backend}
+    if aug is not None:
+        options["visual_aug"] = {"prob": aug.prob, "views": aug.views if isinstance(aug.views, str) else list(aug.views),
+                                 "ops": list(aug.ops), "severity": list(aug.severity),
+                                 "zoom_max_severity": aug.zoom_max_severity}
+    return options
+
+
+def _load_valen(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_valen(path))]
 
 
 def _load_chat(path: Path) -> list[SourceEntry]:
@@ -120,6 +139,7 @@ def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str,
 
 
 FORMATS: dict[str, ConvertFormat] = {
+    "valen": ConvertFormat(_load_valen, ValenRenderer),
     "vflash": ConvertFormat(_load_vflash, VFlashRenderer),
     "recipe": ConvertFormat(_load_recipe, VFlashRenderer),
     "chat": ConvertFormat(_load_chat, ChatRenderer, render_options={"assistant_turns": "all"}),
@@ -208,7 +228,7 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
         entry_ranges = []
         for entry in entries:
             entry_ranges.append({"name": entry.name, "repeat_time": entry.repeat_time,
-                                 "start": start, "stop": start + len(entry.records)})
+                                 "start": start, "stop": start + len(entry.records), **entry.media_options})
             start += len(entry.records)
         manifest = shards.Manifest({
             "schema_version": shards.SCHEMA_VERSION,
@@ -237,6 +257,20 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
     return manifest
 
 
+def _token_counts(example: shards.Example) -> tuple[int, int]:
+    """(tokens, supervised tokens) of one Example.
+
+    Valen Examples hold pieces, not a sequence: their tokens are the pieces' total and their
+    supervised unit is the scoring position of each labeled question's branches.
+    """
+    arrays = example.arrays
+    if "input_ids" in arrays:
+        return len(arrays["input_ids"]), int((arrays["target_weights"] > 0).sum())
+    pieces = ("state_ids", "instruction_ids", "candidate_ids", "suffix_ids")
+    labeled = arrays["labeled"][arrays["candidate_question"]] if len(arrays["candidate_question"]) else []
+    return sum(len(arrays[name]) for name in pieces), int(sum(labeled))
+
+
 def _statistics(rendered: Sequence[bytes]) -> dict:
     """Totals over the Examples; `skipped` and `overlaps` sum the counters renderers put in meta.
 
@@ -249,9 +283,9 @@ def _statistics(rendered: Sequence[bytes]) -> dict:
     overlaps: dict[str, int] = {}
     for data in rendered:
         example = shards.Example.from_bytes(data)
-        length = len(example.arrays["input_ids"])
+        length, trained = _token_counts(example)
         tokens += length
-        supervised += int((example.arrays["target_weights"] > 0).sum())
+        supervised += trained
         longest = max(longest, length)
         for item in example.meta.get("media", []):
             media.setdefault(item["sha256"], Path(item["path"]).name)
