@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from data_pipeline.shards import Example
-from valen_jax.data.media import load_frames
+from valen_jax.data.augment import EntryMedia, draw_sample_aug
+from valen_jax.data.media import MediaInfo, load_frames
 from valen_jax.data.vision_processor import ProcessedMedia, process_frames, tokens_of
 from valen_jax.models.config import VisionConfig
 
@@ -45,19 +46,33 @@ class ExpandedExample:
     ids: np.ndarray  # int32 [T] with every media slot expanded
     weights: np.ndarray  # float32 [T], weight of each token as a target
     media: list[ProcessedMedia]
+    media_info: tuple[MediaInfo, ...] = ()  # per media item: frame indices, timestamps, augmentation
 
 
 def _where(example: Example) -> str:
     return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
 
 
-def process_media(example: Example, spec: RowSpec) -> list[ProcessedMedia]:
+def load_media(example: Example, spec: RowSpec, *, training: bool = False, rng: np.random.Generator | None = None,
+               entry: EntryMedia | None = None) -> tuple[list[ProcessedMedia], tuple[MediaInfo, ...]]:
+    """Processed media items and what the media log records of each (frame indices, timestamps).
+
+    Augmentation runs only with `training` (seed 004: visual_aug "applies only in training"); its
+    op is drawn once per sample and shared by the sample's views, so it is drawn here.
+    """
     headers = example.meta.get("media", [])
     if headers and spec.vision is None:
         raise AssemblyError(f"{_where(example)}: has media but the model has no vision encoder")
-    return [process_frames(load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs,
-                                       _where(example)), spec.vision, spec.media_kwargs)
-            for i, header in enumerate(headers)]
+    sample_aug = draw_sample_aug(entry, rng, _where(example)) if training and entry is not None else None
+    loaded = [load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs, _where(example),
+                          training=training, rng=rng, entry=entry, view=i, sample_aug=sample_aug)
+              for i, header in enumerate(headers)]
+    return ([process_frames(item.frames, spec.vision, spec.media_kwargs) for item in loaded],
+            tuple(item.info for item in loaded))
+
+
+def process_media(example: Example, spec: RowSpec, **augment) -> list[ProcessedMedia]:
+    return load_media(example, spec, **augment)[0]
 
 
 def expand_slots(ids: np.ndarray, weights: np.ndarray, media: list[ProcessedMedia], spec: RowSpec,
@@ -71,11 +86,12 @@ def expand_slots(ids: np.ndarray, weights: np.ndarray, media: list[ProcessedMedi
     return np.repeat(ids, repeat), np.repeat(np.where(slots, 0.0, weights), repeat).astype(np.float32)
 
 
-def expand_media_slots(example: Example, spec: RowSpec) -> ExpandedExample:
-    media = process_media(example, spec)
+def expand_media_slots(example: Example, spec: RowSpec, *, training: bool = False,
+                       rng: np.random.Generator | None = None, entry: EntryMedia | None = None) -> ExpandedExample:
+    media, info = load_media(example, spec, training=training, rng=rng, entry=entry)
     ids, weights = expand_slots(example.arrays["input_ids"], example.arrays["target_weights"], media, spec,
                                 _where(example))
-    return ExpandedExample(ids, weights, media)
+    return ExpandedExample(ids, weights, media, info)
 
 
 def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dict[str, np.ndarray]:
@@ -94,8 +110,9 @@ def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dic
     return {"patches": patches, "patch_positions": positions, "patch_segments": segments}
 
 
-def assemble(example: Example, spec: RowSpec) -> dict[str, np.ndarray]:
-    expanded = expand_media_slots(example, spec)
+def assemble(example: Example, spec: RowSpec, *, training: bool = False, rng: np.random.Generator | None = None,
+             entry: EntryMedia | None = None) -> dict[str, np.ndarray]:
+    expanded = expand_media_slots(example, spec, training=training, rng=rng, entry=entry)
     ids = expanded.ids
     length = len(ids) - 1
     if length > spec.seq_len:
