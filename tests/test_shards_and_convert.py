@@ -163,3 +163,28 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path):
     manifest = Manifest.read(tmp_path / "s")
     with pytest.raises(ShardError, match="reconvert"):
         manifest.check_fingerprint({"tokenizerSha256": "0" * 64, "chatTemplateSha256": "1" * 64}, "run")
+
+
+def test_lmdb_references_are_copied_into_the_shard_and_decode(tmp_path, tokenizer):
+    import lmdb
+    from PIL import Image
+
+    from valen_jax.data.media import load_frames
+    image = tmp_path / "scene.png"
+    Image.new("RGB", (32, 24), (10, 200, 30)).save(image)
+    env = lmdb.open(str(tmp_path / "frames.lmdb"), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"ep1/000", image.read_bytes())
+    env.close()
+    row = {"image": {"lmdb_file": "frames.lmdb", "lmdb_key": "ep1/000"},
+           "conversations": [{"from": "human", "value": "<image>\nPoint to the block."},
+                             {"from": "gpt", "value": "<point><100><200></point>"}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    convert("vflash", tmp_path / "a.jsonl", tmp_path / "out", TOKENIZER, progress=False)
+    manifest = Manifest.read(tmp_path / "out")
+    (example,) = read_shard(tmp_path / "out" / manifest.shard_paths[0])
+    header = example.meta["media"][0]
+    assert header["kind"] == "lmdb" and header["lmdb_key"] == "ep1/000"
+    assert example.arrays["media_0"].tobytes() == image.read_bytes()
+    frames = load_frames(example.arrays["media_0"].tobytes(), header, {}, "a.jsonl:1").frames
+    assert frames[0].size == (32, 24) and frames[0].getpixel((0, 0)) == (10, 200, 30)

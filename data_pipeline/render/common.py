@@ -76,10 +76,14 @@ class MediaBlob:
     source_path: str
     frame_index: int | None
     resize: tuple[int, int] | None
+    lmdb_key: str | None = None
 
     def header(self) -> dict:
-        return {"sha256": self.sha256, "kind": self.kind, "path": self.source_path,
-                "frame_index": self.frame_index, "resize": list(self.resize) if self.resize else None}
+        header = {"sha256": self.sha256, "kind": self.kind, "path": self.source_path,
+                  "frame_index": self.frame_index, "resize": list(self.resize) if self.resize else None}
+        if self.lmdb_key is not None:  # only LMDB items, so other shards keep their bytes
+            header["lmdb_key"] = self.lmdb_key
+        return header
 
 
 def read_media(path: Path, kind: str, frame_index: int | None, resize: tuple[int, int] | None) -> MediaBlob:

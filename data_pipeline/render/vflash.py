@@ -13,12 +13,15 @@ Arrays of the Example:
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import vocabulary
 from data_pipeline.formats.vflash import VFlashRecord
-from data_pipeline.render.common import RenderError, mask_runs, read_media, render_chat
+from data_pipeline.render.common import MediaBlob, RenderError, mask_runs, read_media, render_chat
+from data_pipeline.render.lmdb_media import LmdbMediaError, read_lmdb_value
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import token_id
 
@@ -59,11 +62,7 @@ class VFlashRenderer:
         weights = chat.assistant_mask.astype(np.float32)
         spans = self._primitive_spans(ids, chat.assistant_mask, record)
         self._apply_atom_masks(ids, weights, spans, record)
-        media = [read_media(m.path, m.kind, m.frame_index, m.resize) for m in record.media]
-        for m in record.media:
-            if m.kind == "lmdb":
-                raise RenderError(record.source, record.line, "image",
-                                  "LMDB media references are not converted yet (see issue 5)")
+        media = [self._media(m, record) for m in record.media]
         arrays = {
             "input_ids": ids,
             "target_weights": weights,
@@ -78,6 +77,18 @@ class VFlashRenderer:
             "answers": [t.text for t in record.turns if t.role == "gpt"],
         }
         return Example(arrays=arrays, meta=meta)
+
+    @staticmethod
+    def _media(ref, record) -> MediaBlob:
+        if ref.kind != "lmdb":
+            return read_media(ref.path, ref.kind, ref.frame_index, ref.resize)
+        # The value's bytes travel in the shard like any image: shards never point back at the LMDB.
+        try:
+            data = read_lmdb_value(ref.path, ref.lmdb_key)
+        except LmdbMediaError as err:
+            raise RenderError(record.source, record.line, "image", str(err)) from err
+        return MediaBlob(data, hashlib.sha256(data).hexdigest(), "lmdb", f"{ref.path}#{ref.lmdb_key}", None,
+                         ref.resize, lmdb_key=ref.lmdb_key)
 
     def _primitive_spans(self, ids, assistant_mask, record) -> list[tuple[str, int, int, np.ndarray]]:
         """Find every primitive in the assistant tokens; they must match the parsed answer."""
