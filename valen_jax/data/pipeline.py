@@ -1,32 +1,104 @@
-"""The Grain pipeline: weighted indices → shuffle per epoch → shard by process → assemble → batch."""
+"""The Grain pipeline: recipe-weighted indices per shard set → shuffle per epoch → mix by weight →
+shard by process → decode and expand media → pack → batch → worker processes.
+
+Everything before packing is a MapDataset of (component, record, epoch) references, so the order of
+examples is a pure function of the seed and the position, which is what makes the iterator state
+small and a resume exact. Packing is a stateful stream stage (`packing.PackIterDataset`) whose
+state travels with the rest of the iterator's.
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
 import grain
 import jax
+import numpy as np
+from absl import flags
 
-from valen_jax.data.assemble import RowSpec, assemble
-from valen_jax.data.sources import ShardSet, decode, sampling_indices
+from valen_jax.data.assemble import RowSpec
+from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of
+from valen_jax.data.sources import ShardSet, Sources, decode, mixture_of, sampling_indices
 
 
-def build_dataset(shard_set: ShardSet, spec: RowSpec, *, global_batch: int, seed: int, shuffle: bool,
-                  repeat: bool, workers: int) -> grain.IterDataset:
-    process_count, process_index = jax.process_count(), jax.process_index()
+def component_seed(seed: int, component: int) -> int:
+    """The first component keeps the run seed, so one shard set orders its examples as it does alone."""
+    if component == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, component]).generate_state(1)[0])
+
+
+def _tag(component: int, epoch_length: int, position: int, record: np.integer) -> tuple[int, int, int]:
+    # The epoch rides along so per-example randomness (augmentation) can be keyed by
+    # (seed, record, epoch): reproducible on resume, different every epoch.
+    return component, int(record), position // epoch_length
+
+
+def example_refs(components: list[tuple[ShardSet, float]], *, seed: int, shuffle: bool, repeat: bool,
+                 process_index: int, process_count: int) -> grain.MapDataset:
+    """(component, record index, epoch) triples this process reads, in order.
+
+    Each shard set repeats its entries by `repeat_time` (seed 004) and is shuffled with a new order
+    every epoch; the sets are then interleaved by weight (Grain's deterministic proportional
+    mix). Without `repeat` the mixture ends when its first set runs out, as Grain's mix defines.
+    """
+    parts = []
+    for k, (shard_set, _) in enumerate(components):
+        part_seed = component_seed(seed, k)
+        indices = sampling_indices(shard_set.manifest, part_seed)
+        part = grain.MapDataset.source(indices)
+        if shuffle:
+            part = part.shuffle(seed=part_seed)
+        if repeat:
+            # reseed_each_epoch: each epoch sees a new order, reproducible from the seed.
+            part = part.repeat(None, reseed_each_epoch=True)
+        parts.append(part.map_with_index(partial(_tag, k, max(len(indices), 1))))
+    mixed = parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, [w for _, w in components])
+    # Every process reads a disjoint slice; together they form the global batch.
+    return mixed[process_index::process_count]
+
+
+class _Reader:
+    """(component, record, epoch) → Piece; picklable, so worker processes can rebuild it."""
+
+    def __init__(self, components: list[tuple[ShardSet, float]], spec: RowSpec):
+        self._sets = [shard_set for shard_set, _ in components]
+        self._spec = spec
+        self._sources = None
+
+    def __call__(self, ref: tuple[int, int, int]):
+        if self._sources is None:  # opened lazily, in the process that reads
+            self._sources = [shard_set.source() for shard_set in self._sets]
+        component, record, _ = ref
+        return piece_of(decode(self._sources[component][record]), self._spec)
+
+    def __getstate__(self):
+        return {"_sets": self._sets, "_spec": self._spec, "_sources": None}
+
+
+def build_dataset(sources: Sources, spec: RowSpec, *, global_batch: int, seed: int, shuffle: bool,
+                  repeat: bool, workers: int, packing: PackingSpec | None = None,
+                  process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+    """Batches of `global_batch / process_count` rows for this process, as numpy arrays.
+
+    `sources`: one ShardSet, or (ShardSet, weight) pairs mixed by weight. `packing`: the
+    `data.packing/max_segments/overlong/pack_buffer` knobs (default: one example per row). `process_index/count` default to
+    JAX's; tests pass others to act as one process of many.
+    """
+    components = mixture_of(sources)
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
     if global_batch % process_count:
         raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
-    source = grain.MapDataset.source(shard_set.source())
-    indices = sampling_indices(shard_set.manifest, seed)
-    dataset = grain.MapDataset.source(indices).map(lambda i: source[int(i)])
-    if shuffle:
-        dataset = dataset.shuffle(seed=seed)
-    if repeat:
-        # reseed_each_epoch: each epoch sees a new order, reproducible from the seed.
-        dataset = dataset.repeat(None, reseed_each_epoch=True)
-    # Every process reads a disjoint slice; together they form the global batch.
-    dataset = dataset[process_index::process_count]
-    dataset = dataset.map(decode).map(lambda example: assemble(example, spec))
-    dataset = dataset.batch(global_batch // process_count, drop_remainder=True)
-    iterable = dataset.to_iter_dataset()
+    refs = example_refs(components, seed=seed, shuffle=shuffle, repeat=repeat, process_index=process_index,
+                        process_count=process_count)
+    pieces = refs.map(_Reader(components, spec)).to_iter_dataset()
+    rows = PackIterDataset(pieces, spec, packing or PackingSpec())
+    iterable = rows.batch(global_batch // process_count, drop_remainder=True)
     if workers > 0:
+        if not flags.FLAGS.is_parsed():
+            # Grain's worker processes read absl flags (profiling switches); callers outside
+            # absl.app (tests, notebooks, benchmarks) never parsed them, and the defaults are right.
+            flags.FLAGS.mark_as_parsed()
         iterable = iterable.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return iterable
