@@ -18,6 +18,11 @@ vakforge.jsonl beside its splits.json (`--split=NAME`, `--overlap=merge|drop`,
 The output appears atomically (written beside, then renamed), so
 an interrupted run never leaves a half-written shard set behind a valid-looking manifest.
 Identical inputs and options give byte-identical shards and manifest for any `--workers`.
+
+`--runner=beam` renders on Apache Beam instead of a local process pool (optional extra `beam`;
+`--beam-runner=DirectRunner|DataflowRunner|FlinkRunner|SparkRunner`, repeatable
+`--beam-option KEY=VALUE` passed to the pipeline); the output is the same bytes. See
+`data_pipeline/beam_convert.py` for what a cluster run needs.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from data_pipeline.tokenizer import fingerprint, load_tokenizer
 
 log = logging.getLogger(__name__)
 _RECORDS_PER_SHARD = 512
+# --runner=beam: the Beam runners --beam-runner takes (data_pipeline/beam_convert.py).
+BEAM_RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 
 
 @dataclass(frozen=True)
@@ -187,10 +194,32 @@ def _split_options(fmt: str, options: Mapping[str, object] | None) -> tuple[dict
     return load, render
 
 
-def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
-            workers: int = 1, overwrite: bool = False, progress: bool = True,
-            options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
-    """`options`: the format's options (see FORMATS); None values mean "not given"."""
+@dataclass(frozen=True)
+class Conversion:
+    """A conversion loaded and checked in the launching process, ready to render.
+
+    `jobs` are (record, entry name) in output order. Both runners (the local Pool below and
+    `data_pipeline.beam_convert`) start from `prepare` and end in `write_output`, so the shards
+    and the manifest come from one code path whatever rendered the examples.
+    """
+
+    fmt: str
+    input_path: Path
+    output: Path
+    tokenizer: str | Path
+    tok: object
+    entries: list[SourceEntry]
+    jobs: list[tuple]
+    load_options: dict
+    render_options: dict
+    template_family: str | None
+    additions: dict
+
+
+def prepare(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
+            overwrite: bool = False, options: Mapping[str, object] | None = None,
+            template_family: str | None = None) -> Conversion:
+    """Refuse a bad call, load the input, run the format's check: all before any rendering."""
     input_path, output = Path(input_path), Path(output)
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(f"{output}: exists and is not empty; pass --overwrite to replace it")
@@ -207,7 +236,17 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
         raise ValueError(f"{input_path}: no records to convert")
     check = FORMATS[fmt].check
     additions = check(input_path, entries, str(tokenizer), **load_options) if check is not None else {}
-    initargs = (fmt, str(tokenizer), template_family, render_options)
+    return Conversion(fmt, input_path, output, tokenizer, tok, entries, jobs, load_options, render_options,
+                      template_family, additions)
+
+
+def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
+            workers: int = 1, overwrite: bool = False, progress: bool = True,
+            options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
+    """`options`: the format's options (see FORMATS); None values mean "not given"."""
+    conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
+    jobs = conv.jobs
+    initargs = (fmt, str(tokenizer), template_family, conv.render_options)
     if workers > 1:
         context = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
         with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
@@ -216,7 +255,15 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
     else:
         _init_worker(*initargs)
         rendered = [_render_one(job) for job in tqdm(jobs, desc="convert", disable=not progress)]
+    return write_output(conv, rendered)
 
+
+def write_output(conv: Conversion, rendered: Sequence[bytes]) -> shards.Manifest:
+    """Write `rendered` (serialised Examples, in `conv.jobs` order) as shards + manifest, atomically."""
+    if len(rendered) != len(conv.jobs):
+        raise ValueError(f"{len(rendered)} rendered examples for {len(conv.jobs)} records")
+    fmt, input_path, output, tokenizer, tok = conv.fmt, conv.input_path, conv.output, conv.tokenizer, conv.tok
+    entries, template_family = conv.entries, conv.template_family
     stats = _statistics(rendered)
     base = input_path.parent
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -242,10 +289,11 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
             "counts": stats["counts"],
             "media": stats["media"],
             # Only the options of this format (none for vflash/recipe), so older manifests keep their bytes.
-            "options": {"records_per_shard": _RECORDS_PER_SHARD, **load_options, **render_options,
+            # The runner (local/beam, workers) is deliberately absent: it does not change the output.
+            "options": {"records_per_shard": _RECORDS_PER_SHARD, **conv.load_options, **conv.render_options,
                         **({"template_family": template_family} if template_family else {})},
             "shards": written,
-            **additions,
+            **conv.additions,
         })
         manifest.write(staging)
         if output.exists():
@@ -302,13 +350,33 @@ def _statistics(rendered: Sequence[bytes]) -> dict:
     }
 
 
+def _convert_beam(args: argparse.Namespace, options: Mapping[str, object]) -> shards.Manifest:
+    # Imported here: apache-beam is an optional extra the local runner never needs.
+    try:
+        from data_pipeline.beam_convert import convert_beam, parse_beam_options
+    except ImportError as err:
+        raise ValueError(f"--runner=beam needs apache-beam (pip install 'valen-jax[beam]'): {err}") from err
+    if args.workers != 1:
+        raise ValueError("--workers is for --runner=local; with --runner=beam set the runner's own "
+                         "parallelism, e.g. --beam-option direct_num_workers=4")
+    return convert_beam(args.format, args.input, args.output, args.tokenizer, args.overwrite, options=options,
+                        template_family=args.template_family, beam_runner=args.beam_runner or "DirectRunner",
+                        beam_options=parse_beam_options(args.beam_option))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--input", required=True)
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory or hub name")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="--runner=local: rendering processes")
+    parser.add_argument("--runner", choices=("local", "beam"), default="local",
+                        help="local: a process pool on this machine; beam: an Apache Beam pipeline (extra `beam`)")
+    parser.add_argument("--beam-runner", choices=BEAM_RUNNERS,
+                        help="--runner=beam: the Beam runner (DirectRunner)")
+    parser.add_argument("--beam-option", action="append", metavar="KEY=VALUE",
+                        help="--runner=beam: a pipeline option, e.g. temp_location=gs://b/tmp (repeatable)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--template-family", choices=sorted(TRAINING_TEMPLATES),
                         help="install this training chat template when the tokenizer's has no generation markers")
@@ -323,8 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = {"assistant_turns": args.assistant_turns, "split": args.split, "overlap": args.overlap,
                "max_seq_length": args.max_seq_length}
     try:
-        manifest = convert(args.format, args.input, args.output, args.tokenizer, args.workers, args.overwrite,
-                           options=options, template_family=args.template_family)
+        if args.runner == "beam":
+            manifest = _convert_beam(args, options)
+        else:
+            if args.beam_runner or args.beam_option:
+                raise ValueError("--beam-runner and --beam-option need --runner=beam")
+            manifest = convert(args.format, args.input, args.output, args.tokenizer, args.workers,
+                               args.overwrite, options=options, template_family=args.template_family)
     except FormatError as err:
         print(err, file=sys.stderr)
         return 1
