@@ -21,8 +21,8 @@ from data_pipeline import vocabulary
 from data_pipeline.chat_templates import CHATML, LLAMA3, template_family
 from data_pipeline.convert import convert
 from data_pipeline.formats.chat import read_chat
-from data_pipeline.render.chat import ChatRenderer, control_tokens
-from data_pipeline.render.common import RenderError, mask_runs, render_chat
+from data_pipeline.render.chat import ChatRenderer
+from data_pipeline.render.common import RenderError, control_tokens, mask_runs, render_chat
 from data_pipeline.shards import Manifest, read_shard
 from data_pipeline.tokenizer import TokenizerError, end_of_turn_id, ensure_training_template, load_tokenizer
 from tests.train_runs import ROOT

@@ -188,3 +188,19 @@ def test_lmdb_references_are_copied_into_the_shard_and_decode(tmp_path, tokenize
     assert example.arrays["media_0"].tobytes() == image.read_bytes()
     frames = load_frames(example.arrays["media_0"].tobytes(), header, {}, "a.jsonl:1").frames
     assert frames[0].size == (32, 24) and frames[0].getpixel((0, 0)) == (10, 200, 30)
+
+
+def test_a_bad_record_fails_a_multi_worker_conversion_with_its_line(tmp_path):
+    import pickle
+
+    from data_pipeline.formats.errors import FormatError, Problem
+    error = RenderError("a.jsonl", 3, "conversations", "boom")
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+    problems = FormatError([Problem("a.jsonl", 1, "x", "bad"), Problem("a.jsonl", 2, "y", "worse")])
+    assert pickle.loads(pickle.dumps(problems)).problems == problems.problems
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "<point><1><2></point>"}]}
+            for _ in range(20)]
+    rows[13]["conversations"][0]["value"] = "hi <|im_end|> there"  # renders, but injects a control token
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RenderError):
+        convert("vflash", tmp_path / "a.jsonl", tmp_path / "out", TOKENIZER, workers=2, progress=False)

@@ -100,5 +100,5 @@ def test_control_tokens_in_user_text_are_refused(setup):
     tok = setup[0]
     record = read_valen(ROOT / "data/smoke/valen/train.jsonl")[0]
     bad = dataclasses.replace(record, state="green <|im_end|> light")
-    with pytest.raises(RenderError, match=r"train.jsonl:1: request.state: contains the control token '<\|im_end\|>'"):
+    with pytest.raises(RenderError, match=r"train.jsonl:1: request.state: holds the control token '<\|im_end\|>'"):
         ValenRenderer(tok).render(bad, "train")

@@ -58,6 +58,10 @@ class FormatError(ValueError):
         self.problems: tuple[Problem, ...] = tuple(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
 
+    def __reduce__(self):
+        # Rebuilt from the problems, so it crosses process boundaries (convert --workers) intact.
+        return (type(self), (self.problems,))
+
 
 # A file with a systematic mistake has one problem per line; a million copies help nobody and would
 # hold memory proportional to the file. Readers keep the first PROBLEM_CAP and count the rest.

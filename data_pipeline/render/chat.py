@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,23 +37,11 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import vocabulary
 from data_pipeline.formats.chat import ChatMessage, ChatRecord, ImagePart, TextPart, ToolCall
-from data_pipeline.render.common import RenderError, mask_runs, read_media, render_chat
+from data_pipeline.render.common import ControlTokenGuard, RenderError, mask_runs, read_media, render_chat
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, token_id
 
 ASSISTANT_TURNS = ("all", "last")
-
-
-def control_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
-    """Tokens that carry template structure: special added tokens, and added tokens the template writes.
-
-    The same rule transformers uses for `sanitize_control_tokens`; primitive and number tokens
-    (`<point>`, `<12>`) are ordinary added tokens that user and assistant text may hold.
-    """
-    template = tokenizer.chat_template or ""
-    found = {t.content for t in tokenizer.added_tokens_decoder.values()
-             if t.special or (t.content in template and not t.content.isspace())}
-    return tuple(sorted(found))
 
 
 def arguments_text(call: ToolCall) -> str:
@@ -72,21 +59,13 @@ class ChatRenderer:
         self.assistant_turns = assistant_turns
         self.end_of_turn = end_of_turn_id(tokenizer)
         self.image_pad_id = token_id(tokenizer, vocabulary.IMAGE_PAD)
-        tokens = sorted(control_tokens(tokenizer), key=len, reverse=True)
-        self._control = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        self._guard = ControlTokenGuard(tokenizer)
 
     def control_token_in(self, text: str) -> str | None:
-        if self._control is None:
-            return None
-        found = self._control.search(text)
-        return found.group() if found else None
+        return self._guard.find(text)
 
     def refuse_control_tokens(self, source: str, line: int, field: str, text: str) -> None:
-        token = self.control_token_in(text)
-        if token is not None:
-            raise RenderError(source, line, field,
-                              f"holds the control token {token!r}; text cannot write template structure, "
-                              "so remove it or spell it differently")
+        self._guard.refuse(source, line, field, text)
 
     def render(self, record: ChatRecord, entry: str) -> Example:
         for i, message in enumerate(record.messages):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,48 @@ from transformers import PreTrainedTokenizerBase
 from data_pipeline.tokenizer import end_of_turn_id
 
 
+def control_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Tokens that carry template structure: special added tokens, and added tokens the template writes.
+
+    The same rule transformers uses for `sanitize_control_tokens`; primitive and number tokens
+    (`<point>`, `<12>`) are ordinary added tokens that user and assistant text may hold.
+    """
+    template = tokenizer.chat_template or ""
+    found = {t.content for t in tokenizer.added_tokens_decoder.values()
+             if t.special or (t.content in template and not t.content.isspace())}
+    return tuple(sorted(found))
+
+
+class ControlTokenGuard:
+    """Refuses text that spells a control token: tokenised as one, it would forge template structure."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, allowed: frozenset[str] = frozenset()):
+        tokens = sorted(set(control_tokens(tokenizer)) - allowed, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+
+    def find(self, text: str) -> str | None:
+        found = self._pattern.search(text) if self._pattern is not None else None
+        return found.group() if found else None
+
+    def refuse(self, source: str, line: int, field: str, text: str) -> None:
+        token = self.find(text)
+        if token is not None:
+            raise RenderError(source, line, field,
+                              f"holds the control token {token!r}; text cannot write template structure, "
+                              "so remove it or spell it differently")
+
+
 class RenderError(ValueError):
     """A record that validates but cannot be trained on as given; names the source line."""
 
     def __init__(self, source: str, line: int, field: str, message: str):
         super().__init__(f"{source}:{line}: {field}: {message}")
         self.source, self.line, self.field, self.message = source, line, field, message
+
+    def __reduce__(self):
+        # A worker's error must unpickle in the parent; the default would call __init__ with one argument
+        # and hang multiprocessing's result thread.
+        return (type(self), (self.source, self.line, self.field, self.message))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import vocabulary
 from data_pipeline.formats.valen import ValenRecord
-from data_pipeline.render.common import RenderError, read_media
+from data_pipeline.render.common import ControlTokenGuard, RenderError, read_media
 from data_pipeline.shards import Example
 
 QUESTION_TYPES = ("choice", "noul", "score")
@@ -47,15 +47,10 @@ class ValenRenderer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: ValenLimits | None = None):
         self.tokenizer = tokenizer
         self.limits = limits or ValenLimits()
-        # Text that spells a control token would inject template structure; refuse it.
-        self.control_tokens = sorted({*tokenizer.all_special_tokens, *vocabulary.VISION_TOKENS,
-                                      vocabulary.IM_START, vocabulary.IM_END} - {""}, key=len, reverse=True)
+        self._guard = ControlTokenGuard(tokenizer)
 
     def _check_text(self, record: ValenRecord, field: str, text: str) -> None:
-        for token in self.control_tokens:
-            if token in text:
-                raise RenderError(record.source, record.line, field,
-                                  f"contains the control token {token!r}; remove it from the data")
+        self._guard.refuse(record.source, record.line, field, text)
 
     def _encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=np.int32)

@@ -20,7 +20,14 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import vocabulary
 from data_pipeline.formats.vflash import VFlashRecord
-from data_pipeline.render.common import MediaBlob, RenderError, mask_runs, read_media, render_chat
+from data_pipeline.render.common import (
+    ControlTokenGuard,
+    MediaBlob,
+    RenderError,
+    mask_runs,
+    read_media,
+    render_chat,
+)
 from data_pipeline.render.lmdb_media import LmdbMediaError, read_lmdb_value
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import token_id
@@ -46,8 +53,12 @@ class VFlashRenderer:
         numbers = [token_id(tokenizer, t) for t in vocabulary.NUMBER_TOKENS]
         self.number_ids = np.asarray(numbers, dtype=np.int32)
         self.image_pad_id = token_id(tokenizer, vocabulary.IMAGE_PAD)
+        # Answers write the atomic_decoding call as ordinary text (seed 004); nothing else structural.
+        self._guard = ControlTokenGuard(tokenizer, allowed=frozenset({"<tool_call>", "</tool_call>"}))
 
     def render(self, record: VFlashRecord, entry: str) -> Example:
+        for i, turn in enumerate(record.turns):
+            self._guard.refuse(record.source, record.line, f"conversations[{i}].value", turn.text)
         messages = [
             {"role": "user" if turn.role == "human" else "assistant",
              "content": turn.text.replace(vocabulary.IMAGE_PLACEHOLDER, _MEDIA_SLOT)}
