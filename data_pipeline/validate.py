@@ -4,6 +4,7 @@ Example:
 
     python -m data_pipeline.validate --format=recipe data/smoke/vflash/recipe.json
     python -m data_pipeline.validate --format=vflash data/smoke/vflash/boxes.jsonl --json
+    python -m data_pipeline.validate --format=valen data/smoke/valen/train.jsonl
     python -m data_pipeline.validate --format=vakforge data/smoke/vakforge/vakforge.jsonl
     python -m data_pipeline.validate --format=vakforge --export-schema   # writes ./vakforge.schema.json
 
