@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from valen_jax import sharding
+from valen_jax.metrics import measured_matmul_flops, model_flops_per_step
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
 from valen_jax.optim import build_optimizer
@@ -45,33 +46,11 @@ def parse_args():
     return parser.parse_args()
 
 
-def model_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """6 FLOPs per parameter per token for matmuls, plus causal attention scores and values."""
-    attn = cfg.dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    mlp = 3 * cfg.dim * cfg.mlp_dim
-    matmul_params = cfg.num_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-    tokens = batch * seq
-    attention = cfg.num_layers * 6 * seq * cfg.num_heads * cfg.head_dim * tokens  # QK^T + AV, fwd+bwd, causal half
-    return 6.0 * matmul_params * tokens + attention
-
-
-def matmul_peak(dtype) -> float:
-    size = 4096 if jax.default_backend() != "cpu" else 2048
-    a = jnp.ones((size, size), dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    runs = 20 if jax.default_backend() != "cpu" else 5
-    start = time.perf_counter()
-    for _ in range(runs):
-        out = f(a)
-    out.block_until_ready()
-    return 2 * size**3 * runs / (time.perf_counter() - start)
-
-
 def jax_step_time(cfg: ModelConfig, batch: dict, steps: int) -> float:
     train = ml_collections.ConfigDict(dict(learning_rate=1e-4, warmup_steps=10, steps=1000,
                                            end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
-                                           adam_b2=0.95, weight_decay=0.0))
+                                           adam_b2=0.95, weight_decay=0.0, decay="cosine",
+                                           param_groups=[]))
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     tx, schedule = build_optimizer(train)
     layout = TrainLayout(cfg, tx, mesh)
@@ -141,7 +120,9 @@ def main() -> None:
     print(f"backend={jax.default_backend()} devices={jax.device_count()} shape: dim={args.dim} layers={args.layers} "
           f"heads={args.heads}/{args.kv_heads} mlp={args.mlp} vocab={args.vocab} batch={args.batch}x{args.seq} "
           f"dtype={args.dtype}")
-    peak = matmul_peak(jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    on_cpu = jax.default_backend() == "cpu"
+    peak = measured_matmul_flops(jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32,
+                                 size=2048 if on_cpu else 4096, runs=5 if on_cpu else 20)
     print(f"matmul peak: {peak / 1e12:.3f} TFLOP/s")
     tokens_per_step = args.batch * args.seq
     jax_time = jax_step_time(cfg, batch, args.steps)

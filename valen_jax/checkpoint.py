@@ -2,22 +2,41 @@
 
 Each step directory holds three items: `state` (params, optimizer state, step), `data` (the
 Grain iterator state of this process) and `meta` (JSON: model config, `media_kwargs`,
-tokenizer fingerprint, shard manifest, full config, project version). The tokenizer files
-live once in `WORKDIR/tokenizer/`, checked against the fingerprint in `meta` on every load.
+tokenizer fingerprint, shard manifest, full config, project version, and the digests below).
+The tokenizer files live once in `WORKDIR/tokenizer/`, checked against the fingerprint in
+`meta` on every load.
+
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and Orbax
+writes them in a background thread into `STEP.orbax-checkpoint-tmp`, renamed to `STEP` only
+when every item is written. A kill mid-write leaves a tmp directory that the next run ignores
+and deletes. A finished checkpoint can still be damaged later (a truncated or garbled file), and
+garbled array bytes read back without error, so `meta` carries a digest of every state array
+and of the iterator state; `restore_intact` checks them and falls back to the previous step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import logging
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from orbax.checkpoint import future as ocp_future
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data_pipeline.tokenizer import TokenizerFingerprint, fingerprint
+
+log = logging.getLogger(__name__)
 
 ITEMS = ("state", "data", "meta")
 
@@ -26,26 +45,116 @@ class CheckpointError(ValueError):
     """A workdir whose checkpoint cannot serve this run (missing, mismatched fingerprints)."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose files do not read back as what was saved."""
+
+
 def checkpoint_dir(workdir: str | Path) -> Path:
     return Path(workdir).resolve() / "checkpoints"
+
+
+def corrupt_dir(workdir: str | Path) -> Path:
+    return Path(workdir).resolve() / "checkpoints-corrupt"
 
 
 def tokenizer_dir(workdir: str | Path) -> Path:
     return Path(workdir).resolve() / "tokenizer"
 
 
-def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
+class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
+    """The `meta` item's JSON handler, plus a test hook that holds the background write open.
+
+    `debug_pause_in_save_s` > 0 (config.train.debug_pause_in_save_s; for fault-injection tests
+    only) sleeps inside the asynchronous commit of every save, after the save call returned and
+    before the step directory is finalised: the window a crash test kills the process in, and
+    proof that training steps run while a checkpoint is being written.
+    """
+
+    def __init__(self, pause_s: float = 0.0):
+        super().__init__()
+        self.pause_s = float(pause_s)
+
+    async def async_save(self, directory, item=None, args=None):
+        futures = await super().async_save(directory, item, args)
+        if self.pause_s <= 0:
+            return futures
+
+        async def pause():
+            step = Path(str(directory)).parent.name.split(".")[0]
+            log.warning("debug_pause_in_save_s: holding the write of checkpoint %s open for %.1fs",
+                        step, self.pause_s)
+            await asyncio.sleep(self.pause_s)
+            log.warning("debug_pause_in_save_s: checkpoint %s write resumes", step)
+
+        return [ocp_future.CommitFutureAwaitingContractedSignals(pause(), name="debug_pause"), *futures]
+
+
+def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool = False,
+            debug_pause_in_save_s: float = 0.0) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=not read_only,
         create=not read_only,
         read_only=read_only,
+        # A tmp directory is a save cut short by a crash: never a checkpoint, only clutter.
+        cleanup_tmp_directories=not read_only,
     )
-    return ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS, options=options)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    meta_handler = _MetaHandler(debug_pause_in_save_s)
+    registry.add("meta", ocp.args.JsonSave, meta_handler)
+    registry.add("meta", ocp.args.JsonRestore, meta_handler)
+    registry.add("state", ocp.args.StandardSave)
+    registry.add("state", ocp.args.StandardRestore)
+    registry.add("data", grain.checkpoint.CheckpointSave)
+    registry.add("data", grain.checkpoint.CheckpointRestore)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
+
+
+def _leaf_digest(x):
+    """The wrapping uint32 sum of the array's bits.
+
+    Exact integer arithmetic, so the result does not depend on sharding or reduction order (a
+    restore on another mesh verifies alike), and computed without reshaping, so a sharded array
+    is never gathered. Any change confined to one word, and random damage with probability
+    1 − 2⁻³², changes it; only a permutation of whole words would not. One reduction: integer
+    reductions are slow on XLA:CPU, and this runs on every save.
+    """
+    if x.dtype == jnp.bool_ or x.dtype.itemsize == 1:
+        words = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    else:  # 4 bytes, or 8 as a trailing axis of two words
+        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.sum(words, dtype=jnp.uint32)
+
+
+_digest = jax.jit(lambda tree: jax.tree.map(_leaf_digest, tree))
+
+
+def _paths(tree) -> list[str]:
+    return ["/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def state_digest(state: Any) -> dict[str, int]:
+    digests = jax.device_get(_digest(state))
+    return {p: int(d) for p, d in zip(_paths(state), jax.tree.leaves(digests), strict=True)}
+
+
+def state_layout(abstract_state: Any) -> list[str]:
+    """`path shape dtype` of every state array: what a restore needs to find unchanged."""
+    return [f"{p} {tuple(x.shape)} {x.dtype}" for p, x in zip(_paths(abstract_state), jax.tree.leaves(abstract_state),
+                                                              strict=True)]
+
+
+def iterator_digest(iterator: grain.DatasetIterator) -> str:
+    return hashlib.sha256(json.dumps(iterator.get_state(), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.DatasetIterator,
          meta: dict[str, Any], force: bool = False) -> bool:
+    """Start an asynchronous save; the digests in `meta` let a later restore prove the files intact."""
+    meta = {**meta, "digest": {"state": state_digest(state), "data": iterator_digest(iterator)}}
     return mgr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(iterator),
@@ -64,6 +173,76 @@ def restore_state(mgr: ocp.CheckpointManager, step: int, abstract_state: Any,
     if iterator is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(iterator)
     return mgr.restore(step, args=ocp.args.Composite(**items)).state
+
+
+def verify(step: int, meta: dict[str, Any], state: Any, iterator: grain.DatasetIterator | None) -> None:
+    """Raise CorruptCheckpoint when what was read differs from the digests taken at save time."""
+    expected = meta.get("digest")
+    if expected is None:
+        log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
+        return
+    found = state_digest(state)
+    bad = [p for p, d in expected["state"].items() if found.get(p) != d]
+    if bad or set(found) != set(expected["state"]):
+        raise CorruptCheckpoint(f"checkpoint {step}: state arrays differ from their save-time digest: "
+                                f"{', '.join(bad[:5]) or 'the set of arrays'}")
+    if iterator is not None and iterator_digest(iterator) != expected["data"]:
+        raise CorruptCheckpoint(f"checkpoint {step}: the data iterator state differs from its save-time digest")
+
+
+def quarantine(mgr: ocp.CheckpointManager, workdir: str | Path, step: int) -> Path:
+    """Move a corrupt step out of the manager's directory: kept for inspection, never restored again,
+    and its step number free for the next save."""
+    target = corrupt_dir(workdir) / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if jax.process_index() == 0:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(checkpoint_dir(workdir) / str(step)), str(target))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"valen_jax quarantine {step}")
+    mgr.reload()
+    return target
+
+
+def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_state: Any,
+                   iterator: grain.DatasetIterator, check_meta: Callable[[int, dict], None]):
+    """(step, state, meta) of the newest checkpoint that reads back intact, or None if there is none.
+
+    `check_meta(step, meta)` raises CheckpointError when the checkpoint belongs to another setup
+    (tokenizer, model, optimizer layout): that is the user's mistake to fix, never a reason to
+    fall back. A step that fails to read or to verify is logged with a warning naming it, moved
+    to `checkpoints-corrupt/`, and the one before it is tried. Checkpoints that all fail are an
+    error, not a fresh start.
+    """
+    steps = sorted(mgr.all_steps(), reverse=True)
+    for step in steps:
+        try:
+            meta = restore_meta(mgr, step)
+        except Exception as error:  # noqa: BLE001 - any read failure of a finished step is damage
+            _report_corrupt(mgr, workdir, step, error)
+            continue
+        check_meta(step, meta)
+        if meta.get("state_layout") is not None and meta["state_layout"] != state_layout(abstract_state):
+            changed = sorted(set(meta["state_layout"]) ^ set(state_layout(abstract_state)))
+            raise CheckpointError(f"checkpoint {step} holds another train-state layout (model, optimizer or "
+                                  f"param_groups changed): {'; '.join(changed[:4])}")
+        try:
+            state = restore_state(mgr, step, abstract_state, iterator)
+            verify(step, meta, state, iterator)
+        except Exception as error:  # noqa: BLE001
+            _report_corrupt(mgr, workdir, step, error)
+            continue
+        return step, state, meta
+    if steps:
+        raise CheckpointError(f"{checkpoint_dir(workdir)}: no intact checkpoint among steps {steps}; "
+                              f"the damaged ones are in {corrupt_dir(workdir)}")
+    return None
+
+
+def _report_corrupt(mgr, workdir, step: int, error: Exception) -> None:
+    summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    target = quarantine(mgr, workdir, step)
+    log.warning("checkpoint %d is corrupt (%s: %s); moved to %s, trying the previous checkpoint",
+                step, type(error).__name__, summary, target)
 
 
 def abstract_with(shapes: Any, shardings: Any) -> Any:
@@ -97,5 +276,6 @@ def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
     return fingerprint(tokenizer).to_json()
 
 
-__all__ = ["TokenizerFingerprint", "CheckpointError", "manager", "save", "restore_meta", "restore_state",
-           "abstract_with", "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir"]
+__all__ = ["TokenizerFingerprint", "CheckpointError", "CorruptCheckpoint", "manager", "save", "restore_meta",
+           "restore_state", "restore_intact", "verify", "state_digest", "state_layout", "abstract_with",
+           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir"]

@@ -11,6 +11,7 @@ decoding of each example's last answer the fraction of answers whose primitives 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -27,7 +28,6 @@ from data_pipeline.shards import Example
 from valen_jax import checkpoint, experiment, sharding
 from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
 from valen_jax.models.config import ModelConfig
-from valen_jax.optim import build_optimizer
 from valen_jax.step import TrainLayout, forward_loss, vision_inputs
 
 log = logging.getLogger("valen_jax.evaluate")
@@ -45,8 +45,15 @@ def _stack(rows: list[dict], size: int) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in padded]) for k in rows[0]}
 
 
-def _teacher_forced(params, graphdef, examples, spec, mesh, batch_size) -> dict[str, float]:
-    forward = jax.jit(lambda p, b: forward_loss(graphdef, p, b))
+@functools.cache
+def _forward(graphdef):
+    # One compiled forward per model: evaluation during training reuses it every time.
+    return jax.jit(lambda p, b: forward_loss(graphdef, p, b))
+
+
+def teacher_forced(params, graphdef, examples, spec, mesh, batch_size) -> dict[str, float]:
+    """Loss and next-token accuracy over the examples' supervised tokens (teacher forcing)."""
+    forward = _forward(graphdef)
     totals = np.zeros(3)
     for start in range(0, len(examples), batch_size):
         rows = [assemble(e, spec) for e in examples[start:start + batch_size]]
@@ -114,16 +121,19 @@ def _parses(text: str) -> bool:
 
 
 def evaluate_params(params, graphdef, model_cfg: ModelConfig, tokenizer, spec: RowSpec, mesh, data,
-                    workdir: Path, fingerprint: dict[str, str], eval_cfg, data_format: str = "vflash") -> dict:
+                    workdir: Path, fingerprint: dict[str, str], eval_cfg, data_format: str = "vflash",
+                    fmt: str | None = None, options: dict | None = None) -> dict:
+    """`fmt`/`options`: the data's converter format and options (config.data.eval_format/eval_options);
+    None guesses the format from the path."""
     data = Path(data)
-    fmt = _format_of(data)
+    fmt = fmt or _format_of(data)
     shard_set = experiment.ensure_shards(fmt, data, Path(workdir) / "eval_shards",
-                                         checkpoint.tokenizer_dir(workdir), fingerprint)
+                                         checkpoint.tokenizer_dir(workdir), fingerprint, options)
     source = shard_set.source()
     count = min(len(shard_set), int(eval_cfg.max_examples))
     examples = [Example.from_bytes(source[i]) for i in range(count)]
     report = {"data": str(data), "format": data_format, "examples": count}
-    report.update(_teacher_forced(params, graphdef, examples, spec, mesh, int(eval_cfg.batch_size)))
+    report.update(teacher_forced(params, graphdef, examples, spec, mesh, int(eval_cfg.batch_size)))
     generated = _greedy(params, graphdef, examples, spec, mesh, int(eval_cfg.batch_size),
                         int(eval_cfg.max_new_tokens), int(tokenizer.eos_token_id))
     texts = [tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id]) for ids in generated]
@@ -159,8 +169,7 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
     model_cfg = ModelConfig.from_json(meta["model"])
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    tx, _ = build_optimizer(config.train)
-    layout = TrainLayout(model_cfg, tx, mesh)
+    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     state = checkpoint.restore_state(mgr, step, layout.abstract_state())
     mgr.close()
     spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,

@@ -6,6 +6,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from data_pipeline import convert as converter
 from data_pipeline import vocabulary
 from data_pipeline.shards import Manifest, ShardError, sha256_file
 from data_pipeline.tokenizer import token_id
+from valen_jax import losses, optim
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.sources import ShardSet
 from valen_jax.data.vision_processor import media_settings
@@ -26,15 +29,16 @@ from valen_jax.models.transformer import init_params
 log = logging.getLogger(__name__)
 
 REQUIRED = {
-    "data": ("format", "train", "eval", "tokenizer", "template_family", "seq_len", "max_patches",
-             "global_batch", "workers", "shuffle"),
+    "data": ("format", "train", "eval", "eval_format", "train_options", "eval_options", "tokenizer",
+             "template_family", "seq_len", "max_patches", "global_batch", "workers", "shuffle"),
     "model": ("init_from", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
               "tie_embeddings", "dtype", "param_dtype", "remat", "scan_layers", "vision"),
     "train": ("steps", "checkpoint_every", "keep_checkpoints", "seed", "log_every", "learning_rate",
-              "warmup_steps", "end_learning_rate_fraction", "weight_decay", "adam_b1", "adam_b2",
-              "grad_clip_norm"),
+              "warmup_steps", "decay", "end_learning_rate_fraction", "weight_decay", "adam_b1", "adam_b2",
+              "grad_clip_norm", "grad_accum_steps", "param_groups", "peak_flops", "debug_pause_in_save_s"),
+    "loss": ("weights", "z_loss", "loss_reduction"),
     "mesh": ("data", "fsdp", "tensor"),
-    "eval": ("at_end", "batch_size", "max_examples", "max_new_tokens"),
+    "eval": ("at_end", "every", "batch_size", "max_examples", "max_new_tokens"),
 }
 
 
@@ -56,6 +60,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config.{path} must be positive, got {config[group][key]}")
     if config.data.workers < 0:
         raise ConfigError("config.data.workers must be ≥ 0")
+    if config.train.keep_checkpoints is not None and int(config.train.keep_checkpoints) < 1:
+        raise ConfigError("config.train.keep_checkpoints must be ≥ 1 (None keeps all)")
+    _validate_optimisation(config)
+    _validate_loss(config.loss)
+    if int(config.eval.every) < 0:
+        raise ConfigError(f"config.eval.every must be ≥ 0 (0: no evaluation during training), got {config.eval.every}")
     if config.model.init_from:
         # The checkpoint fixes the architecture; a value here too would be silently ignored.
         clashing = [k for k in ARCHITECTURE_KEYS if config.model[k] is not None]
@@ -64,6 +74,59 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                               "set them to None (the :hf variants do)")
 
 
+def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
+    train = config.train
+    if train.decay not in optim.DECAYS:
+        raise ConfigError(f"config.train.decay={train.decay!r}; choose one of {', '.join(optim.DECAYS)}")
+    accum = int(train.grad_accum_steps)
+    if accum < 1 or int(config.data.global_batch) % accum:
+        raise ConfigError(f"config.train.grad_accum_steps={train.grad_accum_steps} must be ≥ 1 and divide "
+                          f"config.data.global_batch={config.data.global_batch}")
+    try:
+        optim.check_groups(list(train.param_groups))
+    except optim.ParamGroupError as error:
+        raise ConfigError(str(error)) from None
+    if train.peak_flops is not None and not float(train.peak_flops) >= 0:
+        raise ConfigError(f"config.train.peak_flops must be None/0 (from the device) or > 0, got {train.peak_flops}")
+    if not float(train.debug_pause_in_save_s) >= 0:
+        raise ConfigError(f"config.train.debug_pause_in_save_s must be ≥ 0, got {train.debug_pause_in_save_s}")
+    for key in ("dtype", "param_dtype"):
+        if config.model[key] not in DTYPES:
+            raise ConfigError(f"config.model.{key}={config.model[key]!r}; choose one of {', '.join(DTYPES)}")
+    if config.model.param_dtype != "float32":
+        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
+        raise ConfigError("config.model.param_dtype must be float32 (master weights); "
+                          "use config.model.dtype=bfloat16 for bf16 compute")
+
+
+def _validate_loss(loss: ml_collections.ConfigDict) -> None:
+    weights = dict(loss.weights)
+    if set(weights) != set(losses.OBJECTIVES):
+        raise ConfigError(f"config.loss.weights must name exactly {', '.join(losses.OBJECTIVES)}; "
+                          f"got {', '.join(sorted(weights))}")
+    for name, value in weights.items():
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"config.loss.weights.{name} must be a finite number ≥ 0, got {value!r}")
+    if not any(value > 0 for value in weights.values()):
+        raise ConfigError("config.loss.weights: every weight is 0, nothing would be trained")
+    if not (math.isfinite(float(loss.z_loss)) and float(loss.z_loss) >= 0):
+        raise ConfigError(f"config.loss.z_loss must be ≥ 0, got {loss.z_loss}")
+    if loss.loss_reduction not in losses.LOSS_REDUCTIONS:
+        raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
+                          f"{', '.join(losses.LOSS_REDUCTIONS)} (seed 000)")
+
+
+def check_batch_split(config: ml_collections.ConfigDict, mesh) -> None:
+    """Each micro-batch must split evenly over the batch-sharded devices (`data` × `fsdp`)."""
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = int(config.data.global_batch) // int(config.train.grad_accum_steps)
+    if micro % devices:
+        raise ConfigError(f"config.data.global_batch={config.data.global_batch} / train.grad_accum_steps="
+                          f"{config.train.grad_accum_steps} = {micro} rows per micro-batch do not split over "
+                          f"{devices} batch-sharded devices (mesh data × fsdp)")
+
+
+DTYPES = ("float32", "bfloat16")
 ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
                      "tie_embeddings")
 
@@ -106,24 +169,29 @@ def row_spec(seq_len: int, max_patches: int, tokenizer, model_cfg: ModelConfig, 
                    pad_id=int(tokenizer.pad_token_id), vision=model_cfg.vision, media_kwargs=dict(media_kwargs))
 
 
-def _input_key(fmt: str, path: Path, fingerprint: dict[str, str]) -> str:
+def _input_key(fmt: str, path: Path, fingerprint: dict[str, str], options: dict) -> str:
     digest = hashlib.sha256()
-    digest.update(f"{fmt}\n{path.resolve()}\n{sorted(fingerprint.items())}\n".encode())
+    digest.update(f"{fmt}\n{path.resolve()}\n{sorted(fingerprint.items())}\n{sorted(options.items())}\n".encode())
     digest.update(sha256_file(path).encode())
     return digest.hexdigest()[:16]
 
 
 def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path: str | Path,
-                  fingerprint: dict[str, str]) -> ShardSet:
+                  fingerprint: dict[str, str], options: Mapping[str, Any] | None = None) -> ShardSet:
     """Shards for `source`: a shard directory as is, or a JSONL/recipe converted once into the cache.
 
-    The cache key covers the input's bytes and the tokenizer fingerprint, so edited data or
-    another tokenizer converts anew instead of silently reusing stale shards.
+    The cache key covers the input's bytes, the tokenizer fingerprint and the converter
+    `options` (e.g. vakforge's `split`), so edited data, another tokenizer or another split
+    converts anew instead of silently reusing stale shards. A shard directory made with another
+    tokenizer is refused (ShardError naming both fingerprints).
     """
     source = Path(source)
+    options = dict(options or {})
     if source.is_dir():
+        if options:
+            raise ConfigError(f"{source}: converter options {options} given for a directory of ready shards")
         return ShardSet.open(source, fingerprint)
-    target = cache_dir / f"{source.stem}-{_input_key(fmt, source, fingerprint)}"
+    target = cache_dir / f"{source.stem}-{_input_key(fmt, source, fingerprint, options)}"
     try:
         cached = ShardSet.open(target, fingerprint)
         if _sources_current(cached.manifest, source):
@@ -132,7 +200,7 @@ def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path:
     except ShardError:
         pass
     log.info("converting %s → %s", source, target)
-    converter.convert(fmt, source, target, tokenizer_path, overwrite=True, progress=False)
+    converter.convert(fmt, source, target, tokenizer_path, overwrite=True, progress=False, options=options)
     return ShardSet.open(target, fingerprint)
 
 

@@ -1,23 +1,118 @@
-"""Training metrics to `metrics.jsonl` and TensorBoard event files in the workdir."""
+"""Training metrics to `metrics.jsonl` and TensorBoard event files in the workdir; model FLOPs and MFU."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
+import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from tensorboardX import SummaryWriter
+
+from valen_jax.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s per chip from the vendors' datasheets (SXM parts for NVIDIA; sparsity
+# excluded). First match wins, so "TPU v5 lite" (v5e) is tried before "TPU v5" (v5p).
+PEAK_FLOPS = (
+    (r"TPU v4", 275e12),
+    (r"TPU v5 ?lite|TPU v5e", 197e12),
+    (r"TPU v5p?", 459e12),
+    (r"TPU v6 ?lite|TPU v6e", 918e12),
+    (r"H200", 989e12),
+    (r"H100", 989e12),
+    (r"A100", 312e12),
+)
+
+
+class PeakFlopsError(ValueError):
+    """No peak FLOP/s known for the device: MFU would be a guess, so config.train.peak_flops must say."""
+
+
+def model_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """Decoder FLOPs of one training step: 6 per matmul parameter per token, plus causal attention.
+
+    Vision-tower FLOPs are not counted (they depend on each row's media), so MFU of a
+    vision-language run slightly understates the work done.
+    """
+    attn = cfg.dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.dim * cfg.mlp_dim
+    matmul_params = cfg.num_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+    tokens = batch * seq
+    attention = cfg.num_layers * 6 * seq * cfg.num_heads * cfg.head_dim * tokens  # QK^T + AV, fwd+bwd, causal half
+    return 6.0 * matmul_params * tokens + attention
+
+
+def measured_matmul_flops(dtype=jnp.float32, size: int | None = None, runs: int | None = None) -> float:
+    """FLOP/s of a square matmul on the default device: the CPU's "peak", which has no datasheet."""
+    on_cpu = jax.default_backend() == "cpu"
+    size = size or (1024 if on_cpu else 4096)
+    runs = runs or (3 if on_cpu else 20)
+    a = jnp.ones((size, size), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(runs):
+        out = f(a)
+    out.block_until_ready()
+    return 2 * size**3 * runs / (time.perf_counter() - start)
+
+
+def peak_flops_per_device(configured: float | None, device: jax.Device | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number came from); configured > 0 wins."""
+    if configured:
+        return float(configured), "config.train.peak_flops"
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return measured_matmul_flops(), "a float32 matmul measured at start-up"
+    for pattern, flops in PEAK_FLOPS:
+        if re.search(pattern, device.device_kind):
+            return flops, f"the datasheet table ({device.device_kind})"
+    raise PeakFlopsError(f"no peak FLOP/s known for device kind {device.device_kind!r}; "
+                         "set config.train.peak_flops (per device, FLOP/s)")
 
 
 class MetricsLog:
-    def __init__(self, workdir: str | Path):
+    """Appends one JSON record per logged step; a resumed run first drops records past its start.
+
+    A run killed after logging step s but before checkpointing it restarts from an earlier step
+    and logs s again; dropping the stale tail keeps one record per step.
+    """
+
+    def __init__(self, workdir: str | Path, start_step: int = 0):
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
         workdir = Path(workdir)
-        self.jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
-        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+        path = workdir / "metrics.jsonl"
+        if path.exists():
+            self._truncate(path, start_step)
+        self.jsonl = open(path, "a", encoding="utf-8")
+        self.tensorboard = SummaryWriter(str(workdir / "tensorboard"), purge_step=start_step + 1)
+
+    @staticmethod
+    def _truncate(path: Path, start_step: int) -> None:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # a write cut short by a kill; nothing else can be half-written
+                    log.warning("%s: dropping a truncated last line", path)
+                    continue
+                raise
+            if record["step"] <= start_step:
+                kept.append(line)
+        if len(kept) != len(lines):
+            staging = path.with_name(path.name + ".tmp")
+            staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            staging.replace(path)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:

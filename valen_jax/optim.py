@@ -1,17 +1,42 @@
-"""AdamW with linear warmup and cosine decay, clipped by global norm."""
+"""AdamW with linear warmup then cosine or linear decay, clipped by global norm, with parameter groups.
+
+Parameter groups (`config.train.param_groups`) select parameters by a regular expression that
+must match the whole '/'-joined path (`embed`, `layers/0/attn/q`, `vision/patch_embed`); the
+first matching group wins. A group is either `frozen` (no update, and no Adam moments held for
+it: optax.multi_transform gives it `set_to_zero`) or has an `lr_multiplier` that scales the
+schedule. A pattern that matches no parameter is an error: a typo must not freeze nothing.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Sequence
 
 import jax
 import optax
 
+DECAYS = ("cosine", "linear")
+GROUP_KEYS = {"pattern", "frozen", "lr_multiplier"}
+TRAINED = "trained"  # label of parameters in no group
+FROZEN = "frozen"
+
+
+class ParamGroupError(ValueError):
+    """A parameter group that cannot apply (bad regex, no match, contradictory settings)."""
+
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
     peak = float(train_cfg.learning_rate)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=int(train_cfg.warmup_steps),
-        decay_steps=max(int(train_cfg.steps), int(train_cfg.warmup_steps) + 1),
-        end_value=peak * float(train_cfg.end_learning_rate_fraction))
+    warmup = int(train_cfg.warmup_steps)
+    total = max(int(train_cfg.steps), warmup + 1)
+    end = peak * float(train_cfg.end_learning_rate_fraction)
+    if train_cfg.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
+                                                  decay_steps=total, end_value=end)
+    if train_cfg.decay == "linear":
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                     optax.linear_schedule(peak, end, total - warmup)], [warmup])
+    raise ValueError(f"config.train.decay={train_cfg.decay!r}; choose one of {', '.join(DECAYS)}")
 
 
 def _decay_mask(params):
@@ -19,11 +44,84 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def build_optimizer(train_cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def path_of(key_path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+
+
+def check_groups(groups: Sequence) -> list[dict]:
+    """Groups as plain dicts with their regexes compiled; shape errors raised here (start-up)."""
+    checked = []
+    for index, group in enumerate(groups):
+        group = dict(group)
+        where = f"config.train.param_groups[{index}]"
+        unknown = set(group) - GROUP_KEYS
+        if unknown or "pattern" not in group:
+            raise ParamGroupError(f"{where}: keys {sorted(group)}; a group has 'pattern' and one of "
+                                  "'frozen': True or 'lr_multiplier': float")
+        frozen = group.get("frozen", False)
+        if not isinstance(frozen, bool):
+            raise ParamGroupError(f"{where}.frozen must be a bool, got {frozen!r}")
+        if frozen == ("lr_multiplier" in group):
+            raise ParamGroupError(f"{where}: give exactly one of frozen=True or lr_multiplier")
+        if not frozen and not float(group["lr_multiplier"]) > 0:
+            raise ParamGroupError(f"{where}.lr_multiplier must be > 0 (freeze the group instead), "
+                                  f"got {group['lr_multiplier']}")
+        try:
+            regex = re.compile(group["pattern"])
+        except re.error as error:
+            raise ParamGroupError(f"{where}.pattern {group['pattern']!r}: {error}") from None
+        checked.append({"regex": regex, "frozen": frozen, "lr_multiplier": float(group.get("lr_multiplier", 1.0))})
+    return checked
+
+
+def _label(path: str, groups: list[dict]) -> str:
+    for index, group in enumerate(groups):
+        if group["regex"].fullmatch(path):
+            return FROZEN if group["frozen"] else f"group{index}"
+    return TRAINED
+
+
+def param_labels(params, groups: Sequence) -> dict:
+    """The optimizer label of every parameter; errors on a group that matches nothing."""
+    checked = check_groups(groups)
+    paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for index, group in enumerate(checked):
+        if not any(group["regex"].fullmatch(p) for p in paths):
+            raise ParamGroupError(f"config.train.param_groups[{index}].pattern "
+                                  f"{group['regex'].pattern!r} matches no parameter; paths look like "
+                                  f"{', '.join(paths[:4])}")
+    return jax.tree_util.tree_map_with_path(lambda p, _: _label(path_of(p), checked), params)
+
+
+def frozen_mask(params, groups: Sequence):
+    """True for frozen parameters (the step stops their gradient, so no backward pass is spent)."""
+    return jax.tree.map(lambda label: label == FROZEN, param_labels(params, groups))
+
+
+def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and its base schedule; `params` (shapes suffice) is needed for param groups."""
     schedule = learning_rate_schedule(train_cfg)
-    tx = optax.chain(
-        optax.clip_by_global_norm(float(train_cfg.grad_clip_norm)),
-        optax.adamw(schedule, b1=float(train_cfg.adam_b1), b2=float(train_cfg.adam_b2),
-                    weight_decay=float(train_cfg.weight_decay), mask=_decay_mask),
-    )
-    return tx, schedule
+
+    def adamw(multiplier: float) -> optax.GradientTransformation:
+        lr = schedule if multiplier == 1.0 else (lambda step: multiplier * schedule(step))
+        return optax.adamw(lr, b1=float(train_cfg.adam_b1), b2=float(train_cfg.adam_b2),
+                           weight_decay=float(train_cfg.weight_decay), mask=_decay_mask)
+
+    clip = optax.clip_by_global_norm(float(train_cfg.grad_clip_norm))
+    groups = list(train_cfg.param_groups)
+    if not groups:
+        return optax.chain(clip, adamw(1.0)), schedule
+    if params is None:
+        raise ValueError("build_optimizer: config.train.param_groups needs the parameter shapes")
+    checked = check_groups(groups)
+    transforms = {TRAINED: adamw(1.0), FROZEN: optax.set_to_zero()}
+    for index, group in enumerate(checked):
+        if not group["frozen"]:
+            transforms[f"group{index}"] = adamw(group["lr_multiplier"])
+    labels = param_labels(params, groups)
+    used = set(jax.tree.leaves(labels))
+    # multi_transform wants every label it is given to be used; drop the empty defaults.
+    transforms = {k: v for k, v in transforms.items() if k in used}
+    # Frozen gradients are zero (stopped in the step), so the global norm clipped here is that
+    # of the trained parameters alone.
+    return optax.chain(clip, optax.multi_transform(transforms, labels)), schedule

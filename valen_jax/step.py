@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from valen_jax import sharding
-from valen_jax.losses import token_cross_entropy
+from valen_jax.losses import combine, token_cross_entropy, token_losses
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
+from valen_jax.optim import build_optimizer, frozen_mask
 
 
 def vision_inputs(batch):
@@ -27,40 +29,147 @@ def forward_loss(graphdef, params, batch):
     return loss_sum, weight_sum, correct
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule) -> Callable:
-    def loss_fn(params, batch):
-        loss_sum, weight_sum, correct = forward_loss(graphdef, params, batch)
-        # Mean over the global batch's supervised tokens; an all-zero batch gives loss 0, not NaN.
-        denominator = jnp.maximum(weight_sum, 1.0)
-        return loss_sum / denominator, {"accuracy": correct / denominator, "target_tokens": weight_sum}
+@dataclass(frozen=True)
+class StepOptions:
+    """What shapes the loss and the update beyond the optimizer (config.loss, config.train)."""
+
+    loss_weights: Mapping[str, float] = field(default_factory=lambda: {"tokens": 1.0, "branches": 0.0,
+                                                                       "drafter": 0.0})
+    z_loss: float = 0.0
+    grad_accum_steps: int = 1
+    frozen: object = None  # pytree of bools like params (True: no gradient), or None
+
+    @classmethod
+    def from_config(cls, config, frozen=None) -> StepOptions:
+        return cls(loss_weights=dict(config.loss.weights), z_loss=float(config.loss.z_loss),
+                   grad_accum_steps=int(config.train.grad_accum_steps), frozen=frozen)
+
+
+def _micro_batches(batch: dict, count: int) -> dict:
+    """[B, ...] → [count, B/count, ...]: micro-batch i takes rows i, i+count, ...
+
+    Strided rather than contiguous rows: each device's contiguous block of the batch-sharded
+    rows then stays on that device in every micro-batch, so splitting moves no data.
+    """
+    def split(x):
+        rows = x.shape[0] // count
+        x = jnp.swapaxes(x.reshape(rows, count, *x.shape[1:]), 0, 1)
+        return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    options: StepOptions | None = None) -> Callable:
+    options = options or StepOptions()
+    weights = dict(options.loss_weights)
+    accum = int(options.grad_accum_steps)
+
+    def sums_of(params, batch):
+        if options.frozen is not None:
+            # No gradient flows into frozen parameters, so XLA drops their backward pass.
+            params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, options.frozen)
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
+        return token_losses(logits, batch["targets"], batch["target_weights"])
+
+    def total_of(sums, tokens_denominator):
+        # Every objective is a sum over the whole global batch divided by a count fixed by the
+        # batch alone (never by the parameters), so summing micro-batch gradients of
+        # `total_of(micro sums)` gives exactly the gradient of one big batch. Branch losses join
+        # the same way: `losses.reduce_question_losses` numerator from the micro-batch, its
+        # denominator (states or questions, labels only) from the whole batch up front.
+        objectives = {"tokens": sums["ce"] / tokens_denominator}
+        z_mean = sums["z"] / tokens_denominator
+        return combine(objectives, weights) + options.z_loss * z_mean, {"loss_tokens": objectives["tokens"],
+                                                                       "loss_z": z_mean}
+
+    def grads_and_sums(params, batch):
+        # An all-zero-weight batch gives loss 0, not NaN.
+        tokens_denominator = jnp.maximum(jnp.sum(batch["target_weights"]), 1.0)
+
+        def micro_loss(p, micro):
+            sums = sums_of(p, micro)
+            return total_of(sums, tokens_denominator)[0], sums
+
+        grad_fn = jax.grad(micro_loss, has_aux=True)
+        if accum == 1:
+            grads, sums = grad_fn(params, batch)
+        else:
+            def body(carry, micro):
+                grads, sums = grad_fn(params, micro)
+                return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+            micros = _micro_batches(batch, accum)
+            sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros))
+            zeros = (jax.tree.map(jnp.zeros_like, params),
+                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
+            (grads, sums), _ = jax.lax.scan(body, zeros, micros)
+        total, parts = total_of(sums, tokens_denominator)
+        return grads, total, parts, sums, tokens_denominator
 
     def train_step(state, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        grads, loss, parts, sums, denominator = grads_and_sums(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, **parts, "accuracy": sums["correct"] / denominator,
+                   "target_tokens": sums["weight"], "grad_norm": optax.tree.norm(grads),
                    "learning_rate": schedule(state["step"])}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return train_step
 
 
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _optimizer_shardings(opt_shapes, param_shapes, param_shardings, replicated):
+    """Each optimizer-state array takes the sharding of the parameter it mirrors, else replicated.
+
+    A moment sits in the state under its parameter's path (after the optimizer's own fields), so
+    the parameter is found by path suffix and shape. optax.tree_map_params cannot do this once
+    multi_transform puts masked trees in the state (parameter groups).
+    """
+    params = {_keys(path): (shape.shape, sharding) for (path, shape), sharding in zip(
+        jax.tree_util.tree_flatten_with_path(param_shapes)[0], jax.tree.leaves(param_shardings), strict=True)}
+
+    def one(path, leaf):
+        keys = _keys(path)
+        for start in range(len(keys)):
+            found = params.get(keys[start:])
+            if found is not None and found[0] == leaf.shape:
+                return found[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, opt_shapes)
+
+
 class TrainLayout:
     """Abstract shapes and shardings of the train state and batch for one model on one mesh."""
 
-    def __init__(self, model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh):
+    def __init__(self, model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
+                 schedule: optax.Schedule | None = None, frozen=None):
         self.mesh = mesh
+        self.tx, self.schedule, self.frozen = tx, schedule, frozen
         self.graphdef, abstract_state = abstract_model(model_cfg)
         self.param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_state, mesh))
         self.param_shapes = nnx.to_pure_dict(abstract_state)
         replicated = NamedSharding(mesh, PartitionSpec())
         opt_shapes = jax.eval_shape(tx.init, self.param_shapes)
-        opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_shapes, self.param_shardings,
-                                              transform_non_params=lambda _: replicated)
+        opt_shardings = _optimizer_shardings(opt_shapes, self.param_shapes, self.param_shardings, replicated)
         self.state_shapes = {"params": self.param_shapes, "opt_state": opt_shapes,
                              "step": jax.ShapeDtypeStruct((), jnp.int32)}
         self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}
         self.replicated = replicated
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig, train_cfg, mesh: Mesh) -> TrainLayout:
+        """The layout with the configured optimizer; param groups resolve against the model's paths."""
+        param_shapes = nnx.to_pure_dict(abstract_model(model_cfg)[1])
+        tx, schedule = build_optimizer(train_cfg, param_shapes)
+        frozen = frozen_mask(param_shapes, list(train_cfg.param_groups)) if train_cfg.param_groups else None
+        return cls(model_cfg, tx, mesh, schedule, frozen)
 
     def batch_shardings(self, batch_shapes: dict) -> dict:
         return {name: sharding.batch_sharding(self.mesh, len(shape.shape)) for name, shape in batch_shapes.items()}

@@ -1,12 +1,15 @@
-"""Train a model from a config; resumes from the workdir's latest checkpoint.
+"""Train a model from a config; resumes from the workdir's latest intact checkpoint.
 
     python -m valen_jax.train --config=configs/vflash.py --workdir=runs/vflash-smoke
     python -m valen_jax.train --config=configs/vflash.py:tiny --workdir=/tmp/tiny --config.train.steps=4
 
-The run converts its data into `WORKDIR/shards/` when needed, checkpoints to
-`WORKDIR/checkpoints/` (state, Grain iterator, meta), writes `metrics.jsonl` and TensorBoard
-events, and with `eval.at_end` writes `WORKDIR/eval/report-STEP.json`. Running the same command
-again continues from the latest checkpoint at the same step and data position.
+The run converts its data into `WORKDIR/shards/` when needed, checkpoints asynchronously to
+`WORKDIR/checkpoints/` (state, Grain iterator, meta) every `train.checkpoint_every` steps, at the
+end and on SIGTERM, writes `metrics.jsonl` and TensorBoard events (loss per objective, learning
+rate, gradient norm, tokens/s, MFU, examples seen, padding, and `eval_*` every `eval.every`
+steps), and with `eval.at_end` writes `WORKDIR/eval/report-STEP.json`. Running the same command
+again continues from the latest checkpoint at the same step and data position, after a SIGTERM
+or a `kill -9` alike; a damaged latest checkpoint is reported and the one before it used.
 """
 
 from __future__ import annotations
@@ -26,14 +29,14 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import valen_jax
+from data_pipeline.shards import Example
 from data_pipeline.tokenizer import load_tokenizer
 from valen_jax import checkpoint, evaluate, experiment, sharding
 from valen_jax.data.assemble import batch_shapes_of
 from valen_jax.data.pipeline import build_dataset
-from valen_jax.metrics import MetricsLog
+from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.config import ModelConfig
-from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout, make_train_step
+from valen_jax.step import StepOptions, TrainLayout, make_train_step
 
 log = logging.getLogger("valen_jax.train")
 
@@ -62,6 +65,45 @@ def _print_memory(compiled) -> None:
     log.info("train step memory per device: %s", " ".join(parts))
 
 
+def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest):
+    """check_meta for restore_intact: a checkpoint of another setup is an error, never a fallback."""
+
+    def check(step: int, saved: dict) -> None:
+        if saved["tokenizer"]["fingerprint"] != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: checkpoint {step} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
+                f"this run uses {fingerprint}")
+        shards = saved["shards"]["train"]["tokenizer"]["fingerprint"]
+        if shards != train_manifest.fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: checkpoint {step} was trained on shards made with tokenizer {shards}; "
+                f"this run's train shards were made with {train_manifest.fingerprint}")
+        if ModelConfig.from_json(saved["model"]) != model_cfg:
+            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} has another model config")
+
+    return check
+
+
+class PeriodicEval:
+    """Teacher-forced loss/accuracy on the held-out set (`config.data.eval`), decoded once."""
+
+    def __init__(self, config, workdir: Path, fingerprint: dict, spec, mesh, graphdef):
+        shard_set = experiment.ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
+                                             config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
+        source = shard_set.source()
+        count = min(len(shard_set), int(config.eval.max_examples))
+        self.examples = [Example.from_bytes(source[i]) for i in range(count)]
+        self.spec, self.mesh, self.graphdef = spec, mesh, graphdef
+        self.batch_size = int(config.eval.batch_size)
+        log.info("evaluating every %d steps on %d examples of %s", config.eval.every, count, config.data.eval)
+
+    def __call__(self, params) -> dict[str, float]:
+        with jax.set_mesh(self.mesh):
+            result = evaluate.teacher_forced(params, self.graphdef, self.examples, self.spec, self.mesh,
+                                             self.batch_size)
+        return {f"eval_{k}": float(v) for k, v in result.items()}
+
+
 def run(config, workdir: str | Path) -> dict:
     experiment.validate_config(config)
     workdir = Path(workdir).resolve()
@@ -70,13 +112,13 @@ def run(config, workdir: str | Path) -> dict:
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     model_cfg = experiment.model_config(config, tokenizer)
     train_set = experiment.ensure_shards(config.data.format, config.data.train, workdir / "shards",
-                                         config.data.tokenizer, fingerprint)
+                                         config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
     log.info("train shards: %s", experiment.summary(train_set))
 
     mesh = sharding.make_mesh(config.mesh)
-    tx, schedule = build_optimizer(config.train)
-    layout = TrainLayout(model_cfg, tx, mesh)
-    spec = experiment.row_spec(config.data.seq_len, config.data.max_images, tokenizer, model_cfg,
+    experiment.check_batch_split(config, mesh)
+    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
+    spec = experiment.row_spec(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg,
                                config.media_kwargs.to_dict())
     dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
                             shuffle=config.data.shuffle, repeat=True, workers=config.data.workers)
@@ -88,31 +130,28 @@ def run(config, workdir: str | Path) -> dict:
         "media_kwargs": config.media_kwargs.to_dict(),
         "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
         "shards": {"train": train_set.manifest.data},
-        "row": {"seq_len": spec.seq_len, "max_images": spec.max_images},
+        "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
         "config": json.loads(config.to_json_best_effort()),
+        "state_layout": checkpoint.state_layout(layout.abstract_state()),
     }
-    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints)
-    latest = mgr.latest_step()
-    if latest is not None:
-        saved = checkpoint.restore_meta(mgr, latest)
-        if saved["tokenizer"]["fingerprint"] != fingerprint:
-            raise checkpoint.CheckpointError(
-                f"{workdir}: checkpoint {latest} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
-                f"this run uses {fingerprint}")
-        if ModelConfig.from_json(saved["model"]) != model_cfg:
-            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {latest} has another model config")
-        state = checkpoint.restore_state(mgr, latest, layout.abstract_state(), iterator)
-        log.info("resumed from step %d", latest)
+    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
+                             debug_pause_in_save_s=float(config.train.debug_pause_in_save_s))
+    restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
+                                         _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest))
+    if restored is not None:
+        state = restored[1]
+        log.info("resumed from step %d", restored[0])
     else:
         checkpoint.save_tokenizer(workdir, tokenizer)
         params = experiment.initial_params(config, model_cfg, tokenizer, layout.param_shardings)
-        opt_state = jax.jit(tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
+        opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
 
     batch_shapes = batch_shapes_of(spec, config.data.global_batch)
     batch_shardings = layout.batch_shardings(batch_shapes)
-    step_fn = jax.jit(make_train_step(layout.graphdef, tx, schedule),
+    options = StepOptions.from_config(config, layout.frozen)
+    step_fn = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule, options),
                       in_shardings=(layout.state_shardings, batch_shardings),
                       out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
     started = time.perf_counter()
@@ -121,31 +160,42 @@ def run(config, workdir: str | Path) -> dict:
     log.info("compiled the train step in %.1fs", time.perf_counter() - started)
     _print_memory(compiled)
 
-    metrics_log = MetricsLog(workdir)
-    preempted = Preempted()
+    peak, peak_source = peak_flops_per_device(config.train.peak_flops)
+    flops_per_step = model_flops_per_step(model_cfg, config.data.global_batch, config.data.seq_len)
+    log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
+             peak, jax.device_count(), peak_source, flops_per_step)
+    # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.
+    evaluator = (PeriodicEval(config, workdir, fingerprint, spec, mesh, layout.graphdef)
+                 if 0 < int(config.eval.every) <= int(config.train.steps) else None)
+
     step = int(state["step"])
+    metrics_log = MetricsLog(workdir, start_step=step)
+    preempted = Preempted()
     first_step = step
     losses = []
-    window_tokens, window_start = 0, time.perf_counter()
+    window = _Window(step)
     bar = tqdm(total=config.train.steps, initial=step, desc="train", disable=jax.process_index() != 0,
                dynamic_ncols=True)
     while step < config.train.steps:
         local = next(iterator)
-        window_tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
+        window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
         batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
         state, metrics = compiled(state, batch)
         step += 1
         bar.update(1)
-        if step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1:
+        evaluate_now = evaluator is not None and step % int(config.eval.every) == 0
+        if (step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1
+                or evaluate_now):
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            elapsed = time.perf_counter() - window_start
-            values["tokens_per_second"] = window_tokens / max(elapsed, 1e-9)
+            values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
+                                       peak * jax.device_count()))
             values["examples_seen"] = step * config.data.global_batch
-            values["padding_fraction"] = 1.0 - float(np.mean(local["segment_ids"] > 0))
+            if evaluate_now:
+                values.update(evaluator(state["params"]))
             losses.append((step, values["loss"]))
             metrics_log.write(step, values)
             bar.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
-            window_tokens, window_start = 0, time.perf_counter()
+            window = _Window(step)  # after evaluation, so its time does not count as training
         if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
             checkpoint.save(mgr, step, state, iterator, meta, force=True)
         if preempted.requested:
@@ -161,11 +211,26 @@ def run(config, workdir: str | Path) -> dict:
         with jax.set_mesh(mesh):
             report = evaluate.evaluate_params(
                 state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, config.data.eval,
-                workdir, fingerprint, config.eval, data_format="vflash")
+                workdir, fingerprint, config.eval, data_format=config.task, fmt=config.data.eval_format,
+                options=config.data.eval_options.to_dict())
         evaluate.write_report(report, report_path)
         result["report"] = str(report_path)
     mgr.close()
     return result
+
+
+class _Window:
+    """Throughput over the steps since the last log line."""
+
+    def __init__(self, step: int):
+        self.step, self.tokens, self.start = step, 0, time.perf_counter()
+
+    def rates(self, step: int, slots_per_step: int, flops_per_step: float, peak_flops: float) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        steps = step - self.step
+        return {"tokens_per_second": self.tokens / elapsed, "step_time_s": elapsed / steps,
+                "mfu": flops_per_step * steps / elapsed / peak_flops,
+                "padding_fraction": 1.0 - self.tokens / (steps * slots_per_step)}
 
 
 def main(argv) -> None:

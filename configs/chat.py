@@ -1,0 +1,29 @@
+"""Chat JSONL training config (seed 003): conversations with tool calls and images, trained on
+every assistant turn (converter option `assistant_turns`).
+
+    python -m valen_jax.train --config=configs/chat.py --workdir=runs/chat-smoke
+    python -m valen_jax.train --config=configs/chat.py:tiny --workdir=/tmp/t --config.train.steps=4
+
+Trains on `data/smoke/chat/train.jsonl`, evaluates on `data/smoke/chat/eval.jsonl`. Variants
+after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model, for
+tests; `hf` = the decoder from an HF checkpoint, the vision tower fresh:
+    --config=configs/chat.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
+"""
+
+import sys
+from pathlib import Path
+
+import ml_collections
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # config files are loaded by path; make their sibling `common` importable
+    sys.path.insert(0, str(ROOT))
+from configs import common  # noqa: E402
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    data = common.data_group("chat", "data/smoke/chat/train.jsonl", "data/smoke/chat/eval.jsonl", "chat",
+                             seq_len=512, max_patches=128, train_options={"assistant_turns": "all"},
+                             eval_options={"assistant_turns": "all"})
+    config = common.base_config("chat", data, vision=True)
+    return common.apply_variant(config, variant, "configs/chat.py")

@@ -1,0 +1,128 @@
+"""Losses on small hand-computed cases (seed 000, "Labels and missing values" for the reductions)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from valen_jax.losses import (
+    branch_cross_entropy,
+    combine,
+    mean_of,
+    reduce_question_losses,
+    token_cross_entropy,
+    token_losses,
+)
+
+
+def test_token_cross_entropy_is_weighted_by_the_explicit_weights():
+    # Uniform logits over 4 classes: every token costs log 4; only weighted tokens count.
+    logits = jnp.zeros((1, 3, 4))
+    targets = jnp.array([[0, 1, 2]])
+    weights = jnp.array([[1.0, 0.0, 2.0]])
+    loss_sum, weight_sum, correct = token_cross_entropy(logits, targets, weights)
+    assert float(loss_sum) == pytest.approx(3 * math.log(4))
+    assert float(weight_sum) == 3.0
+    assert float(correct) == 1.0  # argmax of a tie is class 0: right for the first token only
+
+
+def test_z_loss_adds_the_squared_log_normaliser():
+    logits = jnp.log(jnp.array([[[1.0, 3.0]]]))  # Z = 4, p(target=1) = 3/4
+    sums = token_losses(logits, jnp.array([[1]]), jnp.array([[1.0]]))
+    assert float(sums["ce"]) == pytest.approx(-math.log(0.75), rel=1e-6)
+    assert float(sums["z"]) == pytest.approx(math.log(4) ** 2, rel=1e-6)
+    loss_sum, _, _ = token_cross_entropy(logits, jnp.array([[1]]), jnp.array([[1.0]]), z_loss=0.1)
+    assert float(loss_sum) == pytest.approx(-math.log(0.75) + 0.1 * math.log(4) ** 2, rel=1e-6)
+
+
+def _log_probs(probs):
+    probs = np.asarray(probs, np.float32)
+    return jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+
+
+def test_branch_cross_entropy_against_soft_labels_ignores_absent_branches_and_unlabeled_questions():
+    # Question 0: three branches, model (0.5, 0.25, 0.25), soft label (0.5, 0.5, 0).
+    # Question 1: two branches (third absent), hard label on the second; question 2: unlabeled.
+    log_probs = _log_probs([[[0.5, 0.25, 0.25], [0.8, 0.2, 0.0], [0.5, 0.5, 0.0]]])
+    labels = jnp.array([[[0.5, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]])
+    labeled = jnp.array([[True, True, False]])
+    losses = branch_cross_entropy(log_probs, labels, labeled)
+    expected = [-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)), -math.log(0.2), 0.0]
+    np.testing.assert_allclose(np.asarray(losses[0]), expected, rtol=1e-6)
+
+
+def test_branch_cross_entropy_gradient_is_finite_with_absent_branches():
+    labels = jnp.array([[[0.0, 1.0, 0.0]]])
+
+    def loss(scores):
+        log_probs = jnp.where(jnp.array([True, True, False]), jax.nn.log_softmax(
+            jnp.where(jnp.array([True, True, False]), scores, -jnp.inf)), -jnp.inf)
+        return branch_cross_entropy(log_probs[None, None], labels, jnp.array([[True]])).sum()
+
+    grad = jax.grad(loss)(jnp.array([0.3, -0.2, 0.0]))
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_state_mean_averages_within_each_state_then_over_states():
+    # Row 0 is one state with losses 1 and 3 (mean 2); row 1 packs two states: ids 7 → {4}, 9 → {6, 8}
+    # (mean 7), plus an unlabeled question that must not count. Mean over the 3 states = (2+4+7)/3.
+    losses = jnp.array([[1.0, 3.0, 0.0], [4.0, 6.0, 8.0]])
+    labeled = jnp.array([[True, True, False], [True, True, True]])
+    state_ids = jnp.array([[0, 0, 0], [7, 9, 9]])
+    num, den = reduce_question_losses(losses, labeled, "state_mean", state_ids)
+    assert float(den) == pytest.approx(3.0)
+    assert float(mean_of(num, den)) == pytest.approx((2 + 4 + 7) / 3)
+
+
+def test_state_mean_without_state_ids_treats_each_row_as_one_state():
+    losses = jnp.array([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]])
+    labeled = jnp.array([[True, True, False], [True, False, False]])
+    num, den = reduce_question_losses(losses, labeled, "state_mean")
+    assert float(mean_of(num, den)) == pytest.approx((2 + 5) / 2)
+
+
+def test_question_mean_averages_over_all_labeled_questions():
+    losses = jnp.array([[1.0, 3.0, 100.0], [5.0, 0.0, 0.0]])
+    labeled = jnp.array([[True, True, False], [True, False, False]])
+    num, den = reduce_question_losses(losses, labeled, "question_mean")
+    assert float(mean_of(num, den)) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("reduction", ["state_mean", "question_mean"])
+def test_an_all_unlabeled_batch_gives_zero_not_nan(reduction):
+    losses = jnp.full((2, 3), jnp.nan)  # even garbage losses of unlabeled questions must not leak
+    labeled = jnp.zeros((2, 3), bool)
+
+    def mean(losses):
+        return mean_of(*reduce_question_losses(losses, labeled, reduction))
+
+    assert float(mean(losses)) == 0.0
+    assert np.all(np.asarray(jax.grad(mean)(jnp.ones((2, 3)))) == 0.0)
+
+
+def test_reductions_add_over_micro_batches():
+    losses = jnp.array([[1.0, 3.0], [4.0, 6.0], [2.0, 2.0], [9.0, 1.0]])
+    labeled = jnp.array([[True, True], [True, False], [False, False], [True, True]])
+    for reduction in ("state_mean", "question_mean"):
+        whole = reduce_question_losses(losses, labeled, reduction)
+        halves = [reduce_question_losses(losses[i:i + 2], labeled[i:i + 2], reduction) for i in (0, 2)]
+        assert float(mean_of(*whole)) == pytest.approx(float(mean_of(sum(h[0] for h in halves),
+                                                                      sum(h[1] for h in halves))))
+
+
+def test_unknown_reduction_is_an_error():
+    with pytest.raises(ValueError, match="state_mean"):
+        reduce_question_losses(jnp.zeros((1, 1)), jnp.ones((1, 1), bool), "mean")
+
+
+def test_combine_weighs_objectives_and_refuses_a_weighted_objective_that_is_missing():
+    weights = {"tokens": 1.0, "branches": 0.5, "drafter": 0.0}
+    assert float(combine({"tokens": jnp.array(2.0), "branches": jnp.array(4.0)}, weights)) == 4.0
+    with pytest.raises(ValueError, match="branches"):
+        combine({"tokens": jnp.array(2.0)}, weights)
+    with pytest.raises(ValueError, match="no loss weight"):
+        combine({"tokens": jnp.array(2.0), "extra": jnp.array(1.0)}, {"tokens": 1.0})

@@ -1,0 +1,110 @@
+"""metrics.jsonl on resume, peak FLOP/s per device kind, model FLOPs; config checks of issue 7's fields."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from valen_jax.metrics import MetricsLog, PeakFlopsError, model_flops_per_step, peak_flops_per_device
+from valen_jax.models.config import ModelConfig
+
+
+def records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_run_drops_records_past_its_start_and_a_line_cut_by_a_kill(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in (1, 2, 3, 4):
+        log.write(step, {"loss": float(step)})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"loss": 5.0, "st')  # the kill landed mid-write
+    log = MetricsLog(tmp_path, start_step=2)
+    log.write(3, {"loss": 30.0})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in records(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+@pytest.mark.parametrize("kind, flops", [("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12),
+                                         ("TPU v6 lite", 918e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                         ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12)])
+def test_peak_flops_come_from_the_device_kind(kind, flops):
+    device = SimpleNamespace(platform="gpu" if "NVIDIA" in kind else "tpu", device_kind=kind)
+    assert peak_flops_per_device(None, device)[0] == flops
+
+
+def test_peak_flops_config_wins_and_an_unknown_accelerator_must_be_configured():
+    unknown = SimpleNamespace(platform="gpu", device_kind="NVIDIA L4")
+    assert peak_flops_per_device(1.5e14, unknown) == (1.5e14, "config.train.peak_flops")
+    with pytest.raises(PeakFlopsError, match="NVIDIA L4"):
+        peak_flops_per_device(None, unknown)
+
+
+def test_peak_flops_on_cpu_is_measured():
+    flops, source = peak_flops_per_device(None, SimpleNamespace(platform="cpu", device_kind="cpu"))
+    assert flops > 1e8 and "measured" in source
+
+
+def test_model_flops_count_six_per_parameter_per_token_plus_attention():
+    cfg = ModelConfig(vocab_size=100, dim=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, mlp_dim=16)
+    params = 8 * 4 * (2 * 2 + 2 * 1) + 3 * 8 * 16 + 8 * 100
+    assert model_flops_per_step(cfg, batch=2, seq=10) == 6 * params * 20 + 6 * 10 * 2 * 4 * 20
+
+
+def test_the_train_step_benchmark_reuses_the_metrics_flops():
+    import benchmarks.train_step as bench
+    assert bench.model_flops_per_step is model_flops_per_step
+
+
+def _tiny():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("vflash_cfg", Path(__file__).parent.parent / "configs/vflash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("tiny")
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("train.decay", "exponential", "decay"),
+    ("train.grad_accum_steps", 3, "grad_accum_steps"),
+    ("train.param_groups", [{"pattern": "embed", "frozen": True, "lr_multiplier": 0.5}], "exactly one"),
+    ("train.param_groups", [{"pattern": "embed", "lr": 0.5}], "'pattern' and one of"),
+    ("train.debug_pause_in_save_s", -1.0, "debug_pause"),
+    ("loss.z_loss", -1e-4, "z_loss"),
+    ("loss.loss_reduction", "mean", "state_mean"),
+    ("loss.weights", {"tokens": 1.0, "branches": 0.0}, "exactly"),
+    ("loss.weights", {"tokens": 0.0, "branches": 0.0, "drafter": 0.0}, "nothing would be trained"),
+    ("loss.weights", {"tokens": -1.0, "branches": 0.0, "drafter": 0.0}, "≥ 0"),
+    ("model.param_dtype", "bfloat16", "master weights"),
+    ("model.dtype", "float16", "dtype"),
+    ("eval.every", -1, "eval.every"),
+])
+def test_impossible_config_values_fail_at_start_up(path, value, message):
+    from valen_jax.experiment import ConfigError, validate_config
+    config = _tiny()
+    group, key = path.split(".")
+    with config.unlocked():
+        del config[group][key]
+        config[group][key] = value
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config)
+
+
+@pytest.mark.parametrize("name", ["vflash", "chat", "vakforge"])
+@pytest.mark.parametrize("variant", ["", "tiny", "hf"])
+def test_every_config_and_variant_validates(name, variant):
+    import importlib.util
+    from pathlib import Path
+
+    from valen_jax.experiment import validate_config
+    spec = importlib.util.spec_from_file_location(f"{name}_cfg", Path(__file__).parent.parent / f"configs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(variant)
+    validate_config(config)
+    assert config.data.format == {"vflash": "recipe", "chat": "chat", "vakforge": "vakforge"}[name]
+    assert dict(config.loss.weights) == {"tokens": 1.0, "branches": 0.0, "drafter": 0.0}
