@@ -41,6 +41,18 @@ def data_group(fmt: str, train: str, eval_path: str, eval_format: str, *, seq_le
     data.global_batch = global_batch
     data.workers = 0
     data.shuffle = True
+    # Packing several examples per row (segment ids keep them apart): "none", "first_fit" or
+    # "best_fit"; at most max_segments per row; an example longer than a row is an "error" or a
+    # counted "skip" (never truncated: a cut could split a media placeholder).
+    data.packing = "none"
+    data.max_segments = 16
+    data.overlong = "error"
+    data.pack_buffer = 32
+    # Valen (seed 000): "question" (branch tree) or "shared_state"; row capacity in questions and
+    # candidates. Unused by the token formats.
+    data.valen_mode = "question"
+    data.max_questions = 8
+    data.max_candidates = 16
     return data
 
 

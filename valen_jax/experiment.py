@@ -20,7 +20,9 @@ from data_pipeline.shards import Manifest, ShardError, sha256_file
 from data_pipeline.tokenizer import token_id
 from valen_jax import losses, optim
 from valen_jax.data.assemble import RowSpec
+from valen_jax.data.packing import PackingSpec
 from valen_jax.data.sources import ShardSet
+from valen_jax.data.valen_rows import QuestionSpec
 from valen_jax.data.vision_processor import media_settings
 from valen_jax.models import hf
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 
 REQUIRED = {
     "data": ("format", "train", "eval", "eval_format", "train_options", "eval_options", "tokenizer",
-             "template_family", "seq_len", "max_patches", "global_batch", "workers", "shuffle"),
+             "template_family", "seq_len", "max_patches", "global_batch", "workers", "shuffle", "packing",
+             "max_segments", "overlong", "pack_buffer", "valen_mode", "max_questions", "max_candidates"),
     "model": ("init_from", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
               "tie_embeddings", "dtype", "param_dtype", "remat", "scan_layers", "vision"),
     "train": ("steps", "checkpoint_every", "keep_checkpoints", "seed", "log_every", "learning_rate",
@@ -139,7 +142,9 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
                               temporal_patch_size=m.vision.temporal_patch_size, dim=m.vision.dim,
                               num_layers=m.vision.num_layers, num_heads=m.vision.num_heads, mlp_dim=m.vision.mlp_dim)
     common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=bool(m.remat), scan_layers=bool(m.scan_layers),
-                  image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision)
+                  image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision,
+                  # Valen's scored branches need the scalar head; other tasks never build it.
+                  score_head=float(config.loss.weights.get("branches", 0.0)) > 0)
     if m.init_from:
         hf_config = json.loads((hf.resolve(m.init_from) / "config.json").read_text())
         base = hf.config_from_hf(hf_config, **common)
@@ -217,3 +222,13 @@ def _sources_current(manifest: Manifest, source: Path) -> bool:
 def summary(shard_set: ShardSet) -> dict[str, Any]:
     counts = dict(shard_set.manifest.data["counts"])
     return {"dir": str(shard_set.directory), **counts}
+
+
+def packing_spec(config: ml_collections.ConfigDict) -> PackingSpec:
+    return PackingSpec(config.data.packing, int(config.data.max_segments), config.data.overlong,
+                       int(config.data.pack_buffer))
+
+
+def question_spec(config: ml_collections.ConfigDict, training: bool) -> QuestionSpec:
+    return QuestionSpec(config.data.valen_mode, int(config.data.max_questions), int(config.data.max_candidates),
+                        training)

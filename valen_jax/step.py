@@ -12,14 +12,33 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from valen_jax import sharding
-from valen_jax.losses import combine, token_cross_entropy, token_losses
+from valen_jax.losses import (
+    branch_cross_entropy,
+    combine,
+    reduce_question_losses,
+    token_cross_entropy,
+    token_losses,
+)
 from valen_jax.models.config import ModelConfig
+from valen_jax.models.heads import branch_log_probs
 from valen_jax.models.transformer import abstract_model
 from valen_jax.optim import build_optimizer, frozen_mask
 
 
 def vision_inputs(batch):
     return batch["patches"], batch["patch_positions"], batch["patch_segments"]
+
+
+def branch_sums(scores, batch, reduction: str) -> dict:
+    """Valen's scored branches: soft-label cross-entropy summed by `loss_reduction` (seed 000)."""
+    log_probs = branch_log_probs(scores, batch["score_positions"], batch["branch_mask"])
+    losses = branch_cross_entropy(log_probs, batch["labels"], batch["labeled"])
+    numerator, _ = reduce_question_losses(losses, batch["labeled"], reduction)
+    # Argmax agreement with the label's argmax, over labeled questions (a training signal only;
+    # evaluation reports hard-label accuracy separately).
+    agree = jnp.argmax(jnp.where(batch["branch_mask"], log_probs, -jnp.inf), -1) == jnp.argmax(batch["labels"], -1)
+    labeled = batch["labeled"].astype(jnp.float32)
+    return {"branch_loss": numerator, "branch_correct": jnp.sum(agree * labeled), "branch_questions": jnp.sum(labeled)}
 
 
 def forward_loss(graphdef, params, batch):
@@ -38,11 +57,13 @@ class StepOptions:
     z_loss: float = 0.0
     grad_accum_steps: int = 1
     frozen: object = None  # pytree of bools like params (True: no gradient), or None
+    loss_reduction: str = "state_mean"
 
     @classmethod
     def from_config(cls, config, frozen=None) -> StepOptions:
         return cls(loss_weights=dict(config.loss.weights), z_loss=float(config.loss.z_loss),
-                   grad_accum_steps=int(config.train.grad_accum_steps), frozen=frozen)
+                   grad_accum_steps=int(config.train.grad_accum_steps), frozen=frozen,
+                   loss_reduction=str(config.loss.loss_reduction))
 
 
 def _micro_batches(batch: dict, count: int) -> dict:
@@ -70,27 +91,40 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             # No gradient flows into frozen parameters, so XLA drops their backward pass.
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, options.frozen)
         model = nnx.merge(graphdef, params)
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
-        return token_losses(logits, batch["targets"], batch["target_weights"])
+        hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch),
+                              batch.get("branch_ids"))
+        sums = {}
+        if weights.get("tokens", 0.0) > 0 or "score_positions" not in batch:
+            sums.update(token_losses(model.logits(hidden), batch["targets"], batch["target_weights"]))
+        if "score_positions" in batch:
+            sums.update(branch_sums(model.score_head(hidden), batch, options.loss_reduction))
+        return sums
 
-    def total_of(sums, tokens_denominator):
+    def total_of(sums, denominators):
         # Every objective is a sum over the whole global batch divided by a count fixed by the
         # batch alone (never by the parameters), so summing micro-batch gradients of
-        # `total_of(micro sums)` gives exactly the gradient of one big batch. Branch losses join
-        # the same way: `losses.reduce_question_losses` numerator from the micro-batch, its
-        # denominator (states or questions, labels only) from the whole batch up front.
-        objectives = {"tokens": sums["ce"] / tokens_denominator}
-        z_mean = sums["z"] / tokens_denominator
-        return combine(objectives, weights) + options.z_loss * z_mean, {"loss_tokens": objectives["tokens"],
-                                                                       "loss_z": z_mean}
+        # `total_of(micro sums)` gives exactly the gradient of one big batch.
+        objectives, parts = {}, {}
+        if "ce" in sums:
+            objectives["tokens"] = sums["ce"] / denominators["tokens"]
+            parts["loss_z"] = sums["z"] / denominators["tokens"]
+        if "branch_loss" in sums:
+            objectives["branches"] = sums["branch_loss"] / denominators["branches"]
+        total = combine(objectives, weights) + options.z_loss * parts.get("loss_z", 0.0)
+        return total, {**{f"loss_{name}": value for name, value in objectives.items()}, **parts}
 
     def grads_and_sums(params, batch):
+        # Denominators come from the whole global batch's labels and weights, before any split.
         # An all-zero-weight batch gives loss 0, not NaN.
-        tokens_denominator = jnp.maximum(jnp.sum(batch["target_weights"]), 1.0)
+        denominators = {"tokens": jnp.maximum(jnp.sum(batch["target_weights"]), 1.0)}
+        if "score_positions" in batch:
+            _, states = reduce_question_losses(jnp.zeros(batch["labeled"].shape), batch["labeled"],
+                                               options.loss_reduction)
+            denominators["branches"] = jnp.maximum(states, 1.0)
 
         def micro_loss(p, micro):
             sums = sums_of(p, micro)
-            return total_of(sums, tokens_denominator)[0], sums
+            return total_of(sums, denominators)[0], sums
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
         if accum == 1:
@@ -105,16 +139,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             zeros = (jax.tree.map(jnp.zeros_like, params),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
             (grads, sums), _ = jax.lax.scan(body, zeros, micros)
-        total, parts = total_of(sums, tokens_denominator)
-        return grads, total, parts, sums, tokens_denominator
+        total, parts = total_of(sums, denominators)
+        return grads, total, parts, sums, denominators
 
     def train_step(state, batch):
-        grads, loss, parts, sums, denominator = grads_and_sums(state["params"], batch)
+        grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, **parts, "accuracy": sums["correct"] / denominator,
-                   "target_tokens": sums["weight"], "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state["step"])}
+        metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
+        if "correct" in sums:
+            metrics.update(accuracy=sums["correct"] / denominators["tokens"], target_tokens=sums["weight"])
+        if "branch_correct" in sums:
+            metrics.update(accuracy=sums["branch_correct"] / jnp.maximum(sums["branch_questions"], 1.0),
+                           labeled_questions=sums["branch_questions"])
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return train_step

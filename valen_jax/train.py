@@ -34,6 +34,7 @@ from data_pipeline.tokenizer import load_tokenizer
 from valen_jax import checkpoint, evaluate, experiment, sharding
 from valen_jax.data.assemble import batch_shapes_of
 from valen_jax.data.pipeline import build_dataset
+from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.config import ModelConfig
 from valen_jax.step import StepOptions, TrainLayout, make_train_step
@@ -120,8 +121,18 @@ def run(config, workdir: str | Path) -> dict:
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     spec = experiment.row_spec(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg,
                                config.media_kwargs.to_dict())
-    dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
-                            shuffle=config.data.shuffle, repeat=True, workers=config.data.workers)
+    if is_valen(train_set):
+        qspec = experiment.question_spec(config, training=True)
+        dataset = build_valen_dataset(train_set, spec, qspec, global_batch=config.data.global_batch,
+                                      seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
+                                      workers=config.data.workers)
+        batch_shapes = valen_batch_shapes(spec, qspec, config.data.global_batch)
+    else:
+        dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
+                                shuffle=config.data.shuffle, repeat=True, workers=config.data.workers,
+                                packing=experiment.packing_spec(config), training=True,
+                                media_log_dir=workdir)
+        batch_shapes = batch_shapes_of(spec, config.data.global_batch)
     iterator = iter(dataset)
 
     meta = {
@@ -148,7 +159,6 @@ def run(config, workdir: str | Path) -> dict:
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
 
-    batch_shapes = batch_shapes_of(spec, config.data.global_batch)
     batch_shardings = layout.batch_shardings(batch_shapes)
     options = StepOptions.from_config(config, layout.frozen)
     step_fn = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule, options),

@@ -108,9 +108,12 @@ class Piece:
         return len(self.patches)
 
 
-def piece_of(example: Example, spec: RowSpec, **augment) -> Piece:
-    """`augment`: the training-time media options of `expand_media_slots` (training, rng, entry)."""
+def piece_of(example: Example, spec: RowSpec, media_log=None, **augment) -> Piece:
+    """`augment`: the training-time media options of `expand_media_slots` (training, rng, entry);
+    `media_log`: a `media_log.MediaLog` that records each media item as it is processed."""
     expanded = expand_media_slots(example, spec, **augment)
+    if media_log is not None:
+        media_log.log_expanded(example, expanded, spec)
     media = expanded.media
     patches = (np.concatenate([m.patches for m in media]) if media
                else np.zeros((0, spec.patch_dim), np.float32))

@@ -17,6 +17,8 @@ import numpy as np
 from absl import flags
 
 from valen_jax.data.assemble import RowSpec
+from valen_jax.data.augment import EntryMedia, example_rng
+from valen_jax.data.media_log import MediaLog
 from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of
 from valen_jax.data.sources import ShardSet, Sources, decode, mixture_of, sampling_indices
 
@@ -59,31 +61,53 @@ def example_refs(components: list[tuple[ShardSet, float]], *, seed: int, shuffle
 
 
 class _Reader:
-    """(component, record, epoch) → Piece; picklable, so worker processes can rebuild it."""
+    """(component, record, epoch) → Piece; picklable, so worker processes can rebuild it.
 
-    def __init__(self, components: list[tuple[ShardSet, float]], spec: RowSpec):
+    In training, media augmentation (recipe `data_augment`/`visual_aug`, seed 004) draws from an
+    rng keyed by (seed, record, epoch): a restored iterator re-reads buffered examples and must
+    augment them exactly as before.
+    """
+
+    def __init__(self, components: list[tuple[ShardSet, float]], spec: RowSpec, training: bool, seed: int,
+                 media_log: MediaLog | None):
         self._sets = [shard_set for shard_set, _ in components]
         self._spec = spec
+        self._training, self._seed, self._media_log = training, seed, media_log
+        self._entries = [[(e["start"], e["stop"], EntryMedia.from_manifest_entry(e))
+                          for e in shard_set.manifest.data["entries"]] for shard_set in self._sets]
         self._sources = None
+
+    def _entry(self, component: int, record: int) -> EntryMedia | None:
+        for start, stop, entry in self._entries[component]:
+            if start <= record < stop:
+                return entry
+        return None
 
     def __call__(self, ref: tuple[int, int, int]):
         if self._sources is None:  # opened lazily, in the process that reads
             self._sources = [shard_set.source() for shard_set in self._sets]
-        component, record, _ = ref
-        return piece_of(decode(self._sources[component][record]), self._spec)
+        component, record, epoch = ref
+        example = decode(self._sources[component][record])
+        if not self._training:
+            return piece_of(example, self._spec, media_log=self._media_log)
+        return piece_of(example, self._spec, media_log=self._media_log, training=True,
+                        rng=example_rng(component_seed(self._seed, component), record, epoch),
+                        entry=self._entry(component, record))
 
     def __getstate__(self):
-        return {"_sets": self._sets, "_spec": self._spec, "_sources": None}
+        return {**self.__dict__, "_sources": None}
 
 
 def build_dataset(sources: Sources, spec: RowSpec, *, global_batch: int, seed: int, shuffle: bool,
                   repeat: bool, workers: int, packing: PackingSpec | None = None,
-                  process_index: int | None = None, process_count: int | None = None) -> grain.IterDataset:
+                  process_index: int | None = None, process_count: int | None = None, training: bool = False,
+                  media_log_dir=None) -> grain.IterDataset:
     """Batches of `global_batch / process_count` rows for this process, as numpy arrays.
 
     `sources`: one ShardSet, or (ShardSet, weight) pairs mixed by weight. `packing`: the
     `data.packing/max_segments/overlong/pack_buffer` knobs (default: one example per row). `process_index/count` default to
-    JAX's; tests pass others to act as one process of many.
+    JAX's; tests pass others to act as one process of many. `training` turns on media augmentation;
+    `media_log_dir` writes the media log (seed 000) there.
     """
     components = mixture_of(sources)
     process_index = jax.process_index() if process_index is None else process_index
@@ -92,7 +116,8 @@ def build_dataset(sources: Sources, spec: RowSpec, *, global_batch: int, seed: i
         raise ValueError(f"global batch {global_batch} is not divisible by {process_count} processes")
     refs = example_refs(components, seed=seed, shuffle=shuffle, repeat=repeat, process_index=process_index,
                         process_count=process_count)
-    pieces = refs.map(_Reader(components, spec)).to_iter_dataset()
+    media_log = MediaLog(media_log_dir, process_index) if media_log_dir is not None else None
+    pieces = refs.map(_Reader(components, spec, training, seed, media_log)).to_iter_dataset()
     rows = PackIterDataset(pieces, spec, packing or PackingSpec())
     iterable = rows.batch(global_batch // process_count, drop_remainder=True)
     if workers > 0:
