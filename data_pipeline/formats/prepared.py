@@ -30,6 +30,7 @@ from pathlib import Path
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem, describe, member, quote
 from data_pipeline.formats.jsonl import loads_strict
 from data_pipeline.formats.prepared_rows import STATS_KEYS, FileStats, scan_rows
+from data_pipeline.shards import sha256_file as file_sha256
 
 DESCRIPTOR_NAME = "prepared.json"
 DESCRIPTOR_KEYS = ("tokenizer", "tokenizerSha256", "chatTemplateSha256", "files")
@@ -261,14 +262,6 @@ def check_max_seq_length(descriptor: PreparedDescriptor, max_len: int) -> None:
     ]
     if problems:
         raise FormatError(problems)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _compare(source: str, found: FileStats, stated: FileStats) -> list[Problem]:

@@ -47,6 +47,7 @@ from data_pipeline.formats.vakforge_schema import (
     CONVERSATION_ID_PATTERN,
     Turn,
     VakforgeConversation,
+    field_path,
     json_schema,
 )
 from data_pipeline.formats.vakforge_splits import SPLITS_FILE, VakforgeSplits, check_splits
@@ -168,17 +169,8 @@ def _parse(obj: object, source: str, line: int, problems: list[Problem]) -> Vakf
         problems.append(Problem(source, line, prefix + "record", "nested too deeply"))
     except ValidationError as err:
         for e in err.errors(include_url=False):
-            problems.append(Problem(source, line, prefix + (_loc(e["loc"]) or "record"), _message(e)))
+            problems.append(Problem(source, line, prefix + (field_path(e["loc"]) or "record"), _message(e)))
     return None
-
-
-def _loc(loc: Sequence[int | str]) -> str:
-    out = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad dict key; the key itself is the last part
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 _PATTERN_HINTS = {

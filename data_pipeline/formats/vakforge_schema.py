@@ -191,3 +191,13 @@ def json_schema() -> dict:
     """The JSON Schema written to vakforge.schema.json for external validators."""
     schema = VakforgeConversation.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def field_path(loc) -> str:
+    """A pydantic error location as this project's field path: `turns[3].text`."""
+    out = ""
+    for part in loc:
+        if part == "[key]":  # pydantic's marker for a bad dict key; the key itself is the last part
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

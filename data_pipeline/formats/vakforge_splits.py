@@ -27,7 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data_pipeline.formats.errors import FILE_FIELD, Problem
 from data_pipeline.formats.jsonl import loads_strict
-from data_pipeline.formats.vakforge_schema import SNAKE_CASE_PATTERN, ConversationId, VakforgeConversation
+from data_pipeline.formats.vakforge_schema import (
+    SNAKE_CASE_PATTERN,
+    ConversationId,
+    VakforgeConversation,
+    field_path,
+)
 
 SPLITS_FILE = "splits.json"
 
@@ -62,7 +67,7 @@ def check_splits(
     except (ValueError, RecursionError) as err:
         if isinstance(err, ValidationError):
             for e in err.errors():
-                field = _loc(e["loc"]) or FILE_FIELD
+                field = field_path(e["loc"]) or FILE_FIELD
                 message = "required" if e["type"] == "missing" else e["msg"].replace("Input should be", "must be")
                 problems.append(Problem(source, _line_of_key(text, e["loc"]), field, message))
         elif isinstance(err, json.JSONDecodeError):
@@ -145,15 +150,6 @@ def _read(path: Path, source: str, problems: list[Problem]) -> str | None:
     except UnicodeDecodeError as err:
         problems.append(Problem(source, 0, FILE_FIELD, f"not UTF-8: invalid byte at offset {err.start}"))
     return None
-
-
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if part == "[key]":  # pydantic's marker for a bad dict key; the key itself is the last part
-            continue
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
 
 
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
