@@ -204,3 +204,16 @@ def test_a_bad_record_fails_a_multi_worker_conversion_with_its_line(tmp_path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(RenderError):
         convert("vflash", tmp_path / "a.jsonl", tmp_path / "out", TOKENIZER, workers=2, progress=False)
+
+
+def test_each_trajectory_carries_its_atomic_decoding_block(tokenizer, records):
+    renderer = VFlashRenderer(tokenizer)
+    record = records["smoke_robot2d"][0]
+    example = renderer.render(record, "smoke_robot2d")
+    spans, blocks = example.arrays["primitive_spans"], example.arrays["primitive_blocks"]
+    assert blocks.shape == (len(spans), 3)
+    (kind, start, stop), (call, block_size, count) = spans[0], blocks[0]
+    # Seed 004: block_size counts every token of the primitive, tags included.
+    assert call == 0 and block_size == stop - start and count == (stop - start - 2) // 2
+    point = renderer.render(records["smoke_points"][0], "smoke_points")
+    assert point.arrays["primitive_blocks"].tolist() == [[-1, 0, 0]]

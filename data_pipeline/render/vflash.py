@@ -8,6 +8,9 @@ Arrays of the Example:
   tokens (end-of-turn included), 0 elsewhere, 0 on coordinates that `atom_loss_masks` removes.
 - `primitive_spans` int32 [N, 3]: (kind id, first token, one past last token) of every
   primitive with coordinates, start and end tags included (the drafter's blocks).
+- `primitive_blocks` int32 [N, 3]: per primitive of `primitive_spans`, the `atomic_decoding` call
+  that announces it (index within the record, -1 for none: points and boxes), that call's
+  `block_size` and its `count` (0 when absent); a dual-arm pair shares one call and one block.
 - `media_{i}` uint8: original bytes of the i-th media item; digests in the header.
 """
 
@@ -79,6 +82,7 @@ class VFlashRenderer:
             "target_weights": weights,
             "primitive_spans": np.asarray([(PRIMITIVE_KINDS.index(k), s, e) for k, s, e, _ in spans],
                                           dtype=np.int32).reshape(-1, 3),
+            "primitive_blocks": _primitive_blocks(record),
         }
         for index, blob in enumerate(media):
             arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)
@@ -139,3 +143,17 @@ class VFlashRenderer:
                                   f"{len(mask)} flags for {len(numbers)} coordinate tokens")
             keep = np.frombuffer(mask.encode("ascii"), dtype=np.uint8) == ord("1")
             weights[numbers[~keep]] = 0.0
+
+
+def _primitive_blocks(record: VFlashRecord) -> np.ndarray:
+    """(call index, block_size, count) for each primitive with coordinates, in answer order."""
+    rows = []
+    call_index = 0
+    for primitives, calls in zip(record.primitives, record.calls or [()] * len(record.primitives), strict=True):
+        announced = {}
+        for call in calls:
+            for covered in call.covers:
+                announced[covered] = (call_index, call.block_size, call.count or 0)
+            call_index += 1
+        rows.extend(announced.get(i, (-1, 0, 0)) for i, primitive in enumerate(primitives) if primitive.values)
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 3)
