@@ -212,7 +212,7 @@ def test_each_trajectory_carries_its_atomic_decoding_block(tokenizer, records):
     example = renderer.render(record, "smoke_robot2d")
     spans, blocks = example.arrays["primitive_spans"], example.arrays["primitive_blocks"]
     assert blocks.shape == (len(spans), 3)
-    (kind, start, stop), (call, block_size, count) = spans[0], blocks[0]
+    (_, start, stop), (call, block_size, count) = spans[0], blocks[0]
     # Seed 004: block_size counts every token of the primitive, tags included.
     assert call == 0 and block_size == stop - start and count == (stop - start - 2) // 2
     point = renderer.render(records["smoke_points"][0], "smoke_points")
