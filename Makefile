@@ -26,7 +26,7 @@ lint: setup
 
 # Regenerate the lock after editing pyproject.toml dependencies (needs `pip install uv`).
 lock:
-	uv pip compile pyproject.toml --extra test --extra beam --python-version 3.11 --find-links /opt/wheels --emit-find-links -o requirements.lock
+	uv pip compile pyproject.toml --extra test --extra beam --extra notebooks --python-version 3.11 --find-links /opt/wheels --emit-find-links -o requirements.lock
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,11 +1,23 @@
-"""Evaluate a trained workdir on a data file; needs nothing but the workdir.
+"""Evaluate a trained workdir on a data file with the metrics its format defines; needs nothing but the workdir.
 
     python -m valen_jax.evaluate --workdir=runs/vflash-smoke --data=data/smoke/vflash/eval.jsonl \
         --output=runs/vflash-smoke/eval/report.json
+    python -m valen_jax.evaluate --workdir=runs/valen-smoke --data=data/smoke/valen/train.jsonl \
+        --output=runs/valen-smoke/eval/report.json --mode=shared_state
 
-Model config, `media_kwargs` and tokenizer come from the checkpoint. For VFlash data the report
-holds the assistant-token loss and next-token accuracy (teacher forcing), and from greedy
-decoding of each example's last answer the fraction of answers whose primitives parse.
+Model config, `media_kwargs`, tokenizer and training config come from the checkpoint (the latest
+step unless `--step`). The data's format is the checkpoint's `data.eval_format` unless `--format`
+is given (never guessed from the path); `data.eval_options` (e.g. vakforge's split) apply to that
+format. Every example of the data is evaluated unless `--max_examples`. The report holds, per format:
+- valen: per question, overall / by type / by domain, modality, language_bucket: hard-label
+  accuracy, cross-entropy, Brier, RPS, ECE, the noul confusion matrix and the label counts
+  (`valen_jax.eval_metrics.valen`), in `--mode` (default: the checkpoint's `data.valen_mode`);
+- vflash: assistant-token `loss`/`accuracy` (teacher forcing); greedy decoding of each last answer:
+  `generation.primitive_parse_rate`, and point/box/trajectory/dense metrics overall and per recipe
+  entry (`valen_jax.eval_metrics.vflash`);
+- chat, vakforge: assistant-token loss/accuracy and tool-call exact match, overall and by locale
+  and source (`valen_jax.eval_metrics.chat`).
+With several processes each evaluates a slice and the sums are added before any ratio is formed.
 """
 
 from __future__ import annotations
@@ -18,31 +30,18 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
-from flax import nnx
 
-from data_pipeline.primitives import PrimitiveError, parse_answer
-from data_pipeline.shards import Example
-from valen_jax import checkpoint, experiment, sharding
-from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
+from valen_jax import checkpoint, eval_workdir, sharding
+from valen_jax.data.assemble import assemble
+from valen_jax.eval_chat import evaluate_chat
+from valen_jax.eval_valen import evaluate_valen
+from valen_jax.eval_vflash import evaluate_vflash
+from valen_jax.eval_workdir import Restored, stack
 from valen_jax.models.config import ModelConfig
-from valen_jax.step import TrainLayout, forward_loss, vision_inputs
+from valen_jax.step import forward_loss
 
 log = logging.getLogger("valen_jax.evaluate")
-
-
-def _format_of(path: Path) -> str:
-    if path.is_dir():
-        return "shards"
-    return "recipe" if path.suffix == ".json" else "vflash"
-
-
-def _stack(rows: list[dict], size: int) -> dict[str, np.ndarray]:
-    """Stack rows into a fixed-size batch; missing rows are all-padding with zero weight."""
-    padded = rows + [jax.tree.map(np.zeros_like, rows[0])] * (size - len(rows))
-    return {k: np.stack([r[k] for r in padded]) for k in rows[0]}
 
 
 @functools.cache
@@ -57,96 +56,54 @@ def teacher_forced(params, graphdef, examples, spec, mesh, batch_size) -> dict[s
     totals = np.zeros(3)
     for start in range(0, len(examples), batch_size):
         rows = [assemble(e, spec) for e in examples[start:start + batch_size]]
-        batch = sharding.global_batch(_stack(rows, batch_size), mesh)
+        batch = sharding.global_batch(stack(rows, batch_size), mesh)
         totals += np.asarray(jax.device_get(forward(params, batch)))
     loss_sum, weight_sum, correct = totals
     return {"target_tokens": int(weight_sum), "loss": loss_sum / max(weight_sum, 1.0),
             "accuracy": correct / max(weight_sum, 1.0)}
 
 
-def _prompt_rows(example: Example, spec: RowSpec) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
-    """Expanded ids of the conversation before its last assistant answer, and its vision inputs."""
-    expanded = expand_media_slots(example, spec)
-    targets = np.flatnonzero(expanded.weights > 0)
-    breaks = np.flatnonzero(np.diff(targets) > 1)
-    answer_start = int(targets[breaks[-1] + 1] if len(breaks) else targets[0])
-    where = f"{example.meta.get('source')}:{example.meta.get('line')}"
-    return expanded.ids[:answer_start], vision_arrays(expanded.media, spec, where), answer_start
-
-
-def _greedy(params, graphdef, examples, spec, mesh, batch_size, max_new_tokens, eos_id) -> list[list[int]]:
-    def next_tokens(p, tokens, cursor, vision):
-        model = nnx.merge(graphdef, p)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits = model(tokens, positions, jnp.ones_like(tokens), vision_inputs(vision))
-        last = jnp.take_along_axis(logits, (cursor - 1)[:, None, None], axis=1)[:, 0]
-        return jnp.argmax(last, axis=-1).astype(jnp.int32)
-
-    step = jax.jit(next_tokens)
-    outputs = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        prompts = [_prompt_rows(e, spec) for e in chunk]
-        tokens = np.full((batch_size, spec.seq_len), spec.pad_id, np.int32)
-        cursor = np.ones(batch_size, np.int32)
-        for row, (ids, _, length) in enumerate(prompts):
-            tokens[row, :length] = ids
-            cursor[row] = length
-        vision = sharding.global_batch(_stack([v for _, v, _ in prompts], batch_size), mesh)
-        generated = [[] for _ in chunk]
-        done = np.zeros(batch_size, bool)
-        done[len(chunk):] = True
-        for _ in range(max_new_tokens):
-            if done.all() or cursor.max() >= spec.seq_len:
-                break
-            batch = sharding.global_batch({"tokens": tokens, "cursor": cursor}, mesh)
-            new = np.asarray(jax.device_get(step(params, batch["tokens"], batch["cursor"], vision)))
-            for row in range(len(chunk)):
-                if done[row]:
-                    continue
-                generated[row].append(int(new[row]))
-                tokens[row, cursor[row]] = new[row]
-                cursor[row] += 1
-                done[row] = new[row] == eos_id or cursor[row] >= spec.seq_len
-        outputs.extend(generated)
-    return outputs
-
-
-def _parses(text: str) -> bool:
-    try:
-        primitives, _ = parse_answer(text)
-    except PrimitiveError:
-        return False
-    return bool(primitives)
-
-
-def evaluate_params(params, graphdef, model_cfg: ModelConfig, tokenizer, spec: RowSpec, mesh, data,
-                    workdir: Path, fingerprint: dict[str, str], eval_cfg, data_format: str = "vflash",
-                    fmt: str | None = None, options: dict | None = None) -> dict:
-    """`fmt`/`options`: the data's converter format and options (config.data.eval_format/eval_options);
-    None guesses the format from the path."""
-    data = Path(data)
-    fmt = fmt or _format_of(data)
-    shard_set = experiment.ensure_shards(fmt, data, Path(workdir) / "eval_shards",
-                                         checkpoint.tokenizer_dir(workdir), fingerprint, options)
-    source = shard_set.source()
-    count = min(len(shard_set), int(eval_cfg.max_examples))
-    examples = [Example.from_bytes(source[i]) for i in range(count)]
-    report = {"data": str(data), "format": data_format, "examples": count}
-    report.update(teacher_forced(params, graphdef, examples, spec, mesh, int(eval_cfg.batch_size)))
-    generated = _greedy(params, graphdef, examples, spec, mesh, int(eval_cfg.batch_size),
-                        int(eval_cfg.max_new_tokens), int(tokenizer.eos_token_id))
-    texts = [tokenizer.decode([t for t in ids if t != tokenizer.eos_token_id]) for ids in generated]
-    references = [e.meta["answers"][-1] for e in examples]
-    parsed = [_parses(t) for t in texts]
-    report["generation"] = {
-        "answers": len(texts),
-        "primitive_parse_rate": float(np.mean(parsed)) if texts else 0.0,
-        "exact_match_rate": float(np.mean([t == r for t, r in zip(texts, references, strict=True)])),
-    }
-    report["samples"] = [{"source": f"{e.meta['source']}:{e.meta['line']}", "reference": r, "answer": t,
-                          "parses": p} for e, r, t, p in list(zip(examples, references, texts, parsed, strict=True))[:8]]
+def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str | None = None,
+        max_examples: int | None = None, batch_size: int | None = None, max_new_tokens: int | None = None,
+        samples: int | None = 8) -> dict:
+    """The report of `restored` on `data` (converter format `fmt`); call inside `jax.set_mesh`."""
+    eval_cfg = restored.config.eval
+    examples, example_format, available = eval_workdir.load_examples(
+        fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options,
+        max_examples)
+    if not examples:
+        raise ValueError(f"{data}: no examples to evaluate")
+    batch_size = int(batch_size or eval_cfg.batch_size)
+    max_new_tokens = int(max_new_tokens or eval_cfg.max_new_tokens)
+    report = {"data": str(data), "format": example_format, "task": restored.config.task, "step": restored.step,
+              "examples": len(examples), "examples_in_data": available}
+    if example_format == "valen":
+        report.update(evaluate_valen(restored, examples, mode, batch_size))
+    elif example_format == "vflash":
+        report.update(evaluate_vflash(restored, examples, batch_size, max_new_tokens, samples))
+    elif example_format in ("chat", "vakforge"):
+        report.update(evaluate_chat(restored, examples, batch_size, max_new_tokens, samples))
+    else:
+        raise ValueError(f"{data}: no evaluation defined for {example_format!r} data")
     return report
+
+
+def evaluate_params(params, graphdef, model_cfg: ModelConfig, tokenizer, spec, mesh, data, workdir: Path,
+                    fingerprint: dict[str, str], eval_cfg, data_format: str = "vflash", fmt: str | None = None,
+                    options: dict | None = None, config=None, step: int | None = None) -> dict:
+    """Evaluation at the end of training, on `config.eval.max_examples` examples of `data`.
+
+    `fmt`/`options`: the data's converter format and options (config.data.eval_format/eval_options).
+    `config`: the training config; Valen data needs it (mode and row capacity).
+    """
+    if fmt is None:
+        raise ValueError("evaluate_params needs the data's converter format (config.data.eval_format)")
+    if config is None:
+        import ml_collections
+        config = ml_collections.ConfigDict({"task": data_format, "eval": eval_cfg})
+    restored = Restored(Path(workdir).resolve(), step, config, model_cfg, tokenizer, fingerprint, spec, mesh,
+                        graphdef, params)
+    return run(restored, data, fmt, options, max_examples=int(eval_cfg.max_examples))
 
 
 def write_report(report: dict, path: str | Path) -> None:
@@ -157,42 +114,53 @@ def write_report(report: dict, path: str | Path) -> None:
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = None) -> dict:
-    workdir = Path(workdir).resolve()
-    mgr = checkpoint.manager(workdir, read_only=True)
-    step = mgr.latest_step() if step is None else step
-    if step is None:
-        raise checkpoint.CheckpointError(f"{workdir}: no checkpoint to evaluate")
-    meta = checkpoint.restore_meta(mgr, step)
-    config = ml_collections.ConfigDict(meta["config"])
-    fingerprint = meta["tokenizer"]["fingerprint"]
-    tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
-    model_cfg = ModelConfig.from_json(meta["model"])
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    state = checkpoint.restore_state(mgr, step, layout.abstract_state())
-    mgr.close()
-    spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
-                               meta["media_kwargs"])
-    with jax.set_mesh(mesh):
-        report = evaluate_params(state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, data,
-                                 workdir, fingerprint, config.eval, data_format=config.task)
-    report["step"] = step
-    return report
+def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
+                     **options) -> dict:
+    """The report of the workdir's checkpoint (latest unless `step`) on `data`; `options` as in `run`."""
+    restored = eval_workdir.restore(workdir, step)
+    fmt, converter_options = eval_workdir.data_format(restored, fmt)
+    with jax.set_mesh(restored.mesh):
+        return run(restored, data, fmt, converter_options, **options)
+
+
+def summary(report: dict) -> str:
+    def num(x):
+        return "n/a" if x is None else f"{x:.4f}"
+
+    if report["format"] == "valen":
+        return (f"{report['questions']} questions ({report['labeled']} labeled, {report['mode']} mode): "
+                f"accuracy {num(report['accuracy'])}, cross-entropy {num(report['cross_entropy'])}, "
+                f"Brier {num(report['brier'])}, RPS {num(report['rps'])}, ECE {num(report['ece'])}")
+    line = f"loss {num(report['loss'])}, accuracy {num(report['accuracy'])}"
+    if report["format"] == "vflash":
+        return line + f", primitive parse rate {report['generation']['primitive_parse_rate']:.3f}"
+    return line + f", tool-call exact match {num(report['tool_call_exact_match'])}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--data", required=True, help="JSONL, recipe or shard directory")
+    parser.add_argument("--output", required=True, help="report.json to write")
+    parser.add_argument("--format", default=None, choices=sorted(eval_workdir.DATA_FORMATS),
+                        help="converter format of --data (default: the checkpoint's data.eval_format)")
+    parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
+                        help="Valen sequence mode (default: the checkpoint's data.valen_mode)")
+    parser.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples")
+    parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
+    parser.add_argument("--samples", type=int, default=8, help="decoded answers listed in the report")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    report = evaluate_workdir(args.workdir, args.data, args.step)
+    for noisy in ("absl", "orbax", "jax._src", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    report = evaluate_workdir(args.workdir, args.data, args.step, args.format, mode=args.mode,
+                              max_examples=args.max_examples, batch_size=args.batch_size,
+                              max_new_tokens=args.max_new_tokens, samples=args.samples)
     write_report(report, args.output)
-    print(f"{args.output}: loss {report['loss']:.4f}, accuracy {report['accuracy']:.4f}, "
-          f"primitive parse rate {report['generation']['primitive_parse_rate']:.3f}")
+    print(f"{args.output}: {summary(report)}")
     return 0
 
 

@@ -1,0 +1,146 @@
+"""Token-level evaluation shared by VFlash, chat and vakforge: teacher-forced sums per example, and
+greedy decoding of an assistant answer from the conversation before it.
+
+Every function runs the examples this process was given, in global batches that all processes
+enter together (`eval_hosts.batch_count`), and returns results for its own examples only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from data_pipeline.shards import Example
+from valen_jax import eval_hosts, sharding
+from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
+from valen_jax.eval_workdir import host_local, stack
+from valen_jax.step import vision_inputs
+
+
+def _where(example: Example) -> str:
+    return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
+
+
+@functools.cache
+def _row_sums_fn(graphdef):
+    def row_sums(params, batch):
+        model = nnx.merge(graphdef, params)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
+        logits = logits.astype(jnp.float32)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        nll = log_z - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+        correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+        w = batch["target_weights"]
+        return jnp.stack([jnp.sum(nll * w, -1), jnp.sum(correct * w, -1), jnp.sum(w, -1)], axis=-1)
+
+    return jax.jit(row_sums)
+
+
+def token_sums(params, graphdef, examples: list[Example], spec: RowSpec, mesh, local_batch: int,
+               batches: int) -> np.ndarray:
+    """float64 [len(examples), 3]: Σ w·(−ln q(target)), Σ w·[argmax = target], Σ w per example."""
+    fn = _row_sums_fn(graphdef)
+    out = []
+    for b in range(batches):
+        chunk = examples[b * local_batch:(b + 1) * local_batch]
+        rows = [assemble(e, spec) for e in chunk] or [_empty_row(spec)]
+        batch = sharding.global_batch(stack(rows, local_batch), mesh)
+        sums = host_local(fn(params, batch), mesh).astype(np.float64)
+        out.append(sums[:len(chunk)])
+    return np.concatenate(out) if out else np.zeros((0, 3))
+
+
+def _empty_row(spec: RowSpec) -> dict[str, np.ndarray]:
+    """An all-padding row, for a process that has run out of examples while others have not."""
+    return {"tokens": np.zeros(spec.seq_len, np.int32), "targets": np.zeros(spec.seq_len, np.int32),
+            "target_weights": np.zeros(spec.seq_len, np.float32),
+            "positions": np.zeros(spec.seq_len, np.int32), "segment_ids": np.zeros(spec.seq_len, np.int32),
+            **vision_arrays([], spec, "padding")}
+
+
+def answer_spans(ids: np.ndarray, weights: np.ndarray, end_of_turn: int) -> list[tuple[int, int]]:
+    """[start, stop) of each trained assistant answer, in order.
+
+    An answer is the weighted tokens up to and including its end-of-turn token (render_chat makes
+    every assistant span end with it). Weight-0 tokens inside an answer (VFlash coordinates that
+    `atom_loss_masks` removes) do not split it: only an end-of-turn closes an answer.
+    """
+    spans, start = [], None
+    for t in np.flatnonzero(weights > 0):
+        if start is None:
+            start = int(t)
+        if ids[t] == end_of_turn:
+            spans.append((start, int(t) + 1))
+            start = None
+    return spans
+
+
+def prompt_of(example: Example, spec: RowSpec, end_of_turn: int, answer: int = -1) -> dict:
+    """The expanded token ids before the `answer`-th trained answer, and the example's vision inputs."""
+    expanded = expand_media_slots(example, spec)
+    spans = answer_spans(expanded.ids, expanded.weights, end_of_turn)
+    if not spans:
+        raise ValueError(f"{_where(example)}: no trained assistant answer to decode")
+    start = spans[answer][0]
+    return {"ids": expanded.ids[:start], "vision": vision_arrays(expanded.media, spec, _where(example))}
+
+
+@functools.cache
+def _next_token_fn(graphdef, vocab: int):
+    def next_tokens(params, tokens, cursor, vision):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits = model(tokens, positions, jnp.ones_like(tokens), vision_inputs(vision))
+        last = jnp.take_along_axis(logits, (cursor - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+        # The embedding table is padded past the tokenizer; those rows are never a token.
+        last = jnp.where(jnp.arange(last.shape[-1]) < vocab, last, -jnp.inf)
+        return jnp.argmax(last, axis=-1).astype(jnp.int32)
+
+    return jax.jit(next_tokens)
+
+
+def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_batch: int, batches: int,
+           max_new_tokens: int, stop_id: int, vocab: int) -> list[list[int]]:
+    """Greedy continuation of each prompt (from `prompt_of`) until `stop_id` (kept), `max_new_tokens`
+    or the row's end. Without a KV cache each new token reruns the whole row: fine for evaluation sets."""
+    step = _next_token_fn(graphdef, int(vocab))
+    empty_vision = vision_arrays([], spec, "padding")
+    outputs: list[list[int]] = []
+    for b in range(batches):
+        chunk = prompts[b * local_batch:(b + 1) * local_batch]
+        tokens = np.full((local_batch, spec.seq_len), spec.pad_id, np.int32)
+        cursor = np.ones(local_batch, np.int32)
+        for row, prompt in enumerate(chunk):
+            if len(prompt["ids"]) >= spec.seq_len:
+                raise ValueError(f"a prompt of {len(prompt['ids'])} tokens leaves no room in seq_len={spec.seq_len}")
+            tokens[row, :len(prompt["ids"])] = prompt["ids"]
+            cursor[row] = len(prompt["ids"])
+        vision = sharding.global_batch(stack([p["vision"] for p in chunk] or [empty_vision], local_batch), mesh)
+        generated: list[list[int]] = [[] for _ in chunk]
+        done = np.zeros(local_batch, bool)
+        done[len(chunk):] = True
+        for _ in range(max_new_tokens):
+            # Every process takes the same number of steps: the step is one collective computation.
+            if eval_hosts.process_gather(np.asarray([done.all()])).all():
+                break
+            batch = sharding.global_batch({"tokens": tokens, "cursor": cursor}, mesh)
+            new = host_local(step(params, batch["tokens"], batch["cursor"], vision), mesh)
+            for row in range(len(chunk)):
+                if done[row]:
+                    continue
+                generated[row].append(int(new[row]))
+                tokens[row, cursor[row]] = new[row]
+                cursor[row] += 1
+                done[row] = new[row] == stop_id or cursor[row] >= spec.seq_len
+        outputs.extend(generated)
+    return outputs
+
+
+def decode(tokenizer, ids: list[int], stop_id: int) -> str:
+    """Generated ids as text, without the stop token; special tokens such as `<tool_call>` kept."""
+    return tokenizer.decode([t for t in ids if t != stop_id], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)

@@ -1,0 +1,141 @@
+"""Valen evaluation and prediction (seed 000): the model's candidate probabilities for every
+question of every record, fed to `ValenStats` (metrics) or written as answers.
+
+Both modes (`question`: the branch tree; `shared_state`: every candidate in one sequence) run at
+inference settings: candidates keep the record's order (`QuestionSpec(training=False)`) and
+unlabeled questions are scored too. A question's probabilities are the softmax of its branches'
+scores, taken in float64 from the float32 log-probabilities and renormalised, so the metrics and
+the answers file hold the very same numbers and the report can be recomputed from the answers.
+
+Answer line (one per record, in data order):
+    {"group_id": …, "record_id": …, "answers": {QUESTION_ID: {"type": "choice|noul|score",
+      "probabilities": {CANDIDATE_KEY: q_k, …}   # keys as in the labels, in the record's candidate order
+      "argmax": CANDIDATE_KEY,                    # highest q_k; ties go to the earliest candidate
+      "expected": Σ_k k·q_k}}}                    # score questions only, in [0, K−1]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from data_pipeline.shards import Example
+from valen_jax import eval_hosts, sharding
+from valen_jax.data.valen_rows import MODES, QuestionSpec, valen_row
+from valen_jax.eval_metrics.valen import ValenStats
+from valen_jax.eval_workdir import Restored, host_local, local_batch_size, stack
+from valen_jax.models.heads import branch_log_probs
+from valen_jax.step import vision_inputs
+
+BREAKDOWN = ("domain", "modality", "language_bucket")
+
+
+def question_spec(config, mode: str | None, examples: list[Example]) -> QuestionSpec:
+    """Inference layout: the checkpoint's mode unless `mode` is given; row capacity grown to the
+    largest record so that every question of every record is scored (one shape, one compile)."""
+    if "data" not in config:
+        raise ValueError("Valen evaluation needs the training config (data.valen_mode, max_questions, "
+                         "max_candidates): pass config= to evaluate_params")
+    mode = mode or config.data.valen_mode
+    if mode not in MODES:
+        raise ValueError(f"--mode={mode!r}; choose one of {', '.join(MODES)}")
+    questions = max([len(e.meta["questions"]) for e in examples], default=1)
+    candidates = max([len(keys) for e in examples for keys in e.meta["candidate_keys"]], default=2)
+    return QuestionSpec(mode, max(int(config.data.max_questions), questions),
+                        max(int(config.data.max_candidates), candidates), training=False)
+
+
+@functools.cache
+def _log_probs_fn(graphdef):
+    def log_probs(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch),
+                              batch["branch_ids"])
+        return branch_log_probs(model.score_head(hidden), batch["score_positions"], batch["branch_mask"])
+
+    return jax.jit(log_probs)
+
+
+def _question_probs(example: Example, log_probs: np.ndarray, row: dict) -> list[np.ndarray]:
+    """float64 probabilities of each question's candidates, in the record's candidate order."""
+    owner = example.arrays["candidate_question"]
+    out = []
+    for q in range(len(example.meta["questions"])):
+        members = np.flatnonzero(owner == q)
+        mask = row["branch_mask"][q]
+        if int(mask.sum()) != len(members):
+            raise AssertionError(f"question {q}: {int(mask.sum())} branches for {len(members)} candidates")
+        probs = np.zeros(len(members), np.float64)
+        probs[row["candidate_index"][q][mask] - members[0]] = np.exp(log_probs[q][mask].astype(np.float64))
+        out.append(probs / probs.sum())
+    return out
+
+
+def score_records(restored: Restored, examples: list[Example], qspec: QuestionSpec, batch_size: int
+                  ) -> list[tuple[int, list[np.ndarray]]]:
+    """(index in `examples`, per-question probabilities) for the records this process evaluates."""
+    mine = eval_hosts.local_indices(len(examples))
+    local_batch = local_batch_size(batch_size, restored.mesh)
+    batches = eval_hosts.batch_count(len(examples), local_batch)
+    fn = _log_probs_fn(restored.graphdef)
+    spec, mesh = restored.spec, restored.mesh
+    padding = None
+    out = []
+    for b in range(batches):
+        chunk = mine[b * local_batch:(b + 1) * local_batch]
+        rows = [valen_row(examples[i], spec, qspec, None) for i in chunk]
+        if not rows:  # this process is out of records while others are not
+            padding = padding or jax.tree.map(np.zeros_like, valen_row(examples[0], spec, qspec, None))
+            rows = [padding]
+        batch = sharding.global_batch(stack(rows, local_batch), mesh)
+        log_probs = host_local(fn(restored.params, batch), mesh)
+        for k, i in enumerate(chunk):
+            out.append((i, _question_probs(examples[i], log_probs[k], rows[k])))
+    return out
+
+
+def add_record(stats: ValenStats, example: Example, probs: list[np.ndarray]) -> None:
+    """Every question of one record into `stats`, labeled or not (unlabeled ones only count)."""
+    meta, arrays = example.meta, example.arrays
+    owner = arrays["candidate_question"]
+    breakdown = {key: meta.get(key) for key in BREAKDOWN}
+    for q, qtype in enumerate(meta["question_types"]):
+        label = arrays["labels"][owner == q].astype(np.float64) if arrays["labeled"][q] else None
+        stats.add(qtype, probs[q], label, bool(meta["hard_labels"][q]), breakdown)
+
+
+def answer_line(example: Example, probs: list[np.ndarray]) -> dict:
+    meta = example.meta
+    answers = {}
+    for qid, qtype, keys, q in zip(meta["questions"], meta["question_types"], meta["candidate_keys"], probs,
+                                   strict=True):
+        answer = {"type": qtype, "probabilities": {key: float(p) for key, p in zip(keys, q, strict=True)},
+                  "argmax": keys[int(np.argmax(q))]}
+        if qtype == "score":
+            answer["expected"] = float(np.dot(np.arange(len(q)), q))
+        answers[qid] = answer
+    return {"group_id": meta["group_id"], "record_id": meta.get("record_id"), "answers": answers}
+
+
+def evaluate_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int) -> dict:
+    qspec = question_spec(restored.config, mode, examples)
+    stats = ValenStats()
+    for i, probs in score_records(restored, examples, qspec, batch_size):
+        add_record(stats, examples[i], probs)
+    metrics = eval_hosts.sum_stats(stats).report()
+    overall = metrics["overall"]
+    return {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
+            "accuracy": overall["accuracy"], "cross_entropy": overall["cross_entropy"],
+            "brier": overall["brier"], "rps": overall["rps"], "ece": overall["ece"], "metrics": metrics}
+
+
+def predict_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int
+                  ) -> tuple[str, list[dict]]:
+    """(the mode used, one answer line per record in data order; complete on process 0)."""
+    qspec = question_spec(restored.config, mode, examples)
+    own = [[i, answer_line(examples[i], probs)] for i, probs in score_records(restored, examples, qspec, batch_size)]
+    gathered = sorted((pair for part in eval_hosts.gather_json(own) for pair in part), key=lambda pair: pair[0])
+    return qspec.mode, [line for _, line in gathered]

@@ -1,0 +1,99 @@
+"""VFlash evaluation (seed 004): teacher-forced assistant-token loss and accuracy, and greedy
+decoding of each example's last answer scored against the reference with `VFlashStats` (points,
+boxes, trajectories, dense motion; formulas in `valen_jax.eval_metrics.vflash`), overall and per
+recipe entry (Example meta `entry`).
+
+Masks: the Example keeps no `atom_loss_masks` strings, but they are recoverable exactly from what
+it does keep: `primitive_spans` locates every primitive with coordinates, and a coordinate token
+the mask removed has target weight 0. So the reference's masks are rebuilt from the Example, and a
+masked-out waypoint (e.g. an occluded dense point) is excluded from the metrics as in training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from data_pipeline.primitives import PrimitiveError, parse_answer
+from data_pipeline.shards import Example
+from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
+from valen_jax import eval_hosts, eval_tokens
+from valen_jax.eval_metrics.vflash import VFlashStats
+from valen_jax.eval_workdir import Restored, local_batch_size
+
+
+def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> list[str] | None:
+    """One 0/1 string per coordinate primitive of the last answer (one character per coordinate
+    token, '0' where training gave it no weight), or None when the Example has no spans."""
+    arrays = example.arrays
+    if "primitive_spans" not in arrays:
+        return None
+    ids, weights = arrays["input_ids"], arrays["target_weights"]
+    spans = eval_tokens.answer_spans(ids, weights, end_of_turn)
+    if not spans:
+        return None
+    start, stop = spans[-1]
+    masks = []
+    for _, first, last in arrays["primitive_spans"]:
+        if first < start or last > stop:
+            continue
+        inner = np.arange(first + 1, last - 1)
+        coords = inner[np.isin(ids[inner], numbers)]
+        masks.append("".join("1" if weights[t] > 0 else "0" for t in coords))
+    return masks
+
+
+def parses(text: str) -> bool:
+    """The answer reads as primitives and holds at least one."""
+    try:
+        primitives, _ = parse_answer(text)
+    except PrimitiveError:
+        return False
+    return bool(primitives)
+
+
+def _first_image(example: Example) -> str | None:
+    """The path of the example's first media item when it is an image file (for drawing)."""
+    for header in example.meta.get("media", []):
+        return header["path"] if header.get("kind") in ("path", "file") else None
+    return None
+
+
+def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int, max_new_tokens: int,
+                    samples: int | None = 8) -> dict:
+    """The report's VFlash part; `samples` answers are listed (None: all of them, in data order)."""
+    tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
+    mine = eval_hosts.local_indices(len(examples))
+    local = [examples[i] for i in mine]
+    local_batch = local_batch_size(batch_size, mesh)
+    batches = eval_hosts.batch_count(len(examples), local_batch)
+    sums = eval_tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
+
+    eot = end_of_turn_id(tokenizer)
+    prompts = [eval_tokens.prompt_of(e, spec, eot) for e in local]
+    generated = eval_tokens.greedy(restored.params, restored.graphdef, prompts, spec, mesh, local_batch, batches,
+                                   max_new_tokens, eot, len(tokenizer))
+    texts = [eval_tokens.decode(tokenizer, ids, eot) for ids in generated]
+    numbers = np.asarray(number_token_ids(tokenizer), np.int32)
+    stats = VFlashStats()
+    counts = np.zeros(3)  # answers, parsed, exact
+    listed = []
+    for i, example, text in zip(mine, local, texts, strict=True):
+        reference = example.meta["answers"][-1]
+        ok = parses(text)
+        counts += (1, ok, text == reference)
+        stats.add(reference, text, entry=example.meta.get("entry"), masks=answer_masks(example, eot, numbers))
+        if samples is None or i < samples:
+            listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
+                           "entry": example.meta.get("entry"), "image": _first_image(example),
+                           "reference": reference, "answer": text, "parses": ok})
+    nll, correct, weight = eval_hosts.sum_array(sums.sum(axis=0) if len(sums) else np.zeros(3))
+    answers, parsed, exact = eval_hosts.sum_array(counts)
+    listed = sorted((s for part in eval_hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
+    return {
+        "target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0),
+        "generation": {"answers": int(answers), "max_new_tokens": int(max_new_tokens),
+                       "primitive_parse_rate": parsed / answers if answers else 0.0,
+                       "exact_match_rate": exact / answers if answers else 0.0},
+        "metrics": eval_hosts.sum_stats(stats).report(),
+        "samples": listed,
+    }

@@ -1,0 +1,117 @@
+"""What evaluate and predict read from a workdir: the checkpoint's model, tokenizer, row layout and
+config (DESIGN, "Checkpoints": they need nothing but the workdir), and the data as Examples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from data_pipeline.shards import Example
+from valen_jax import checkpoint, experiment, sharding
+from valen_jax.data.assemble import RowSpec
+from valen_jax.models.config import ModelConfig
+from valen_jax.step import TrainLayout
+
+log = logging.getLogger(__name__)
+
+# Converter formats of `--format` → the Example format their shards hold.
+DATA_FORMATS = {"valen": "valen", "vflash": "vflash", "recipe": "vflash", "chat": "chat", "vakforge": "vakforge",
+                "prepared": "prepared"}
+
+
+@dataclass
+class Restored:
+    """One checkpoint step of a workdir, ready to run."""
+
+    workdir: Path
+    step: int
+    config: ml_collections.ConfigDict  # the full training config, as saved in `meta`
+    model_cfg: ModelConfig
+    tokenizer: object
+    fingerprint: dict[str, str]
+    spec: RowSpec
+    mesh: Mesh
+    graphdef: object
+    params: object
+
+
+def restore(workdir: str | Path, step: int | None = None) -> Restored:
+    workdir = Path(workdir).resolve()
+    mgr = checkpoint.manager(workdir, read_only=True)
+    step = mgr.latest_step() if step is None else int(step)
+    if step is None:
+        raise checkpoint.CheckpointError(f"{workdir}: no checkpoint to evaluate")
+    if step not in mgr.all_steps():
+        raise checkpoint.CheckpointError(f"{workdir}: no checkpoint at step {step}; steps: {sorted(mgr.all_steps())}")
+    meta = checkpoint.restore_meta(mgr, step)
+    config = ml_collections.ConfigDict(meta["config"])
+    fingerprint = meta["tokenizer"]["fingerprint"]
+    tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
+    model_cfg = ModelConfig.from_json(meta["model"])
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
+    state = checkpoint.restore_state(mgr, step, layout.abstract_state())
+    mgr.close()
+    spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
+                               meta["media_kwargs"])
+    return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef,
+                    state["params"])
+
+
+def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:
+    """The converter format and options for `--data`: `--format` when given, else the checkpoint's
+    `data.eval_format`. The config's `data.eval_options` (e.g. vakforge's split) go with its own
+    eval format only; another format converts with its defaults."""
+    data_cfg = restored.config.data
+    chosen = fmt or data_cfg.eval_format
+    if chosen not in DATA_FORMATS:
+        raise ValueError(f"--format={chosen!r}; choose one of {', '.join(DATA_FORMATS)}")
+    options = dict(data_cfg.eval_options.to_dict()) if chosen == data_cfg.eval_format else {}
+    return chosen, options
+
+
+def load_examples(fmt: str, data: str | Path, workdir: Path, tokenizer_path: str | Path,
+                  fingerprint: dict[str, str], options: dict | None, limit: int | None = None
+                  ) -> tuple[list[Example], str, int]:
+    """(the first `limit` Examples of `data` in data order, their format, how many the data holds).
+
+    `data` is a JSONL/recipe file (converted once into `WORKDIR/eval_shards/`) or a shard directory.
+    """
+    shard_set = experiment.ensure_shards(fmt, Path(data), Path(workdir) / "eval_shards", tokenizer_path,
+                                         fingerprint, options)
+    available = len(shard_set)
+    count = available if limit is None else min(available, int(limit))
+    source = shard_set.source()
+    examples = [Example.from_bytes(source[i]) for i in range(count)]
+    return examples, shard_set.manifest.data["format"], available
+
+
+def stack(rows: list[dict], size: int) -> dict[str, np.ndarray]:
+    """Rows stacked into a fixed-size batch; missing rows are all zeros (zero weight, no branch)."""
+    padded = rows + [jax.tree.map(np.zeros_like, rows[0])] * (size - len(rows))
+    return {k: np.stack([r[k] for r in padded]) for k in rows[0]}
+
+
+def local_batch_size(batch_size: int, mesh: Mesh) -> int:
+    """Rows per process in one global batch of `batch_size` rows split over the batch-sharded devices."""
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    size = -(-int(batch_size) // devices) * devices  # round up so rows split evenly over devices
+    if size != int(batch_size):
+        log.info("evaluation batch %d rounded up to %d to split over %d devices", batch_size, size, devices)
+    return size // jax.process_count()
+
+
+def host_local(array: jax.Array, mesh: Mesh) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in the order it supplied them."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(array))
+    from jax.experimental import multihost_utils
+
+    spec = sharding.batch_sharding(mesh, array.ndim).spec
+    return np.asarray(multihost_utils.global_array_to_host_local_array(array, mesh, spec))

@@ -1,0 +1,84 @@
+"""Answer every question of a Valen data file with a trained workdir; needs nothing but the workdir.
+
+    python -m valen_jax.predict --workdir=runs/valen-smoke --data=data/smoke/valen/train.jsonl \
+        --output=runs/valen-smoke/answers.jsonl [--mode=shared_state] [--step=N]
+
+Writes one JSON line per record, in data order (seed 000: "answers are returned for every
+question, labeled or not"):
+
+    {"group_id": "traffic-light-001", "record_id": "valen-smoke-001", "answers": {
+      "color": {"type": "choice", "probabilities": {"red": 0.1, "green": 0.8, "unknown": 0.1}, "argmax": "green"},
+      "go":    {"type": "noul", "probabilities": {"true": 0.7, "false": 0.3}, "argmax": "true"},
+      "risk":  {"type": "score", "probabilities": {"0": 0.6, "1": 0.3, "2": 0.1}, "argmax": "0", "expected": 0.5}}}
+
+Probabilities are keyed as in the labels and listed in the record's candidate order (choice: input
+order; noul: true, false; score: grades 0 … K−1); `expected` = Σ_k k·q_k ∈ [0, K−1]. Inference keeps
+the candidate order; labels, when present, are read (and validated) but not used. `--mode` picks
+`question` or `shared_state` (default: the checkpoint's `data.valen_mode`). The data's converter
+format is the checkpoint's `data.eval_format` unless `--format`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import jax
+
+from valen_jax import checkpoint, eval_workdir
+from valen_jax.eval_valen import predict_valen
+
+
+def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
+                    mode: str | None = None, batch_size: int | None = None) -> tuple[str, list[dict]]:
+    """(the mode used, the answer lines in data order; complete on process 0)."""
+    restored = eval_workdir.restore(workdir, step)
+    fmt, options = eval_workdir.data_format(restored, fmt)
+    with jax.set_mesh(restored.mesh):
+        examples, example_format, _ = eval_workdir.load_examples(
+            fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
+        if example_format != "valen":
+            raise ValueError(f"{data}: predict answers Valen questions; this is {example_format!r} data "
+                             "(use python -m valen_jax.evaluate for its decoded answers)")
+        if not examples:
+            raise ValueError(f"{data}: no records")
+        return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))
+
+
+def write_answers(lines: list[dict], path: str | Path) -> None:
+    if jax.process_index() != 0:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--data", required=True, help="Valen JSONL or shard directory")
+    parser.add_argument("--output", required=True, help="answers.jsonl to write")
+    parser.add_argument("--format", default=None, choices=sorted(eval_workdir.DATA_FORMATS),
+                        help="converter format of --data (default: the checkpoint's data.eval_format)")
+    parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
+                        help="sequence mode (default: the checkpoint's data.valen_mode)")
+    parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "orbax", "jax._src", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    mode, lines = predict_workdir(args.workdir, args.data, args.step, args.format, args.mode, args.batch_size)
+    write_answers(lines, args.output)
+    questions = sum(len(line["answers"]) for line in lines)
+    print(f"{args.output}: {len(lines)} records, {questions} questions answered ({mode} mode)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
