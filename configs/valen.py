@@ -35,5 +35,4 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     config.train.log_every = 10
     config.train.learning_rate = 1e-3
     config.eval.every = 0
-    config.eval.at_end = False
     return common.apply_variant(config, variant, "configs/valen.py")
