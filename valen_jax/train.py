@@ -31,7 +31,7 @@ from tqdm import tqdm
 import valen_jax
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import load_tokenizer
-from valen_jax import checkpoint, evaluate, experiment, sharding
+from valen_jax import checkpoint, distributed, evaluate, experiment, sharding
 from valen_jax.data.assemble import batch_shapes_of
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
@@ -222,7 +222,7 @@ def run(config, workdir: str | Path) -> dict:
             report = evaluate.evaluate_params(
                 state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, config.data.eval,
                 workdir, fingerprint, config.eval, data_format=config.task, fmt=config.data.eval_format,
-                options=config.data.eval_options.to_dict())
+                options=config.data.eval_options.to_dict(), config=config, step=step)
         evaluate.write_report(report, report_path)
         result["report"] = str(report_path)
     mgr.close()
@@ -249,6 +249,7 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    distributed.initialize()  # before any JAX backend use; a single-process run is left as it is
     if _WORKDIR.value is None:
         raise app.UsageError("--workdir is required")
     result = run(_CONFIG.value, _WORKDIR.value)
