@@ -44,13 +44,11 @@ def test_launcher_stops_the_others_when_one_process_fails(capsys):
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_path):
     run_train(TINY, tmp_path / "one", *COMMON, devices=4)
-    # The data converted once, by the reference run: the processes of a job sharing one workdir
-    # would otherwise convert into the same directory at the same time.
-    (shards,) = (tmp_path / "one" / "shards").iterdir()
+    # Both processes share the workdir: process 0 converts the smoke data, process 1 waits for it.
     workdir = tmp_path / "two"
     launched = subprocess.run(
         [sys.executable, "launch/local.py", "--processes=2", "--devices-per-process=2", "--",
-         f"--config={TINY}", f"--workdir={workdir}", f"--config.data.train={shards}", *COMMON],
+         f"--config={TINY}", f"--workdir={workdir}", *COMMON],
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert launched.returncode == 0, launched.stdout[-6000:] + launched.stderr[-2000:]
     for index in (0, 1):

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
+from jax.experimental import multihost_utils
 from transformers import AutoTokenizer
 
 from data_pipeline import convert as converter
@@ -197,16 +199,25 @@ def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path:
             raise ConfigError(f"{source}: converter options {options} given for a directory of ready shards")
         return ShardSet.open(source, fingerprint)
     target = cache_dir / f"{source.stem}-{_input_key(fmt, source, fingerprint, options)}"
+    # Processes sharing a workdir must not convert into the same folder at once: process 0
+    # converts, the others wait at a barrier, then everyone opens the same shards.
+    if jax.process_index() == 0 and not _cached(target, source, fingerprint):
+        log.info("converting %s → %s", source, target)
+        converter.convert(fmt, source, target, tokenizer_path, overwrite=True, progress=False, options=options)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"shards ready: {target.name}")
+    return ShardSet.open(target, fingerprint)
+
+
+def _cached(target: Path, source: Path, fingerprint: dict[str, str]) -> bool:
     try:
         cached = ShardSet.open(target, fingerprint)
-        if _sources_current(cached.manifest, source):
-            return cached
-        log.info("%s: annotation files changed since conversion; converting again", source)
     except ShardError:
-        pass
-    log.info("converting %s → %s", source, target)
-    converter.convert(fmt, source, target, tokenizer_path, overwrite=True, progress=False, options=options)
-    return ShardSet.open(target, fingerprint)
+        return False
+    if _sources_current(cached.manifest, source):
+        return True
+    log.info("%s: annotation files changed since conversion; converting again", source)
+    return False
 
 
 def _sources_current(manifest: Manifest, source: Path) -> bool:
