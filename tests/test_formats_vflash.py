@@ -298,3 +298,16 @@ def test_atom_loss_masks_refused(tmp_path, img):
     messages = [p.message for p in problems_of(path)]
     assert messages[1] == "2 mask(s) for 1 primitive(s) with coordinates in the gpt turns"
     assert "has 2 coordinate tokens" in messages[2]
+
+
+def test_problems_are_capped_like_every_other_reader(tmp_path):
+    from data_pipeline.formats.errors import PROBLEM_CAP
+    from data_pipeline.formats.vflash import read_vflash
+
+    path = tmp_path / "many.jsonl"
+    path.write_text("[1]\n" * (PROBLEM_CAP + 5))
+    with pytest.raises(FormatError) as info:
+        read_vflash(path)
+    problems = info.value.problems
+    assert len(problems) == PROBLEM_CAP + 1 and [p.line for p in problems[:3]] == [1, 2, 3]
+    assert problems[-1].message == "… 5 more problems not shown"

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline import vocabulary
-from data_pipeline.formats.errors import RECORD_FIELD, FormatError, Problem
-from data_pipeline.formats.jsonl import read_jsonl_objects
+from data_pipeline.formats.errors import RECORD_FIELD, Problem, ProblemLog
+from data_pipeline.formats.jsonl import iter_jsonl_objects
 from data_pipeline.primitives import AtomicCall, Primitive, PrimitiveError, coordinate_count, parse_answer
 
 RECORD_KEYS = frozenset({"id", "image", "conversations", "atom_loss_masks"})
@@ -70,18 +70,16 @@ def read_vflash(
     """Every record of one VFlash JSONL file, or a FormatError listing every problem."""
     path = Path(path)
     source = str(path)
-    problems: list[Problem] = []
+    problems = ProblemLog(source)  # lines come in order, so the problems do too
     base = (Path(media_root) if media_root is not None else path.parent).resolve()
     records = []
-    for number, obj in read_jsonl_objects(path, source, problems):
+    for number, obj in iter_jsonl_objects(path, source, problems):
         line = _Line(source, number, base, check_media)
         record = line.record(obj)
         problems.extend(line.problems)
         if record is not None and not line.problems:
             records.append(record)
-    if problems:
-        # Undecodable lines are found before record checks; report in line order (sort is stable).
-        raise FormatError(sorted(problems, key=lambda p: p.line))
+    problems.raise_if_any()
     return records
 
 
