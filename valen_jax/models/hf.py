@@ -34,13 +34,35 @@ class HFImportError(ValueError):
 
 
 def resolve(path_or_name: str | Path, revision: str | None = None) -> Path:
+    """The checkpoint directory: `path_or_name` itself when it is a local directory, else the snapshot of
+    the hub model ORG/NAME at `revision` (a branch, tag or commit; default main), downloaded or found in
+    the Hugging Face cache (`HF_HUB_CACHE`; with `HF_HUB_OFFLINE=1` the cache only)."""
     path = Path(path_or_name)
     if path.is_dir():
+        if revision is not None:
+            raise HFImportError(f"{path}: a local directory has no revisions; revision={revision!r} "
+                                "applies to hub names only")
         return path
-    from huggingface_hub import snapshot_download  # a hub name: download (or reuse the cache)
+    name = str(path_or_name)
+    if path.exists():
+        raise HFImportError(f"{name}: a file, not a checkpoint directory (config.json + *.safetensors) "
+                            "or a hub name ORG/NAME")
+    from huggingface_hub import constants, snapshot_download  # a hub name: download (or reuse the cache)
+    from huggingface_hub.errors import HFValidationError
 
-    return Path(snapshot_download(str(path_or_name), revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+    at = f" at revision {revision!r}" if revision is not None else ""
+    try:
+        return Path(snapshot_download(name, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja"]))
+    except HFValidationError as error:
+        raise FileNotFoundError(f"{name!r}: no such local directory, and not a hub model name ORG/NAME "
+                                f"({str(error).strip().splitlines()[0]})") from error
+    except OSError as error:  # not on the hub or not cached, no such revision, offline, unreachable
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = f"it is not in the Hugging Face cache {constants.HF_HUB_CACHE}" + (
+            " and HF_HUB_OFFLINE forbids downloading" if constants.is_offline_mode() else " nor available from the hub")
+        raise FileNotFoundError(f"model {name!r}{at}: no such local directory, and {where} "
+                                f"({type(error).__name__}: {reason})") from error
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -220,6 +242,8 @@ def from_pretrained(path_or_name: str | Path, dtype: str = "float32", param_dtyp
                     mesh: Mesh | None = None, revision: str | None = None, **overrides) -> tuple[nnx.Module, ModelConfig]:
     """The model (with logits from `model(tokens, positions, segment_ids)`) and its config."""
     directory = resolve(path_or_name, revision)
+    if not (directory / "config.json").is_file():
+        raise HFImportError(f"{path_or_name}: no config.json in {directory}; not a transformers checkpoint")
     hf = json.loads((directory / "config.json").read_text())
     cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
     graphdef, abstract = abstract_model(cfg)
