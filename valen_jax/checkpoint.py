@@ -12,6 +12,10 @@ when every item is written. A kill mid-write leaves a tmp directory that the nex
 and deletes. A finished checkpoint can still be damaged later (a truncated or garbled file), and
 garbled array bytes read back without error, so `meta` carries a digest of every state array
 and of the iterator state; `restore_intact` checks them and falls back to the previous step.
+
+Evaluation and prediction read only `params` (`restore_params_verified`): an Orbax partial
+restore of the `state` item that never reads the optimizer moments (twice the params for Adam),
+checked against the `params/...` digests alone.
 """
 
 from __future__ import annotations
@@ -105,6 +109,11 @@ def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool
     registry.add("meta", ocp.args.JsonRestore, meta_handler)
     registry.add("state", ocp.args.StandardSave)
     registry.add("state", ocp.args.StandardRestore)
+    if read_only:
+        # Partial restores of `state` (params only) need the PyTree handler. Registered only where
+        # nothing is saved: the step metadata records one handler per item, and a manager that
+        # saves must record StandardCheckpointHandler for `state`.
+        registry.add("state", ocp.args.PyTreeRestore, ocp.handlers.PyTreeCheckpointHandler)
     registry.add("data", grain.checkpoint.CheckpointSave)
     registry.add("data", grain.checkpoint.CheckpointRestore)
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
@@ -175,19 +184,67 @@ def restore_state(mgr: ocp.CheckpointManager, step: int, abstract_state: Any,
     return mgr.restore(step, args=ocp.args.Composite(**items)).state
 
 
+def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params: Any) -> Any:
+    """Only the `params` subtree of the `state` item, into the shardings of `abstract_params`.
+
+    An Orbax partial restore: leaves of the saved tree missing from the target (`opt_state`,
+    `step`) are skipped, neither read nor allocated. Needs a `manager(..., read_only=True)`.
+    """
+    item = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
+    return mgr.restore(step, args=ocp.args.Composite(state=args)).state["params"]
+
+
+def _check_digests(step: int, what: str, expected: dict[str, int], found: dict[str, int]) -> None:
+    bad = [p for p, d in expected.items() if found.get(p) != d]
+    if bad or set(found) != set(expected):
+        raise CorruptCheckpoint(f"checkpoint {step}: {what} arrays differ from their save-time digest: "
+                                f"{', '.join(bad[:5]) or 'the set of arrays'}")
+
+
 def verify(step: int, meta: dict[str, Any], state: Any, iterator: grain.DatasetIterator | None) -> None:
     """Raise CorruptCheckpoint when what was read differs from the digests taken at save time."""
     expected = meta.get("digest")
     if expected is None:
         log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
         return
-    found = state_digest(state)
-    bad = [p for p, d in expected["state"].items() if found.get(p) != d]
-    if bad or set(found) != set(expected["state"]):
-        raise CorruptCheckpoint(f"checkpoint {step}: state arrays differ from their save-time digest: "
-                                f"{', '.join(bad[:5]) or 'the set of arrays'}")
+    _check_digests(step, "state", expected["state"], state_digest(state))
     if iterator is not None and iterator_digest(iterator) != expected["data"]:
         raise CorruptCheckpoint(f"checkpoint {step}: the data iterator state differs from its save-time digest")
+
+
+def verify_params(step: int, meta: dict[str, Any], params: Any) -> None:
+    """`verify` for a params-only restore: the `params/...` digests, every one of them."""
+    expected = meta.get("digest")
+    if expected is None:
+        log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
+        return
+    _check_digests(step, "params", {p: d for p, d in expected["state"].items() if p.startswith("params/")},
+                   state_digest({"params": params}))
+
+
+def restore_params_verified(mgr: ocp.CheckpointManager, step: int, meta: dict[str, Any],
+                            abstract_params: Any) -> Any:
+    """The params of `step`, proven intact against `meta`'s digests (no fallback to another step).
+
+    Raises CheckpointError when the checkpoint holds another params layout (the model changed),
+    CorruptCheckpoint when the params do not read back or differ from what was saved.
+    """
+    if meta.get("state_layout") is not None:
+        saved = [line for line in meta["state_layout"] if line.startswith("params/")]
+        wanted = state_layout({"params": abstract_params})
+        if saved != wanted:
+            changed = sorted(set(saved) ^ set(wanted))
+            raise CheckpointError(f"checkpoint {step} holds another params layout: {'; '.join(changed[:4])}")
+    try:
+        params = restore_params(mgr, step, abstract_params)
+    except Exception as error:  # noqa: BLE001 - any read failure of a finished step is damage
+        summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise CorruptCheckpoint(f"checkpoint {step}: params do not read back ({type(error).__name__}: "
+                                f"{summary})") from error
+    verify_params(step, meta, params)
+    return params
 
 
 def quarantine(mgr: ocp.CheckpointManager, workdir: str | Path, step: int) -> Path:
@@ -277,5 +334,6 @@ def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 
 
 __all__ = ["TokenizerFingerprint", "CheckpointError", "CorruptCheckpoint", "manager", "save", "restore_meta",
-           "restore_state", "restore_intact", "verify", "state_digest", "state_layout", "abstract_with",
+           "restore_state", "restore_intact", "restore_params", "restore_params_verified",
+           "verify", "verify_params", "state_digest", "state_layout", "abstract_with",
            "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir"]

@@ -10,13 +10,14 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from data_pipeline.shards import Example
 from valen_jax import checkpoint, experiment, sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.models.config import ModelConfig
-from valen_jax.step import TrainLayout
+from valen_jax.models.transformer import abstract_model
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class Restored:
 
 
 def restore(workdir: str | Path, step: int | None = None) -> Restored:
+    """The workdir's checkpoint at `step` (default: the latest), params only, verified against their
+    save-time digests: CorruptCheckpoint names a damaged step (no fallback to another one)."""
     workdir = Path(workdir).resolve()
     mgr = checkpoint.manager(workdir, read_only=True)
     step = mgr.latest_step() if step is None else int(step)
@@ -55,13 +58,17 @@ def restore(workdir: str | Path, step: int | None = None) -> Restored:
     tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
     model_cfg = ModelConfig.from_json(meta["model"])
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    state = checkpoint.restore_state(mgr, step, layout.abstract_state())
-    mgr.close()
+    graphdef, abstract = abstract_model(model_cfg)
+    shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+    abstract_params = checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings)
+    try:
+        # The params alone: the optimizer moments stay on disk (they would take twice the params' memory).
+        params = checkpoint.restore_params_verified(mgr, step, meta, abstract_params)
+    finally:
+        mgr.close()
     spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                                meta["media_kwargs"])
-    return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef,
-                    state["params"])
+    return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
 
 
 def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:
