@@ -12,6 +12,7 @@ import pytest
 from valen_jax.losses import (
     branch_cross_entropy,
     combine,
+    head_token_losses,
     mean_of,
     reduce_question_losses,
     token_cross_entropy,
@@ -28,6 +29,44 @@ def test_token_cross_entropy_is_weighted_by_the_explicit_weights():
     assert float(loss_sum) == pytest.approx(3 * math.log(4))
     assert float(weight_sum) == 3.0
     assert float(correct) == 1.0  # argmax of a tie is class 0: right for the first token only
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_token_losses_match_autodiff_through_token_losses(dtype):
+    # The training loss's hand-written backward must give autodiff's gradients, z-loss included.
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.standard_normal((2, 7, 16)), dtype)
+    head = jnp.asarray(rng.standard_normal((16, 37)) * 0.5, dtype)
+    targets = jnp.asarray(rng.integers(0, 37, (2, 7)), jnp.int32)
+    weights = jnp.asarray(rng.random((2, 7)) * (rng.random((2, 7)) > 0.3), jnp.float32)
+
+    def objective(losses):
+        def total(h, w):
+            sums = losses(h, w)
+            return sums["ce"] / 5.0 + 0.25 * sums["z"] / 5.0, sums
+        return total
+
+    def reference(h, w):
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        return token_losses(logits, targets, weights)
+
+    (ref_h, ref_w), ref_sums = jax.grad(objective(reference), argnums=(0, 1), has_aux=True)(hidden, head)
+    (got_h, got_w), got_sums = jax.grad(objective(lambda h, w: head_token_losses(h, w, targets, weights)),
+                                        argnums=(0, 1), has_aux=True)(hidden, head)
+    assert got_h.dtype == hidden.dtype and got_w.dtype == head.dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name in ("ce", "z", "weight", "correct"):
+        np.testing.assert_allclose(got_sums[name], ref_sums[name], rtol=tol)
+    np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(ref_h, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(got_w, np.float32), np.asarray(ref_w, np.float32), rtol=tol, atol=tol)
+
+
+def test_head_token_losses_count_ties_at_the_maximum_as_hits():
+    # Uniform logits: every target ties with the maximum (token_losses' argmax would pick class 0).
+    hidden, head = jnp.ones((1, 3, 2)), jnp.zeros((2, 4))
+    sums = head_token_losses(hidden, head, jnp.array([[0, 1, 2]]), jnp.array([[1.0, 0.0, 2.0]]))
+    assert float(sums["correct"]) == 3.0
+    assert float(sums["ce"]) == pytest.approx(3 * math.log(4))
 
 
 def test_z_loss_adds_the_squared_log_normaliser():

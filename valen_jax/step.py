@@ -15,9 +15,9 @@ from valen_jax import sharding
 from valen_jax.losses import (
     branch_cross_entropy,
     combine,
+    head_token_losses,
     reduce_question_losses,
     token_cross_entropy,
-    token_losses,
 )
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.heads import branch_log_probs
@@ -95,7 +95,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                               batch.get("branch_ids"))
         sums = {}
         if weights.get("tokens", 0.0) > 0 or "score_positions" not in batch:
-            sums.update(token_losses(model.logits(hidden), batch["targets"], batch["target_weights"]))
+            sums.update(head_token_losses(hidden, model.head_matrix(), batch["targets"], batch["target_weights"]))
         if "score_positions" in batch:
             sums.update(branch_sums(model.score_head(hidden), batch, options.loss_reduction))
         return sums

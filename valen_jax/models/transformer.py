@@ -113,9 +113,13 @@ class Transformer(nnx.Module):
         x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids))
         return self.final_norm(x)
 
-    def logits(self, hidden):
+    def head_matrix(self):
+        """The [D, V] output projection in the compute dtype (the embedding's transpose when tied)."""
         head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", hidden, head.astype(self.dtype), preferred_element_type=jnp.float32)
+        return head.astype(self.dtype)
+
+    def logits(self, hidden):
+        logits = jnp.einsum("btd,dv->btv", hidden, self.head_matrix(), preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "length", "act_vocab"))
 
     def __call__(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):

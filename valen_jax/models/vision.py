@@ -30,7 +30,8 @@ class VisionEncoder(nnx.Module):
         self.patch_embed = param(rngs, (cfg.patch_dim, cfg.dim), ("patch", "embed"), pdt)
         self.blocks = nnx.List([
             Block(cfg.dim, cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.mlp_dim, bias=True,
-                  rope_theta=cfg.rope_theta, eps=1e-6, dtype=cdt, param_dtype=pdt, rngs=rngs)
+                  rope_theta=cfg.rope_theta, eps=1e-6, dtype=cdt, param_dtype=pdt, rngs=rngs,
+                  causal=False)
             for _ in range(cfg.num_layers)
         ])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size

@@ -1,0 +1,71 @@
+"""The decoder's blockwise causal attention equals full masked attention, values and gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from valen_jax.models.layers import causal_attention
+from valen_jax.models.transformer import attention_mask
+
+
+def _inputs(length, heads, kv_heads, seed=0, head_dim=8, batch=2):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, length, heads, head_dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, length, kv_heads, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, length, kv_heads, head_dim)), jnp.float32)
+    return q, k, v
+
+
+def _packed_segments(length, batch=2):
+    # Row 0: three packed examples then padding; row 1: one example filling the row.
+    first = np.zeros(length, np.int32)
+    cuts = [0, length // 3, length // 2, length - 3]
+    for segment, (start, end) in enumerate(zip(cuts[:-1], cuts[1:], strict=True), start=1):
+        first[start:end] = segment
+    return jnp.asarray(np.stack([first, np.ones(length, np.int32)])[:batch])
+
+
+def _branch_tree(length):
+    # A shared prefix (branch 0) then three branches that see the prefix and themselves only.
+    branches = np.zeros(length, np.int32)
+    bounds = np.linspace(length // 4, length, 4).astype(int)
+    for branch, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+        branches[start:end] = branch
+    return jnp.asarray(branches[None]), jnp.ones((1, length), jnp.int32)
+
+
+@pytest.mark.parametrize("length,chunk,heads,kv_heads", [(37, 8, 4, 2), (64, 64, 4, 4), (50, 16, 6, 1), (9, 128, 2, 1)])
+def test_blockwise_causal_attention_equals_full_attention(length, chunk, heads, kv_heads):
+    q, k, v = _inputs(length, heads, kv_heads)
+    mask = attention_mask(_packed_segments(length))
+
+    def loss(fn):
+        def value(q, k, v):
+            out = fn(q, k, v)
+            return jnp.sum(out * jnp.cos(out)), out
+        return jax.value_and_grad(value, argnums=(0, 1, 2), has_aux=True)
+
+    (_, want), want_grads = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))(q, k, v)
+    (_, got), got_grads = loss(lambda q, k, v: causal_attention(q, k, v, mask, chunk))(q, k, v)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_blockwise_attention_keeps_branches_apart():
+    length = 48
+    branch_ids, segments = _branch_tree(length)
+    q, k, v = _inputs(length, 4, 2, seed=1, batch=1)
+    mask = attention_mask(segments, branch_ids)
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(causal_attention(q, k, v, mask, 16), want, atol=2e-6, rtol=2e-5)
+    # Changing branch 3's keys and values leaves branches 1 and 2 (and the prefix) unchanged.
+    third = np.asarray(branch_ids[0]) == 3
+    k2 = k.at[:, third].add(1.0)
+    v2 = v.at[:, third].add(1.0)
+    before, after = causal_attention(q, k, v, mask, 16), causal_attention(q, k2, v2, mask, 16)
+    np.testing.assert_array_equal(np.asarray(after)[:, ~third], np.asarray(before)[:, ~third])
+    assert not np.allclose(np.asarray(after)[:, third], np.asarray(before)[:, third])
