@@ -69,3 +69,12 @@ def test_blockwise_attention_keeps_branches_apart():
     before, after = causal_attention(q, k, v, mask, 16), causal_attention(q, k2, v2, mask, 16)
     np.testing.assert_array_equal(np.asarray(after)[:, ~third], np.asarray(before)[:, ~third])
     assert not np.allclose(np.asarray(after)[:, third], np.asarray(before)[:, third])
+
+
+def test_block_size_keeps_at_most_eight_blocks_of_multiples_of_64():
+    from valen_jax.models.layers import attention_block_size
+
+    for length in (1, 9, 512, 600, 2048, 8192, 10000):
+        size = attention_block_size(length)
+        assert size % 64 == 0 and -(-length // size) <= 8
+    assert attention_block_size(512) == 64
