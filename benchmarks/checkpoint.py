@@ -7,8 +7,8 @@
 Part 1, in one process: mean train-step time with an asynchronous save after every step (as
 `valen_jax.train` saves: state + Grain iterator + meta with digests) against no saves, in
 alternating blocks so machine noise hits both alike. The save call blocks only while the arrays
-are copied off the devices and the digests are taken; the write runs in a background thread
-while the next steps compute. Saving every step is the worst case: a save waits for the previous
+are copied off the devices (the digests are dispatched to the devices and fetched by the
+background write); the write runs in a background thread while the next steps compute. Saving every step is the worst case: a save waits for the previous
 one to finish, so steps shorter than a write are throttled to the write's pace.
 
 Part 2: restore + compile + first step of the same model from its last checkpoint in this
@@ -169,7 +169,7 @@ def main() -> None:
           f"{saved[0]} saves of {state_mib:.0f} MiB; final wait {time.perf_counter() - wait_started:.2f}s")
     print(f"async save overhead: {100 * overhead:+.1f}%; of it, the save call blocks the loop "
           f"{statistics.mean(blocked[1:]):.3f}s per save ({100 * statistics.mean(blocked[1:]) / mean_plain:.1f}% of a "
-          "step: digests, device→host copy, waiting for the previous write); the rest is the background "
+          "step: device→host copy, waiting for the previous write); the rest is the background "
           "writer's threads taking CPU from the step (with CPU devices they share the same cores)")
 
     # Resume in this process: a fresh manager restores the latest checkpoint, compiles, steps once.

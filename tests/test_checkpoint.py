@@ -88,6 +88,23 @@ def test_an_intact_checkpoint_restores_state_iterator_and_meta(tmp_path):
     assert set(meta["digest"]["state"]) == {"params/b", "params/w", "step"}
 
 
+def test_digests_are_those_of_the_saved_state_even_when_the_next_step_donates_it(tmp_path):
+    # `save` only dispatches the digest reduction; the background meta write fetches it. The
+    # next step donating (overwriting) the state's buffers must not change what was recorded.
+    state = make_state(3)
+    expected = checkpoint.state_digest(state)
+    overwrite = jax.jit(lambda tree: jax.tree.map(lambda x: x + jnp.ones((), x.dtype), tree), donate_argnums=0)
+    mgr = checkpoint.manager(tmp_path, debug_pause_in_save_s=0.5)
+    checkpoint.save(mgr, 1, state, make_iterator(), {"step": 1}, force=True)
+    state = jax.block_until_ready(overwrite(state))
+    mgr.wait_until_finished()
+    meta = checkpoint.restore_meta(mgr, 1)
+    mgr.close()
+    assert meta["digest"]["state"] == expected
+    assert all(isinstance(v, int) for v in meta["digest"]["state"].values())
+    assert checkpoint.state_digest(state) != expected
+
+
 @pytest.mark.parametrize("damage", ["garble", "truncate"])
 def test_a_damaged_latest_checkpoint_is_reported_moved_aside_and_the_previous_one_used(tmp_path, caplog, damage):
     positions = save_steps(tmp_path, [1, 2])

@@ -65,8 +65,24 @@ def tokenizer_dir(workdir: str | Path) -> Path:
     return Path(workdir).resolve() / "tokenizer"
 
 
+class _PendingDigests:
+    """State digests still being computed on the devices when `save` returns.
+
+    Fetching them in `save` would make the training loop wait for the reduction over every
+    state array (a host sync per save); the `meta` writer fetches them in Orbax's background
+    commit instead, before it writes `meta.json`.
+    """
+
+    def __init__(self, paths: list[str], values: Any):
+        self.paths, self.values = paths, values
+
+    def resolve(self) -> dict[str, int]:
+        return {p: int(d) for p, d in zip(self.paths, jax.tree.leaves(jax.device_get(self.values)), strict=True)}
+
+
 class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
-    """The `meta` item's JSON handler, plus a test hook that holds the background write open.
+    """The `meta` item's JSON handler: resolves pending digests in the background write, and
+    holds a test hook that keeps that write open.
 
     `debug_pause_in_save_s` > 0 (config.train.debug_pause_in_save_s; for fault-injection tests
     only) sleeps inside the asynchronous commit of every save, after the save call returned and
@@ -77,6 +93,12 @@ class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
     def __init__(self, pause_s: float = 0.0):
         super().__init__()
         self.pause_s = float(pause_s)
+
+    async def _save_fn(self, x, directory):
+        digest = x.get("digest", {}) if isinstance(x, dict) else {}
+        if isinstance(digest.get("state"), _PendingDigests):
+            x = {**x, "digest": {**digest, "state": digest["state"].resolve()}}
+        return await super()._save_fn(x, directory)
 
     async def async_save(self, directory, item=None, args=None):
         futures = await super().async_save(directory, item, args)
@@ -162,8 +184,13 @@ def iterator_digest(iterator: grain.DatasetIterator) -> str:
 
 def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.DatasetIterator,
          meta: dict[str, Any], force: bool = False) -> bool:
-    """Start an asynchronous save; the digests in `meta` let a later restore prove the files intact."""
-    meta = {**meta, "digest": {"state": state_digest(state), "data": iterator_digest(iterator)}}
+    """Start an asynchronous save; the digests in `meta` let a later restore prove the files intact.
+
+    The state digests are dispatched to the devices here (reading the arrays before the next
+    step may donate them) and fetched by the background `meta` write (`_PendingDigests`).
+    """
+    pending = _PendingDigests(_paths(state), _digest(state))
+    meta = {**meta, "digest": {"state": pending, "data": iterator_digest(iterator)}}
     return mgr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(iterator),
