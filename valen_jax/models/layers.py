@@ -207,6 +207,26 @@ class Attention(nnx.Module):
         return dense(out, self.o[...].astype(self.dtype), in_dims=2)
 
 
+@jax.custom_vjp
+def gated_silu(gate, up):
+    """silu(gate) · up, whose backward is one elementwise pass over (gate, up, gradient)."""
+    return jax.nn.silu(gate) * up
+
+
+def _gated_silu_forward(gate, up):
+    return gated_silu(gate, up), (gate, up)
+
+
+def _gated_silu_backward(residuals, grad):
+    gate, up = residuals
+    sigmoid = jax.nn.sigmoid(gate)
+    silu = gate * sigmoid
+    return grad * up * (sigmoid + silu * (1 - sigmoid)), grad * silu
+
+
+gated_silu.defvjp(_gated_silu_forward, _gated_silu_backward)
+
+
 class SwiGLU(nnx.Module):
     def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs):
         self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
@@ -218,7 +238,7 @@ class SwiGLU(nnx.Module):
         x = x.astype(self.dtype)
         gate = dense(x, self.gate[...].astype(self.dtype))
         up = dense(x, self.up[...].astype(self.dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        hidden = constrain(gated_silu(gate, up), ("batch", "length", "act_mlp"))
         return dense(hidden, self.down[...].astype(self.dtype))
 
 
