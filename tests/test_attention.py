@@ -100,3 +100,18 @@ def test_gated_silu_backward_matches_autodiff(dtype):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+def test_blockwise_attention_in_bfloat16_follows_float32():
+    q, k, v = _inputs(40, 4, 2, seed=2)
+    mask = attention_mask(_packed_segments(40))
+
+    def grads(dtype):
+        def value(q, k, v):
+            out = causal_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, 16)
+            assert out.dtype == dtype
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32)))
+        return jax.grad(value, argnums=(0, 1, 2))(q, k, v)
+
+    for low, high in zip(grads(jnp.bfloat16), grads(jnp.float32), strict=True):
+        np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(high), atol=0.06, rtol=0.06)

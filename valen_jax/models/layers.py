@@ -6,6 +6,7 @@ mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -143,14 +144,43 @@ def causal_attention(q, k, v, mask, chunk: int | None = None):
         rows = block_queries.reshape(batch, kv_heads, (end - start) * groups, head_dim)
         prefix_keys = jnp.concatenate(key_blocks[:i + 1], axis=2) if i else key_blocks[0]
         prefix_values = jnp.concatenate(value_blocks[:i + 1], axis=2) if i else value_blocks[0]
-        scores = jnp.einsum("bkrh,bksh->bkrs", rows, prefix_keys, preferred_element_type=jnp.float32)
-        scores = scores.reshape(batch, kv_heads, end - start, groups, end) * scale
-        scores = jnp.where(mask[:, :, start:end, None, :end], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, kv_heads, -1, end)
-        block = jnp.einsum("bkrs,bksh->bkrh", weights, prefix_values)
+        block = _attend_block(rows, prefix_keys, prefix_values, mask[:, :, start:end, :end], scale)
         outputs.append(block.reshape(batch, kv_heads, end - start, groups, head_dim))
     out = jnp.concatenate(outputs, axis=2)  # [B, K, T, G, H]
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, length, heads, head_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend_block(rows, keys, values, mask, scale):
+    """One query block: rows [B, K, R, H] (R = positions x groups) against keys/values [B, K, S, H]."""
+    return _attend_block_forward(rows, keys, values, mask, scale)[0]
+
+
+def _attend_block_forward(rows, keys, values, mask, scale):
+    batch, kv_heads, count, _ = rows.shape
+    positions, length = mask.shape[2], mask.shape[3]
+    scores = jnp.einsum("bkrh,bksh->bkrs", rows, keys, preferred_element_type=jnp.float32)
+    scores = scores.reshape(batch, kv_heads, positions, count // positions, length) * scale
+    scores = jnp.where(mask[:, :, :, None, :], scores, -jnp.inf)  # every row keeps its diagonal
+    weights = jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, count, length)
+    out = jnp.einsum("bkrs,bksh->bkrh", weights.astype(values.dtype), values)
+    return out, (rows, keys, values, weights, out)
+
+
+def _attend_block_backward(scale, residuals, d_out):
+    # Softmax backward from the output side: Σ_s p·dp = Σ_h dO·O, a [R, H] product instead of a
+    # pass over the [R, S] scores; masked weights are exactly 0, so no select is needed.
+    rows, keys, values, weights, out = residuals
+    d_values = jnp.einsum("bkrs,bkrh->bksh", weights.astype(d_out.dtype), d_out)
+    d_weights = jnp.einsum("bkrh,bksh->bkrs", d_out, values, preferred_element_type=jnp.float32)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    d_scores = (weights * (d_weights - delta) * scale).astype(rows.dtype)
+    d_rows = jnp.einsum("bkrs,bksh->bkrh", d_scores, keys)
+    d_keys = jnp.einsum("bkrs,bkrh->bksh", d_scores, rows)
+    return d_rows, d_keys, d_values, None
+
+
+_attend_block.defvjp(_attend_block_forward, _attend_block_backward)
 
 
 class Attention(nnx.Module):
