@@ -102,6 +102,8 @@ def train_group() -> ml_collections.ConfigDict:
     train.steps = 160
     train.checkpoint_every = 80
     train.keep_checkpoints = 3
+    # zstd on state arrays: f32 weights and moments shrink ~7% for 2-3x the writer's CPU time.
+    train.checkpoint_compression = False
     train.seed = 0
     train.log_every = 20
     train.learning_rate = 3e-3

@@ -45,10 +45,11 @@ def save_steps(workdir: Path, steps, pause_s: float = 0.0):
     return positions
 
 
-def restore(workdir: Path, check_meta=lambda step, meta: None):
+def restore(workdir: Path, check_meta=lambda step, meta: None, abstract_state=None):
     mgr = checkpoint.manager(workdir, max_to_keep=5)
     iterator = make_iterator()
-    result = checkpoint.restore_intact(mgr, workdir, abstract(make_state(0)), iterator, check_meta)
+    abstract_state = abstract(make_state(0)) if abstract_state is None else abstract_state
+    result = checkpoint.restore_intact(mgr, workdir, abstract_state, iterator, check_meta)
     mgr.close()
     return result, iterator
 
@@ -103,6 +104,23 @@ def test_digests_are_those_of_the_saved_state_even_when_the_next_step_donates_it
     assert meta["digest"]["state"] == expected
     assert all(isinstance(v, int) for v in meta["digest"]["state"].values())
     assert checkpoint.state_digest(state) != expected
+
+
+def test_state_arrays_are_written_uncompressed_unless_asked_and_both_restore(tmp_path):
+    # Zeros compress to almost nothing: the bytes on disk tell which codec was used.
+    state = {"params": {"w": jnp.zeros((512, 1024), jnp.float32)}, "step": jnp.asarray(1, jnp.int32)}
+    sizes = {}
+    for compress in (False, True):
+        workdir = tmp_path / str(compress)
+        mgr = checkpoint.manager(workdir, compress=compress)
+        checkpoint.save(mgr, 1, state, make_iterator(), {"step": 1}, force=True)
+        mgr.wait_until_finished()
+        mgr.close()
+        files = (workdir / "checkpoints" / "1" / "state").rglob("*")
+        sizes[compress] = sum(p.stat().st_size for p in files if p.is_file())
+        (step, restored, _), _ = restore(workdir, abstract_state=abstract(state))
+        np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.zeros((512, 1024), np.float32))
+    assert sizes[False] > 2 * 2**20 > 100 * sizes[True] > 0
 
 
 @pytest.mark.parametrize("damage", ["garble", "truncate"])

@@ -115,8 +115,28 @@ class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
         return [ocp_future.CommitFutureAwaitingContractedSignals(pause(), name="debug_pause"), *futures]
 
 
+class _StateHandler(ocp.handlers.StandardCheckpointHandler):
+    """The `state` item's handler: Orbax's standard one, with zstd compression a choice.
+
+    Orbax compresses every array by default. Trained f32 weights and Adam moments are close to
+    incompressible (a trained 144 MiB state wrote 134 MiB compressed: 7% less) while zstd
+    multiplies the background writer's CPU time by 2-3, time taken from the host that feeds
+    the accelerators (or, on CPU devices, from the step itself). Arrays record their codec, so
+    restores read either kind. The type string stays the standard handler's, so checkpoints
+    look the same to every reader.
+    """
+
+    def __init__(self, compress: bool):
+        super().__init__()
+        self._impl = ocp.handlers.PyTreeCheckpointHandler(use_compression=compress)
+
+    @classmethod
+    def typestr(cls) -> str:
+        return ocp.handlers.StandardCheckpointHandler.typestr()
+
+
 def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool = False,
-            debug_pause_in_save_s: float = 0.0) -> ocp.CheckpointManager:
+            debug_pause_in_save_s: float = 0.0, compress: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=not read_only,
@@ -129,8 +149,9 @@ def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool
     meta_handler = _MetaHandler(debug_pause_in_save_s)
     registry.add("meta", ocp.args.JsonSave, meta_handler)
     registry.add("meta", ocp.args.JsonRestore, meta_handler)
-    registry.add("state", ocp.args.StandardSave)
-    registry.add("state", ocp.args.StandardRestore)
+    state_handler = _StateHandler(compress)
+    registry.add("state", ocp.args.StandardSave, state_handler)
+    registry.add("state", ocp.args.StandardRestore, state_handler)
     if read_only:
         # Partial restores of `state` (params only) need the PyTree handler. Registered only where
         # nothing is saved: the step metadata records one handler per item, and a manager that
