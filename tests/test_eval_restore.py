@@ -19,8 +19,9 @@ STEP = 3
 
 
 def make_state() -> dict:
-    """A train state with Adam moments. The moments are constant so they compress to almost nothing:
-    the largest data file is then the random params, which the damage tests aim at."""
+    """A train state with Adam moments. The moments are constant so they compress to almost nothing
+    (the fixture saves compressed): the largest data file is then the random params, which the
+    damage tests aim at."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(256, 128)), jnp.float32),
               "b": jnp.asarray(rng.normal(size=(128,)), jnp.bfloat16)}
@@ -36,7 +37,7 @@ def abstract(tree):
 @pytest.fixture
 def saved(tmp_path) -> Path:
     state = make_state()
-    mgr = checkpoint.manager(tmp_path)
+    mgr = checkpoint.manager(tmp_path, compress=True)
     iterator = iter(grain.MapDataset.range(100).batch(4).to_iter_dataset())
     checkpoint.save(mgr, STEP, state, iterator, {"state_layout": checkpoint.state_layout(abstract(state))}, force=True)
     mgr.wait_until_finished()
