@@ -8,8 +8,9 @@ Part 1, in one process: mean train-step time with an asynchronous save after eve
 `valen_jax.train` saves: state + Grain iterator + meta with digests) against no saves, in
 alternating blocks so machine noise hits both alike. The save call blocks only while the arrays
 are copied off the devices (the digests are dispatched to the devices and fetched by the
-background write); the write runs in a background thread while the next steps compute. Saving every step is the worst case: a save waits for the previous
-one to finish, so steps shorter than a write are throttled to the write's pace.
+background write); the write runs in a background thread while the next steps compute. Saving
+every step is the worst case: a save waits for the previous one to finish, so steps shorter than
+a write are throttled to the write's pace.
 
 Part 2: restore + compile + first step of the same model from its last checkpoint in this
 process; and `python -m valen_jax.train` resumed on the vflash tiny config, timed from process

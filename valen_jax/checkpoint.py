@@ -95,6 +95,7 @@ class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
         self.pause_s = float(pause_s)
 
     async def _save_fn(self, x, directory):
+        # JsonCheckpointHandler's write coroutine, run in Orbax's background commit (0.12, pinned).
         digest = x.get("digest", {}) if isinstance(x, dict) else {}
         if isinstance(digest.get("state"), _PendingDigests):
             x = {**x, "digest": {**digest, "state": digest["state"].resolve()}}
@@ -128,6 +129,8 @@ class _StateHandler(ocp.handlers.StandardCheckpointHandler):
 
     def __init__(self, compress: bool):
         super().__init__()
+        # Orbax 0.12 (pinned) offers no compression option on the standard handler; it delegates
+        # every save and restore to this PyTree handler, which has one.
         self._impl = ocp.handlers.PyTreeCheckpointHandler(use_compression=compress)
 
     @classmethod
@@ -189,8 +192,7 @@ def _paths(tree) -> list[str]:
 
 
 def state_digest(state: Any) -> dict[str, int]:
-    digests = jax.device_get(_digest(state))
-    return {p: int(d) for p, d in zip(_paths(state), jax.tree.leaves(digests), strict=True)}
+    return _PendingDigests(_paths(state), _digest(state)).resolve()
 
 
 def state_layout(abstract_state: Any) -> list[str]:
@@ -244,6 +246,13 @@ def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params: Any) 
     return mgr.restore(step, args=ocp.args.Composite(state=args)).state["params"]
 
 
+def _saved_digests(step: int, meta: dict[str, Any]) -> dict[str, Any] | None:
+    digests = meta.get("digest")
+    if digests is None:
+        log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
+    return digests
+
+
 def _check_digests(step: int, what: str, expected: dict[str, int], found: dict[str, int]) -> None:
     bad = [p for p, d in expected.items() if found.get(p) != d]
     if bad or set(found) != set(expected):
@@ -253,9 +262,8 @@ def _check_digests(step: int, what: str, expected: dict[str, int], found: dict[s
 
 def verify(step: int, meta: dict[str, Any], state: Any, iterator: grain.DatasetIterator | None) -> None:
     """Raise CorruptCheckpoint when what was read differs from the digests taken at save time."""
-    expected = meta.get("digest")
+    expected = _saved_digests(step, meta)
     if expected is None:
-        log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
         return
     _check_digests(step, "state", expected["state"], state_digest(state))
     if iterator is not None and iterator_digest(iterator) != expected["data"]:
@@ -264,12 +272,17 @@ def verify(step: int, meta: dict[str, Any], state: Any, iterator: grain.DatasetI
 
 def verify_params(step: int, meta: dict[str, Any], params: Any) -> None:
     """`verify` for a params-only restore: the `params/...` digests, every one of them."""
-    expected = meta.get("digest")
+    expected = _saved_digests(step, meta)
     if expected is None:
-        log.warning("checkpoint %d has no digests (written by an older valen_jax); not verified", step)
         return
     _check_digests(step, "params", {p: d for p, d in expected["state"].items() if p.startswith("params/")},
                    state_digest({"params": params}))
+
+
+def _refuse_other_layout(step: int, saved: list[str], wanted: list[str], what: str) -> None:
+    if saved != wanted:
+        changed = sorted(set(saved) ^ set(wanted))
+        raise CheckpointError(f"checkpoint {step} holds another {what}: {'; '.join(changed[:4])}")
 
 
 def restore_params_verified(mgr: ocp.CheckpointManager, step: int, meta: dict[str, Any],
@@ -280,17 +293,13 @@ def restore_params_verified(mgr: ocp.CheckpointManager, step: int, meta: dict[st
     CorruptCheckpoint when the params do not read back or differ from what was saved.
     """
     if meta.get("state_layout") is not None:
-        saved = [line for line in meta["state_layout"] if line.startswith("params/")]
-        wanted = state_layout({"params": abstract_params})
-        if saved != wanted:
-            changed = sorted(set(saved) ^ set(wanted))
-            raise CheckpointError(f"checkpoint {step} holds another params layout: {'; '.join(changed[:4])}")
+        _refuse_other_layout(step, [line for line in meta["state_layout"] if line.startswith("params/")],
+                             state_layout({"params": abstract_params}), "params layout")
     try:
         params = restore_params(mgr, step, abstract_params)
     except Exception as error:  # noqa: BLE001 - any read failure of a finished step is damage
-        summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         raise CorruptCheckpoint(f"checkpoint {step}: params do not read back ({type(error).__name__}: "
-                                f"{summary})") from error
+                                f"{_error_summary(error)})") from error
     verify_params(step, meta, params)
     return params
 
@@ -326,10 +335,9 @@ def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_sta
             _report_corrupt(mgr, workdir, step, error)
             continue
         check_meta(step, meta)
-        if meta.get("state_layout") is not None and meta["state_layout"] != state_layout(abstract_state):
-            changed = sorted(set(meta["state_layout"]) ^ set(state_layout(abstract_state)))
-            raise CheckpointError(f"checkpoint {step} holds another train-state layout (model, optimizer or "
-                                  f"param_groups changed): {'; '.join(changed[:4])}")
+        if meta.get("state_layout") is not None:
+            _refuse_other_layout(step, meta["state_layout"], state_layout(abstract_state),
+                                 "train-state layout (model, optimizer or param_groups changed)")
         try:
             state = restore_state(mgr, step, abstract_state, iterator)
             verify(step, meta, state, iterator)
@@ -343,11 +351,15 @@ def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_sta
     return None
 
 
+def _error_summary(error: Exception) -> str:
+    """The first line of an error's message (Orbax and TensorStore errors run to pages)."""
+    return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+
+
 def _report_corrupt(mgr, workdir, step: int, error: Exception) -> None:
-    summary = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
     target = quarantine(mgr, workdir, step)
     log.warning("checkpoint %d is corrupt (%s: %s); moved to %s, trying the previous checkpoint",
-                step, type(error).__name__, summary, target)
+                step, type(error).__name__, _error_summary(error), target)
 
 
 def abstract_with(shapes: Any, shardings: Any) -> Any:
