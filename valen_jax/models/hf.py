@@ -238,14 +238,24 @@ def load_params(directory: str | Path, cfg: ModelConfig, shardings, added_pieces
     return params
 
 
-def from_pretrained(path_or_name: str | Path, dtype: str = "float32", param_dtype: str = "float32",
+def dtype_name(dtype) -> str:
+    """"bfloat16" for "bfloat16", jnp.bfloat16, np.dtype(ml_dtypes.bfloat16)...: ModelConfig keeps names (JSON)."""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        raise HFImportError(f"dtype {dtype!r} is neither a dtype name nor a JAX/NumPy dtype") from None
+
+
+def from_pretrained(path_or_name: str | Path, dtype="float32", param_dtype="float32",
                     mesh: Mesh | None = None, revision: str | None = None, **overrides) -> tuple[nnx.Module, ModelConfig]:
-    """The model (with logits from `model(tokens, positions, segment_ids)`) and its config."""
+    """The model (with logits from `model(tokens, positions, segment_ids)`) and its config.
+
+    `dtype`/`param_dtype`: a name ("bfloat16") or a JAX/NumPy dtype (`jnp.bfloat16`)."""
     directory = resolve(path_or_name, revision)
     if not (directory / "config.json").is_file():
         raise HFImportError(f"{path_or_name}: no config.json in {directory}; not a transformers checkpoint")
     hf = json.loads((directory / "config.json").read_text())
-    cfg = config_from_hf(hf, dtype=dtype, param_dtype=param_dtype, **overrides)
+    cfg = config_from_hf(hf, dtype=dtype_name(dtype), param_dtype=dtype_name(param_dtype), **overrides)
     graphdef, abstract = abstract_model(cfg)
     if mesh is None:
         mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
