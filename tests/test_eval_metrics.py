@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from valen_jax.eval_metrics import OVERALL
-from valen_jax.eval_metrics.chat import ChatStats, ToolCallError, normalise_call
-from valen_jax.eval_metrics.valen import ValenStats
-from valen_jax.eval_metrics.vflash import VFlashStats, box_iou, greedy_match, split_masks
+from valen_jax.evaluation.metrics import OVERALL
+from valen_jax.evaluation.metrics.chat import ChatStats, ToolCallError, normalise_call
+from valen_jax.evaluation.metrics.valen import ValenStats
+from valen_jax.evaluation.metrics.vflash import VFlashStats, box_iou, greedy_match, split_masks
 
 H1 = np.array([1.0, 0.0, 0.0])
 META = {"domain": "traffic", "modality": "text", "language_bucket": "en"}

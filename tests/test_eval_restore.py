@@ -133,7 +133,7 @@ def test_another_params_layout_is_an_error_not_corruption(saved):
 def test_evaluate_restores_a_trained_workdir_params_only_and_refuses_a_damaged_one(tmp_path_factory, tmp_path,
                                                                                    arrays_read):
     from tests.smoke_workdirs import smoke_workdir
-    from valen_jax import eval_workdir
+    from valen_jax.evaluation import workdir as eval_workdir
 
     workdir = tmp_path / "workdir"  # a copy: the smoke workdir is shared by the session's tests
     shutil.copytree(smoke_workdir(tmp_path_factory, "configs/valen.py:tiny"), workdir)

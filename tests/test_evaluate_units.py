@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from data_pipeline.shards import Example
-from valen_jax import eval_hosts
-from valen_jax.eval_chat import parse_tool_calls
-from valen_jax.eval_metrics.chat import ChatStats
-from valen_jax.eval_metrics.valen import ValenStats
-from valen_jax.eval_tokens import answer_spans
-from valen_jax.eval_vflash import answer_masks
-from valen_jax.eval_workdir import data_format
+from valen_jax.evaluation import hosts as eval_hosts
+from valen_jax.evaluation.chat import parse_tool_calls
+from valen_jax.evaluation.metrics.chat import ChatStats
+from valen_jax.evaluation.metrics.valen import ValenStats
+from valen_jax.evaluation.tokens import answer_spans
+from valen_jax.evaluation.vflash import answer_masks
+from valen_jax.evaluation.workdir import data_format
 
 
 class FakeHosts:
@@ -141,7 +141,7 @@ def test_the_format_comes_from_the_checkpoint_config_not_the_path():
 
 
 def test_vakforge_breaks_down_by_locale_and_meta_source():
-    from valen_jax.eval_chat import breakdown_of
+    from valen_jax.evaluation.chat import breakdown_of
 
     vakforge = Example(arrays={}, meta={"format": "vakforge", "locale": "en-GB", "data_source": "synthetic"})
     assert breakdown_of(vakforge) == {"locale": "en-GB", "source": "synthetic"}

@@ -11,12 +11,12 @@ is given (never guessed from the path); `data.eval_options` (e.g. vakforge's spl
 format. Every example of the data is evaluated unless `--max_examples`. The report holds, per format:
 - valen: per question, overall / by type / by domain, modality, language_bucket: hard-label
   accuracy, cross-entropy, Brier, RPS, ECE, the noul confusion matrix and the label counts
-  (`valen_jax.eval_metrics.valen`), in `--mode` (default: the checkpoint's `data.valen_mode`);
+  (`valen_jax.evaluation.metrics.valen`), in `--mode` (default: the checkpoint's `data.valen_mode`);
 - vflash: assistant-token `loss`/`accuracy` (teacher forcing); greedy decoding of each last answer:
   `generation.primitive_parse_rate`, and point/box/trajectory/dense metrics overall and per recipe
-  entry (`valen_jax.eval_metrics.vflash`);
+  entry (`valen_jax.evaluation.metrics.vflash`);
 - chat, vakforge: assistant-token loss/accuracy and tool-call exact match, overall and by locale
-  and source (`valen_jax.eval_metrics.chat`).
+  and source (`valen_jax.evaluation.metrics.chat`).
 With several processes each evaluates a slice and the sums are added before any ratio is formed.
 """
 
@@ -32,12 +32,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from valen_jax import checkpoint, eval_workdir, sharding
+from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import assemble
-from valen_jax.eval_chat import evaluate_chat
-from valen_jax.eval_valen import evaluate_valen
-from valen_jax.eval_vflash import evaluate_vflash
-from valen_jax.eval_workdir import Restored, stack
+from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation.chat import evaluate_chat
+from valen_jax.evaluation.valen import evaluate_valen
+from valen_jax.evaluation.vflash import evaluate_vflash
+from valen_jax.evaluation.workdir import Restored, stack
 from valen_jax.models.config import ModelConfig
 from valen_jax.step import forward_loss
 

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import jax
 
-from valen_jax import checkpoint, eval_workdir
-from valen_jax.eval_valen import predict_valen
+from valen_jax import checkpoint
+from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation.valen import predict_valen
 
 
 def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,

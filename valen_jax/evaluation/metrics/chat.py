@@ -31,7 +31,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
-from valen_jax.eval_metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
 
 BREAKDOWN_KEYS = ("locale", "source")
 MISSING = "(missing)"

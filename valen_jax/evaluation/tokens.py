@@ -2,7 +2,7 @@
 greedy decoding of an assistant answer from the conversation before it.
 
 Every function runs the examples this process was given, in global batches that all processes
-enter together (`eval_hosts.batch_count`), and returns results for its own examples only.
+enter together (`hosts.batch_count`), and returns results for its own examples only.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline.shards import Example
-from valen_jax import eval_hosts, sharding
+from valen_jax import sharding
+from valen_jax.evaluation import hosts
 from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
-from valen_jax.eval_workdir import host_local, stack
+from valen_jax.evaluation.workdir import host_local, stack
 from valen_jax.step import vision_inputs
 
 
@@ -125,7 +126,7 @@ def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_bat
         done[len(chunk):] = True
         for _ in range(max_new_tokens):
             # Every process takes the same number of steps: the step is one collective computation.
-            if eval_hosts.process_gather(np.asarray([done.all()])).all():
+            if hosts.process_gather(np.asarray([done.all()])).all():
                 break
             batch = sharding.global_batch({"tokens": tokens, "cursor": cursor}, mesh)
             new = host_local(step(params, batch["tokens"], batch["cursor"], vision), mesh)

@@ -23,10 +23,11 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline.shards import Example
-from valen_jax import eval_hosts, sharding
+from valen_jax import sharding
+from valen_jax.evaluation import hosts
 from valen_jax.data.valen_rows import MODES, QuestionSpec, valen_row
-from valen_jax.eval_metrics.valen import ValenStats
-from valen_jax.eval_workdir import Restored, host_local, local_batch_size, stack
+from valen_jax.evaluation.metrics.valen import ValenStats
+from valen_jax.evaluation.workdir import Restored, host_local, local_batch_size, stack
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.step import vision_inputs
 
@@ -77,9 +78,9 @@ def _question_probs(example: Example, log_probs: np.ndarray, row: dict) -> list[
 def score_records(restored: Restored, examples: list[Example], qspec: QuestionSpec, batch_size: int
                   ) -> list[tuple[int, list[np.ndarray]]]:
     """(index in `examples`, per-question probabilities) for the records this process evaluates."""
-    mine = eval_hosts.local_indices(len(examples))
+    mine = hosts.local_indices(len(examples))
     local_batch = local_batch_size(batch_size, restored.mesh)
-    batches = eval_hosts.batch_count(len(examples), local_batch)
+    batches = hosts.batch_count(len(examples), local_batch)
     fn = _log_probs_fn(restored.graphdef)
     spec, mesh = restored.spec, restored.mesh
     padding = None
@@ -125,7 +126,7 @@ def evaluate_valen(restored: Restored, examples: list[Example], mode: str | None
     stats = ValenStats()
     for i, probs in score_records(restored, examples, qspec, batch_size):
         add_record(stats, examples[i], probs)
-    metrics = eval_hosts.sum_stats(stats).report()
+    metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]
     return {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
             "accuracy": overall["accuracy"], "cross_entropy": overall["cross_entropy"],
@@ -137,5 +138,5 @@ def predict_valen(restored: Restored, examples: list[Example], mode: str | None,
     """(the mode used, one answer line per record in data order; complete on process 0)."""
     qspec = question_spec(restored.config, mode, examples)
     own = [[i, answer_line(examples[i], probs)] for i, probs in score_records(restored, examples, qspec, batch_size)]
-    gathered = sorted((pair for part in eval_hosts.gather_json(own) for pair in part), key=lambda pair: pair[0])
+    gathered = sorted((pair for part in hosts.gather_json(own) for pair in part), key=lambda pair: pair[0])
     return qspec.mode, [line for _, line in gathered]

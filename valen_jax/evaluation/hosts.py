@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from valen_jax.eval_metrics import GroupedSums
+from valen_jax.evaluation.metrics import GroupedSums
 
 Gather = Callable[[np.ndarray], np.ndarray]
 

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from data_pipeline.primitives import DIMENSIONS, ROBOT_KINDS, Primitive, PrimitiveError, parse_answer
-from valen_jax.eval_metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
 from valen_jax.primitives import DENSE_SCALE, coordinates
 
 FAMILIES: dict[str, str] = {

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from valen_jax.eval_metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
 
 QUESTION_TYPES = ("choice", "noul", "score")
 BREAKDOWN_KEYS = ("domain", "modality", "language_bucket")

@@ -1,5 +1,5 @@
 """Chat (seed 003) and vakforge (seed 002) evaluation: assistant-token loss and accuracy by teacher
-forcing, and exact match of tool calls by greedy decoding (formulas in `valen_jax.eval_metrics.chat`),
+forcing, and exact match of tool calls by greedy decoding (formulas in `valen_jax.evaluation.metrics.chat`),
 overall and by `locale` and source (vakforge `meta.source`; chat rows have neither: `(missing)`).
 
 Tool calls: every trained assistant message that holds tool calls (the Example meta `tool_calls`,
@@ -19,10 +19,10 @@ import re
 from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import eval_hosts, eval_tokens
+from valen_jax.evaluation import hosts, tokens
 from valen_jax.data.assemble import expand_media_slots, vision_arrays
-from valen_jax.eval_metrics.chat import ChatStats
-from valen_jax.eval_workdir import Restored, local_batch_size
+from valen_jax.evaluation.metrics.chat import ChatStats
+from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -62,7 +62,7 @@ def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dic
     """(reference calls, prompt) for each trained assistant message with tool calls."""
     per_message = example.meta.get("tool_calls", [])
     expanded = expand_media_slots(example, spec)
-    spans = eval_tokens.answer_spans(expanded.ids, expanded.weights, eot)
+    spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
     if len(spans) == len(per_message):
         pairs = list(zip(per_message, spans, strict=True))
     elif per_message and spans:  # only the last assistant turn was trained
@@ -76,12 +76,12 @@ def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dic
 def evaluate_chat(restored: Restored, examples: list[Example], batch_size: int, max_new_tokens: int,
                   samples: int | None = 8) -> dict:
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
-    mine = eval_hosts.local_indices(len(examples))
+    mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
     local_batch = local_batch_size(batch_size, mesh)
-    batches = eval_hosts.batch_count(len(examples), local_batch)
+    batches = hosts.batch_count(len(examples), local_batch)
     stats = ChatStats()
-    sums = eval_tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
+    sums = tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
     for example, (nll, correct, weight) in zip(local, sums, strict=True):
         stats.add_tokens(float(nll), float(min(correct, weight)), float(weight), breakdown_of(example))
 
@@ -90,21 +90,21 @@ def evaluate_chat(restored: Restored, examples: list[Example], batch_size: int, 
     jobs = [(i, example, calls, prompt) for i, example in zip(mine, local, strict=True)
             for calls, prompt in _tool_call_prompts(example, spec, eot)]
     # Every process decodes the same number of batches, however many tool-call messages it holds.
-    counts = eval_hosts.gather_json(len(jobs))
+    counts = hosts.gather_json(len(jobs))
     decode_batches = -(-max(counts) // local_batch) if max(counts) else 0
-    generated = eval_tokens.greedy(restored.params, restored.graphdef, [p for *_, p in jobs], spec, mesh,
+    generated = tokens.greedy(restored.params, restored.graphdef, [p for *_, p in jobs], spec, mesh,
                                    local_batch, decode_batches, max_new_tokens, eot, len(tokenizer))
     listed = []
     for (i, example, calls, _), ids in zip(jobs, generated, strict=True):
-        text = eval_tokens.decode(tokenizer, ids, eot)
+        text = tokens.decode(tokenizer, ids, eot)
         predicted = parse_tool_calls(text, family)
         stats.add_tool_calls(calls, predicted, breakdown_of(example))
         if samples is None or len(listed) < samples:
             listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
                            "reference": calls, "answer": text})
-    metrics = eval_hosts.sum_stats(stats).report()
+    metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]
-    listed = sorted((s for part in eval_hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
+    listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
     return {"target_tokens": int(overall["tokens"]), "loss": overall["token_loss"],
             "accuracy": overall["token_accuracy"], "tool_call_exact_match": overall["exact_match"],
             "generation": {"tool_call_messages": overall["messages"], "max_new_tokens": int(max_new_tokens)},

@@ -1,6 +1,6 @@
 """VFlash evaluation (seed 004): teacher-forced assistant-token loss and accuracy, and greedy
 decoding of each example's last answer scored against the reference with `VFlashStats` (points,
-boxes, trajectories, dense motion; formulas in `valen_jax.eval_metrics.vflash`), overall and per
+boxes, trajectories, dense motion; formulas in `valen_jax.evaluation.metrics.vflash`), overall and per
 recipe entry (Example meta `entry`).
 
 Masks: the Example keeps no `atom_loss_masks` strings, but they are recoverable exactly from what
@@ -16,9 +16,9 @@ import numpy as np
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
-from valen_jax import eval_hosts, eval_tokens
-from valen_jax.eval_metrics.vflash import VFlashStats
-from valen_jax.eval_workdir import Restored, local_batch_size
+from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation.metrics.vflash import VFlashStats
+from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 
 def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> list[str] | None:
@@ -28,7 +28,7 @@ def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> lis
     if "primitive_spans" not in arrays:
         return None
     ids, weights = arrays["input_ids"], arrays["target_weights"]
-    spans = eval_tokens.answer_spans(ids, weights, end_of_turn)
+    spans = tokens.answer_spans(ids, weights, end_of_turn)
     if not spans:
         return None
     start, stop = spans[-1]
@@ -62,17 +62,17 @@ def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int
                     samples: int | None = 8) -> dict:
     """The report's VFlash part; `samples` answers are listed (None: all of them, in data order)."""
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
-    mine = eval_hosts.local_indices(len(examples))
+    mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
     local_batch = local_batch_size(batch_size, mesh)
-    batches = eval_hosts.batch_count(len(examples), local_batch)
-    sums = eval_tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
+    batches = hosts.batch_count(len(examples), local_batch)
+    sums = tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
 
     eot = end_of_turn_id(tokenizer)
-    prompts = [eval_tokens.prompt_of(e, spec, eot) for e in local]
-    generated = eval_tokens.greedy(restored.params, restored.graphdef, prompts, spec, mesh, local_batch, batches,
+    prompts = [tokens.prompt_of(e, spec, eot) for e in local]
+    generated = tokens.greedy(restored.params, restored.graphdef, prompts, spec, mesh, local_batch, batches,
                                    max_new_tokens, eot, len(tokenizer))
-    texts = [eval_tokens.decode(tokenizer, ids, eot) for ids in generated]
+    texts = [tokens.decode(tokenizer, ids, eot) for ids in generated]
     numbers = np.asarray(number_token_ids(tokenizer), np.int32)
     stats = VFlashStats()
     counts = np.zeros(3)  # answers, parsed, exact
@@ -86,14 +86,14 @@ def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int
             listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
                            "entry": example.meta.get("entry"), "image": _first_image(example),
                            "reference": reference, "answer": text, "parses": ok})
-    nll, correct, weight = eval_hosts.sum_array(sums.sum(axis=0) if len(sums) else np.zeros(3))
-    answers, parsed, exact = eval_hosts.sum_array(counts)
-    listed = sorted((s for part in eval_hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
+    nll, correct, weight = hosts.sum_array(sums.sum(axis=0) if len(sums) else np.zeros(3))
+    answers, parsed, exact = hosts.sum_array(counts)
+    listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
     return {
         "target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0),
         "generation": {"answers": int(answers), "max_new_tokens": int(max_new_tokens),
                        "primitive_parse_rate": parsed / answers if answers else 0.0,
                        "exact_match_rate": exact / answers if answers else 0.0},
-        "metrics": eval_hosts.sum_stats(stats).report(),
+        "metrics": hosts.sum_stats(stats).report(),
         "samples": listed,
     }
