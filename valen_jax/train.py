@@ -37,6 +37,7 @@ from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.config import ModelConfig
+from valen_jax.progress import FinishedSteps
 from valen_jax.step import StepOptions, TrainLayout, make_train_step
 
 log = logging.getLogger("valen_jax.train")
@@ -187,16 +188,18 @@ def run(config, workdir: str | Path) -> dict:
     window = _Window(step)
     bar = tqdm(total=config.train.steps, initial=step, desc="train", disable=jax.process_index() != 0,
                dynamic_ncols=True)
+    finished = FinishedSteps(bar)  # the bar counts steps the device finished, one behind dispatch
     while step < config.train.steps:
         local = next(iterator)
         window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
         batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
         state, metrics = compiled(state, batch)
         step += 1
-        bar.update(1)
+        finished.dispatched(metrics)
         evaluate_now = evaluator is not None and step % int(config.eval.every) == 0
         if (step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1
                 or evaluate_now):
+            finished.flush()  # reading the metrics back waits for this step anyway
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}
             values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
                                        peak * jax.device_count()))
@@ -212,6 +215,7 @@ def run(config, workdir: str | Path) -> dict:
         if preempted.requested:
             log.warning("SIGTERM: saved step %d, stopping", step)
             break
+    finished.flush()
     bar.close()
     mgr.wait_until_finished()
     metrics_log.close()
