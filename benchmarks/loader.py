@@ -40,11 +40,12 @@ sys.path.insert(0, str(ROOT))  # `configs` is a directory of config files, not a
 from configs import vflash  # noqa: E402
 from data_pipeline.convert import convert  # noqa: E402
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
-from valen_jax import experiment, sharding  # noqa: E402
-from valen_jax.data.assemble import batch_shapes_of  # noqa: E402
+from valen_jax import sharding  # noqa: E402
+from valen_jax.data.assemble import RowSpec, batch_shapes_of  # noqa: E402
 from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of  # noqa: E402
 from valen_jax.data.pipeline import build_dataset  # noqa: E402
 from valen_jax.data.sources import ShardSet, decode, sampling_indices  # noqa: E402
+from valen_jax.models.build import initial_params, model_config  # noqa: E402
 from valen_jax.step import StepOptions, TrainLayout, make_train_step  # noqa: E402
 
 
@@ -95,7 +96,7 @@ def time_train_step(config, model_cfg, tokenizer, spec, batches, steps: int) -> 
     """Seconds per compiled train step, built the way valen_jax.train builds it."""
     mesh = sharding.make_mesh(config.mesh)
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    params = experiment.initial_params(config, model_cfg, tokenizer, layout.param_shardings)
+    params = initial_params(config, model_cfg, tokenizer, layout.param_shardings)
     opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
     state = {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32),
                                                                                 layout.replicated)}
@@ -120,9 +121,8 @@ def main() -> None:
     args = parse_args()
     config = vflash.get_config("")
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
-    model_cfg = experiment.model_config(config, tokenizer)
-    spec = experiment.row_spec(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg,
-                               config.media_kwargs.to_dict())
+    model_cfg = model_config(config, tokenizer)
+    spec = RowSpec.from_config(config, tokenizer, model_cfg)
     packing = PackingSpec(packing=args.packing, max_segments=args.max_segments, pack_buffer=args.pack_buffer)
     print(f"backend={jax.default_backend()} devices={jax.device_count()} row layout: seq_len={spec.seq_len} "
           f"max_patches={spec.max_patches} global_batch={config.data.global_batch} packing={args.packing}")

@@ -8,8 +8,7 @@ import pytest
 from data_pipeline.convert import convert
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
-from valen_jax import experiment
-from valen_jax.data.assemble import AssemblyError, assemble
+from valen_jax.data.assemble import AssemblyError, RowSpec, assemble
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.sources import ShardSet, sampling_indices
 from valen_jax.models.config import ModelConfig, VisionConfig
@@ -24,7 +23,7 @@ def setup(tmp_path_factory):
                       image_pad_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                       vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=8,
                                           num_layers=1, num_heads=1, mlp_dim=8))
-    spec = experiment.row_spec(192, 128, tok, cfg, {"max_pixels": 64 * 64})
+    spec = RowSpec.of(192, 128, tok, cfg, {"max_pixels": 64 * 64})
     return ShardSet.open(out), spec
 
 

@@ -13,7 +13,7 @@ from data_pipeline.convert import convert
 from data_pipeline.shards import Manifest, ShardError
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
-from valen_jax import experiment
+from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec, packing_statistics
 from valen_jax.data.pipeline import build_dataset, example_refs
 from valen_jax.data.sources import ShardSet, log_length_mismatches, mixture_of, sampling_indices
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
                       vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=8,
                                           num_layers=1, num_heads=1, mlp_dim=8))
     # Rows of 512 tokens hold ~4 smoke examples (each ~100 tokens with a 16-token image).
-    spec = experiment.row_spec(512, 512, tok, cfg, {"max_pixels": 64 * 64})
+    spec = RowSpec.of(512, 512, tok, cfg, {"max_pixels": 64 * 64})
     return ShardSet.open(root / "recipe"), ShardSet.open(root / "drive"), spec
 
 

@@ -84,7 +84,7 @@ def _tiny():
     ("eval.every", -1, "eval.every"),
 ])
 def test_impossible_config_values_fail_at_start_up(path, value, message):
-    from valen_jax.experiment import ConfigError, validate_config
+    from valen_jax.config_schema import ConfigError, validate_config
     config = _tiny()
     group, key = path.split(".")
     with config.unlocked():
@@ -100,7 +100,7 @@ def test_every_config_and_variant_validates(name, variant):
     import importlib.util
     from pathlib import Path
 
-    from valen_jax.experiment import validate_config
+    from valen_jax.config_schema import validate_config
     spec = importlib.util.spec_from_file_location(f"{name}_cfg", Path(__file__).parent.parent / f"configs/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -389,8 +389,7 @@ def test_convert_cli_chat(tmp_path):
 
 def test_the_training_loader_assembles_chat_examples_unchanged(tokenizer, tmp_path, make_png):
     # Same arrays as VFlash: the loader expands each vision slot and shifts the weights to targets.
-    from valen_jax import experiment
-    from valen_jax.data.assemble import assemble
+    from valen_jax.data.assemble import RowSpec, assemble
     from valen_jax.models.config import ModelConfig, VisionConfig
 
     make_png("a.png", (16, 16))
@@ -402,7 +401,7 @@ def test_the_training_loader_assembles_chat_examples_unchanged(tokenizer, tmp_pa
     cfg = ModelConfig(vocab_size=2176, dim=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8,
                       image_pad_id=pad, vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=8,
                                                             num_layers=1, num_heads=1, mlp_dim=8))
-    spec = experiment.row_spec(128, 64, tokenizer, cfg, {"max_pixels": 64 * 64})
+    spec = RowSpec.of(128, 64, tokenizer, cfg, {"max_pixels": 64 * 64})
     row_arrays = assemble(example, spec)
     trained = row_arrays["targets"][row_arrays["target_weights"] > 0]
     assert decode(tokenizer, trained) == "Red.<|im_end|>"

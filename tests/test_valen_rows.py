@@ -14,8 +14,7 @@ from data_pipeline.render.common import RenderError
 from data_pipeline.render.valen import ValenRenderer
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
-from valen_jax import experiment
-from valen_jax.data.assemble import AssemblyError
+from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.valen_rows import QuestionSpec, valen_row
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import Transformer
@@ -28,7 +27,7 @@ def setup():
                       head_dim=8, mlp_dim=64, score_head=True, image_pad_id=tok.convert_tokens_to_ids("<|image_pad|>"),
                       vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=16, num_layers=1,
                                           num_heads=2, mlp_dim=32))
-    spec = experiment.row_spec(256, 256, tok, cfg, {"max_pixels": 64 * 64, "max_frames": 4})
+    spec = RowSpec.of(256, 256, tok, cfg, {"max_pixels": 64 * 64, "max_frames": 4})
     renderer = ValenRenderer(tok)
     examples = [renderer.render(r, "train") for r in read_valen(ROOT / "data/smoke/valen/train.jsonl")]
     return tok, cfg, spec, examples, Transformer(cfg, nnx.Rngs(0))

@@ -31,11 +31,18 @@ from tqdm import tqdm
 import valen_jax
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import load_tokenizer
-from valen_jax import checkpoint, distributed, evaluate, experiment, sharding
-from valen_jax.data.assemble import batch_shapes_of
+from valen_jax import checkpoint, distributed, evaluate, sharding
+from valen_jax.config_schema import check_batch_split, validate_config
+from valen_jax.data.assemble import RowSpec, batch_shapes_of
+from valen_jax.data.packing import PackingSpec
 from valen_jax.data.pipeline import build_dataset
+from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
+from valen_jax.data.valen_rows import QuestionSpec
+from valen_jax.evaluation.tokens import teacher_forced
+from valen_jax.evaluation.workdir import Restored
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
+from valen_jax.models.build import initial_params, model_config
 from valen_jax.models.config import ModelConfig
 from valen_jax.progress import FinishedSteps
 from valen_jax.step import StepOptions, TrainLayout, make_train_step
@@ -90,8 +97,8 @@ class PeriodicEval:
     """Teacher-forced loss/accuracy on the held-out set (`config.data.eval`), decoded once."""
 
     def __init__(self, config, workdir: Path, fingerprint: dict, spec, mesh, graphdef):
-        shard_set = experiment.ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
-                                             config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
+        shard_set = ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
+                                  config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
         source = shard_set.source()
         count = min(len(shard_set), int(config.eval.max_examples))
         self.examples = [Example.from_bytes(source[i]) for i in range(count)]
@@ -101,29 +108,27 @@ class PeriodicEval:
 
     def __call__(self, params) -> dict[str, float]:
         with jax.set_mesh(self.mesh):
-            result = evaluate.teacher_forced(params, self.graphdef, self.examples, self.spec, self.mesh,
-                                             self.batch_size)
+            result = teacher_forced(params, self.graphdef, self.examples, self.spec, self.mesh, self.batch_size)
         return {f"eval_{k}": float(v) for k, v in result.items()}
 
 
 def run(config, workdir: str | Path) -> dict:
-    experiment.validate_config(config)
+    validate_config(config)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
-    model_cfg = experiment.model_config(config, tokenizer)
-    train_set = experiment.ensure_shards(config.data.format, config.data.train, workdir / "shards",
-                                         config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
-    log.info("train shards: %s", experiment.summary(train_set))
+    model_cfg = model_config(config, tokenizer)
+    train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
+                              config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
+    log.info("train shards: %s", summary(train_set))
 
     mesh = sharding.make_mesh(config.mesh)
-    experiment.check_batch_split(config, mesh)
+    check_batch_split(config, mesh)
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    spec = experiment.row_spec(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg,
-                               config.media_kwargs.to_dict())
+    spec = RowSpec.from_config(config, tokenizer, model_cfg)
     if is_valen(train_set):
-        qspec = experiment.question_spec(config, training=True)
+        qspec = QuestionSpec.from_config(config, training=True)
         dataset = build_valen_dataset(train_set, spec, qspec, global_batch=config.data.global_batch,
                                       seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
                                       workers=config.data.workers)
@@ -131,7 +136,7 @@ def run(config, workdir: str | Path) -> dict:
     else:
         dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
                                 shuffle=config.data.shuffle, repeat=True, workers=config.data.workers,
-                                packing=experiment.packing_spec(config), training=True,
+                                packing=PackingSpec.from_config(config), training=True,
                                 media_log_dir=workdir)
         batch_shapes = batch_shapes_of(spec, config.data.global_batch)
     iterator = iter(dataset)
@@ -156,7 +161,7 @@ def run(config, workdir: str | Path) -> dict:
         log.info("resumed from step %d", restored[0])
     else:
         checkpoint.save_tokenizer(workdir, tokenizer)
-        params = experiment.initial_params(config, model_cfg, tokenizer, layout.param_shardings)
+        params = initial_params(config, model_cfg, tokenizer, layout.param_shardings)
         opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
@@ -224,10 +229,10 @@ def run(config, workdir: str | Path) -> dict:
     if config.eval.at_end and not preempted.requested:
         report_path = workdir / "eval" / f"report-{step}.json"
         with jax.set_mesh(mesh):
-            report = evaluate.evaluate_params(
-                state["params"], layout.graphdef, model_cfg, tokenizer, spec, mesh, config.data.eval,
-                workdir, fingerprint, config.eval, data_format=config.task, fmt=config.data.eval_format,
-                options=config.data.eval_options.to_dict(), config=config, step=step)
+            # The run's own state in the shape evaluate restores a workdir to: one evaluation path.
+            own = Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef,
+                           state["params"])
+            report = evaluate.evaluate_params(own, config.data.eval)
         evaluate.write_report(report, report_path)
         result["report"] = str(report_path)
     mgr.close()

@@ -19,7 +19,7 @@ import numpy as np
 from data_pipeline.shards import Example
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
 from valen_jax.data.media import MediaInfo, load_frames
-from valen_jax.data.vision_processor import ProcessedMedia, process_frames, tokens_of
+from valen_jax.data.vision_processor import ProcessedMedia, media_settings, process_frames, tokens_of
 from valen_jax.models.config import VisionConfig
 
 
@@ -35,6 +35,19 @@ class RowSpec:
     pad_id: int
     vision: VisionConfig | None
     media_kwargs: Mapping
+
+    @classmethod
+    def of(cls, seq_len: int, max_patches: int, tokenizer, model_cfg, media_kwargs: Mapping) -> RowSpec:
+        """The row layout of a model (`ModelConfig`) and tokenizer; unknown media_kwargs fail here, at start-up."""
+        media_settings(media_kwargs)  # an unknown key is an error now, not mid-epoch
+        return cls(seq_len=int(seq_len), max_patches=int(max_patches), image_pad_id=model_cfg.image_pad_id,
+                   pad_id=int(tokenizer.pad_token_id), vision=model_cfg.vision, media_kwargs=dict(media_kwargs))
+
+    @classmethod
+    def from_config(cls, config, tokenizer, model_cfg, media_kwargs: Mapping | None = None) -> RowSpec:
+        """`config.data.seq_len/max_patches` with `media_kwargs` (default: `config.media_kwargs`)."""
+        media = config.media_kwargs.to_dict() if media_kwargs is None else media_kwargs
+        return cls.of(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg, media)
 
     @property
     def patch_dim(self) -> int:

@@ -68,6 +68,11 @@ class PackingSpec:
             raise ValueError(f"data.max_segments={self.max_segments} and data.pack_buffer={self.pack_buffer} "
                              "must be ≥ 1")
 
+    @classmethod
+    def from_config(cls, config) -> PackingSpec:
+        data = config.data
+        return cls(data.packing, int(data.max_segments), data.overlong, int(data.pack_buffer))
+
     @property
     def segments_per_row(self) -> int:
         return 1 if self.packing == "none" else self.max_segments

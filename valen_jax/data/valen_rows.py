@@ -36,6 +36,11 @@ class QuestionSpec:
         if self.mode not in MODES:
             raise ValueError(f"valen mode {self.mode!r}; choose one of {MODES}")
 
+    @classmethod
+    def from_config(cls, config, training: bool) -> QuestionSpec:
+        data = config.data
+        return cls(data.valen_mode, int(data.max_questions), int(data.max_candidates), training)
+
 
 def _pieces(ids: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]

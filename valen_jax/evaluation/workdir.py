@@ -14,7 +14,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from data_pipeline.shards import Example
-from valen_jax import checkpoint, experiment, sharding
+from valen_jax import checkpoint, sharding
+from valen_jax.data.assemble import RowSpec
+from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.data.assemble import RowSpec
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
@@ -66,8 +68,8 @@ def restore(workdir: str | Path, step: int | None = None) -> Restored:
         params = checkpoint.restore_params_verified(mgr, step, meta, abstract_params)
     finally:
         mgr.close()
-    spec = experiment.row_spec(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
-                               meta["media_kwargs"])
+    spec = RowSpec.of(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
+                      meta["media_kwargs"])
     return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
 
 
@@ -90,8 +92,8 @@ def load_examples(fmt: str, data: str | Path, workdir: Path, tokenizer_path: str
 
     `data` is a JSONL/recipe file (converted once into `WORKDIR/eval_shards/`) or a shard directory.
     """
-    shard_set = experiment.ensure_shards(fmt, Path(data), Path(workdir) / "eval_shards", tokenizer_path,
-                                         fingerprint, options)
+    shard_set = ensure_shards(fmt, Path(data), Path(workdir) / "eval_shards", tokenizer_path,
+                              fingerprint, options)
     available = len(shard_set)
     count = available if limit is None else min(available, int(limit))
     source = shard_set.source()

@@ -1,0 +1,221 @@
+"""The training config's schema: every group's keys with their defaults, and the start-up checks.
+
+`configs/common.py` builds its groups from `defaults(GROUP)`, and `validate_config` requires
+exactly the keys listed here, so a key is added in one place. Keys whose default is `NO_DEFAULT`
+(the data files and their formats) must be given by each `configs/TASK.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_collections
+
+from valen_jax import losses, optim
+from valen_jax.data.vision_processor import MEDIA_DEFAULTS
+
+
+class ConfigError(ValueError):
+    """A config missing a field or holding an impossible value; checked once at start-up."""
+
+
+NO_DEFAULT = object()
+DTYPES = ("float32", "bfloat16")
+# The decoder's shape: from `model.init_from`'s config.json when set, from the config otherwise.
+ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+                     "tie_embeddings")
+
+
+def _data() -> dict[str, Any]:
+    return {
+        "format": NO_DEFAULT, "train": NO_DEFAULT, "eval": NO_DEFAULT, "eval_format": NO_DEFAULT,
+        # Converter options per set (data_pipeline.convert FORMATS), e.g. vakforge's {"split": "train"}.
+        "train_options": {}, "eval_options": {},
+        "tokenizer": NO_DEFAULT, "template_family": "chatml",
+        "seq_len": NO_DEFAULT,
+        # Vision patches per row (before merging); 0 for text-only data.
+        "max_patches": NO_DEFAULT,
+        "global_batch": 16, "workers": 0, "shuffle": True,
+        # Packing several examples per row (segment ids keep them apart): "none", "first_fit" or
+        # "best_fit"; at most max_segments per row; an example longer than a row is an "error" or a
+        # counted "skip" (never truncated: a cut could split a media placeholder).
+        "packing": "none", "max_segments": 16, "overlong": "error", "pack_buffer": 32,
+        # Valen (seed 000): "question" (branch tree) or "shared_state"; row capacity in questions and
+        # candidates. Unused by the token formats.
+        "valen_mode": "question", "max_questions": 8, "max_candidates": 16,
+    }
+
+
+def _model() -> dict[str, Any]:
+    return {
+        # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture.
+        "init_from": "",
+        "dim": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "mlp_dim": 384,
+        "rope_theta": 10000.0, "tie_embeddings": True,
+        # Compute dtype; parameters (and so Adam's updates) stay float32 master weights.
+        "dtype": "float32", "param_dtype": "float32",
+        "remat": False, "scan_layers": False,
+        # A `defaults("vision")` group, or None for a text-only model.
+        "vision": None,
+    }
+
+
+def _vision() -> dict[str, Any]:
+    return {"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2, "dim": 96, "num_layers": 2, "num_heads": 4,
+            "mlp_dim": 256}
+
+
+def _train() -> dict[str, Any]:
+    return {
+        "steps": 160, "checkpoint_every": 80, "keep_checkpoints": 3,
+        # zstd on state arrays: f32 weights and moments shrink ~7% for 2-3x the writer's CPU time.
+        "checkpoint_compression": False,
+        "seed": 0, "log_every": 20,
+        "learning_rate": 3e-3, "warmup_steps": 20,
+        "decay": "cosine",  # after warmup: "cosine" or "linear" down to end_learning_rate_fraction
+        "end_learning_rate_fraction": 0.05,
+        "weight_decay": 0.01, "adam_b1": 0.9, "adam_b2": 0.95, "grad_clip_norm": 1.0,
+        # Micro-batches per step, accumulated inside the compiled step: same update as one batch.
+        "grad_accum_steps": 1,
+        # [{"pattern": REGEX over the '/'-joined param path, "frozen": True | "lr_multiplier": x}], first match wins.
+        "param_groups": [],
+        # Peak FLOP/s per device for MFU; None: from the device kind's datasheet, measured on CPU.
+        # A fresh placeholder per config: a shared FieldReference would tie two configs together.
+        "peak_flops": ml_collections.config_dict.placeholder(float),
+        # Test hook only: hold every checkpoint's background write open this long (fault tests).
+        "debug_pause_in_save_s": 0.0,
+    }
+
+
+def _loss() -> dict[str, Any]:
+    return {
+        # Every objective named explicitly; one a batch cannot provide must weigh 0.
+        "weights": NO_DEFAULT,
+        # PaLM's z-loss coefficient on log(Z)² of the token softmax; 0 = off (1e-4 is the usual value).
+        "z_loss": 0.0,
+        # Valen's loss_reduction (seed 000): "state_mean" averages questions within a state, then states.
+        "loss_reduction": "state_mean",
+    }
+
+
+def _mesh() -> dict[str, Any]:
+    return {"data": -1, "fsdp": 1, "tensor": 1}  # -1 means "the rest of the devices"
+
+
+def _eval() -> dict[str, Any]:
+    return {
+        "at_end": True,
+        # Teacher-forced loss/accuracy on data.eval every this many steps (eval_* in metrics.jsonl); 0 = off.
+        "every": 80,
+        "batch_size": 16, "max_examples": 32, "max_new_tokens": 64,
+    }
+
+
+def _media_kwargs() -> dict[str, Any]:
+    # Passed to the media processor and saved in the checkpoint (seed 000, "Images and video").
+    return dict(MEDIA_DEFAULTS)
+
+
+_GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "train": _train,
+           "loss": _loss, "mesh": _mesh, "eval": _eval}
+# The top-level groups of a config (`vision` sits inside `model`).
+GROUPS = ("data", "media_kwargs", "model", "train", "loss", "mesh", "eval")
+REQUIRED = {group: tuple(_GROUPS[group]()) for group in GROUPS}
+
+
+def defaults(group: str, **values: Any) -> ml_collections.ConfigDict:
+    """A fresh `group` ConfigDict: its defaults with `values` over them; keys without a default must be given."""
+    fields = _GROUPS[group]()
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ConfigError(f"config.{group} has no key {', '.join(sorted(unknown))}")
+    fields.update(values)
+    missing = [key for key, value in fields.items() if value is NO_DEFAULT]
+    if missing:
+        raise ConfigError(f"config.{group}: {', '.join(missing)} must be given (no default)")
+    return ml_collections.ConfigDict(fields)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    for group, keys in REQUIRED.items():
+        if group not in config:
+            raise ConfigError(f"config has no group {group!r}")
+        missing = [k for k in keys if k not in config[group]]
+        if missing:
+            raise ConfigError(f"config.{group} lacks {', '.join(missing)}")
+    if config.model.vision is not None:
+        missing = [k for k in _vision() if k not in config.model.vision]
+        if missing:
+            raise ConfigError(f"config.model.vision lacks {', '.join(missing)}")
+    for path in ("data.seq_len", "data.global_batch", "train.steps", "train.checkpoint_every",
+                 "train.log_every", "eval.batch_size"):
+        group, key = path.split(".")
+        if int(config[group][key]) <= 0:
+            raise ConfigError(f"config.{path} must be positive, got {config[group][key]}")
+    if config.data.workers < 0:
+        raise ConfigError("config.data.workers must be ≥ 0")
+    if config.train.keep_checkpoints is not None and int(config.train.keep_checkpoints) < 1:
+        raise ConfigError("config.train.keep_checkpoints must be ≥ 1 (None keeps all)")
+    _validate_optimisation(config)
+    _validate_loss(config.loss)
+    if int(config.eval.every) < 0:
+        raise ConfigError(f"config.eval.every must be ≥ 0 (0: no evaluation during training), got {config.eval.every}")
+    if config.model.init_from:
+        # The checkpoint fixes the architecture; a value here too would be silently ignored.
+        clashing = [k for k in ARCHITECTURE_KEYS if config.model[k] is not None]
+        if clashing:
+            raise ConfigError(f"config.model.init_from is set, so {', '.join(clashing)} come from the checkpoint; "
+                              "set them to None (the :hf variants do)")
+
+
+def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
+    train = config.train
+    if train.decay not in optim.DECAYS:
+        raise ConfigError(f"config.train.decay={train.decay!r}; choose one of {', '.join(optim.DECAYS)}")
+    accum = int(train.grad_accum_steps)
+    if accum < 1 or int(config.data.global_batch) % accum:
+        raise ConfigError(f"config.train.grad_accum_steps={train.grad_accum_steps} must be ≥ 1 and divide "
+                          f"config.data.global_batch={config.data.global_batch}")
+    try:
+        optim.check_groups(list(train.param_groups))
+    except optim.ParamGroupError as error:
+        raise ConfigError(str(error)) from None
+    if train.peak_flops is not None and not float(train.peak_flops) >= 0:
+        raise ConfigError(f"config.train.peak_flops must be None/0 (from the device) or > 0, got {train.peak_flops}")
+    if not float(train.debug_pause_in_save_s) >= 0:
+        raise ConfigError(f"config.train.debug_pause_in_save_s must be ≥ 0, got {train.debug_pause_in_save_s}")
+    for key in ("dtype", "param_dtype"):
+        if config.model[key] not in DTYPES:
+            raise ConfigError(f"config.model.{key}={config.model[key]!r}; choose one of {', '.join(DTYPES)}")
+    if config.model.param_dtype != "float32":
+        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
+        raise ConfigError("config.model.param_dtype must be float32 (master weights); "
+                          "use config.model.dtype=bfloat16 for bf16 compute")
+
+
+def _validate_loss(loss: ml_collections.ConfigDict) -> None:
+    weights = dict(loss.weights)
+    if set(weights) != set(losses.OBJECTIVES):
+        raise ConfigError(f"config.loss.weights must name exactly {', '.join(losses.OBJECTIVES)}; "
+                          f"got {', '.join(sorted(weights))}")
+    for name, value in weights.items():
+        if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"config.loss.weights.{name} must be a finite number ≥ 0, got {value!r}")
+    if not any(value > 0 for value in weights.values()):
+        raise ConfigError("config.loss.weights: every weight is 0, nothing would be trained")
+    if not (math.isfinite(float(loss.z_loss)) and float(loss.z_loss) >= 0):
+        raise ConfigError(f"config.loss.z_loss must be ≥ 0, got {loss.z_loss}")
+    if loss.loss_reduction not in losses.LOSS_REDUCTIONS:
+        raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
+                          f"{', '.join(losses.LOSS_REDUCTIONS)} (seed 000)")
+
+
+def check_batch_split(config: ml_collections.ConfigDict, mesh) -> None:
+    """Each micro-batch must split evenly over the batch-sharded devices (`data` × `fsdp`)."""
+    devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = int(config.data.global_batch) // int(config.train.grad_accum_steps)
+    if micro % devices:
+        raise ConfigError(f"config.data.global_batch={config.data.global_batch} / train.grad_accum_steps="
+                          f"{config.train.grad_accum_steps} = {micro} rows per micro-batch do not split over "
+                          f"{devices} batch-sharded devices (mesh data × fsdp)")

@@ -1,0 +1,78 @@
+"""Shards for a run's data: a shard directory as is, or a JSONL/recipe converted once into a cache."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+
+from data_pipeline import convert as converter
+from data_pipeline.shards import Manifest, ShardError, sha256_file
+from valen_jax.config_schema import ConfigError
+from valen_jax.data.sources import ShardSet
+
+log = logging.getLogger(__name__)
+
+
+def _input_key(fmt: str, path: Path, fingerprint: dict[str, str], options: dict) -> str:
+    digest = hashlib.sha256()
+    digest.update(f"{fmt}\n{path.resolve()}\n{sorted(fingerprint.items())}\n{sorted(options.items())}\n".encode())
+    digest.update(sha256_file(path).encode())
+    return digest.hexdigest()[:16]
+
+
+def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path: str | Path,
+                  fingerprint: dict[str, str], options: Mapping[str, Any] | None = None) -> ShardSet:
+    """Shards for `source`: a shard directory as is, or a JSONL/recipe converted once into the cache.
+
+    The cache key covers the input's bytes, the tokenizer fingerprint and the converter
+    `options` (e.g. vakforge's `split`), so edited data, another tokenizer or another split
+    converts anew instead of silently reusing stale shards. A shard directory made with another
+    tokenizer is refused (ShardError naming both fingerprints).
+    """
+    source = Path(source)
+    options = dict(options or {})
+    if source.is_dir():
+        if options:
+            raise ConfigError(f"{source}: converter options {options} given for a directory of ready shards")
+        return ShardSet.open(source, fingerprint)
+    target = cache_dir / f"{source.stem}-{_input_key(fmt, source, fingerprint, options)}"
+    # Processes sharing a workdir must not convert into the same folder at once: process 0
+    # converts, the others wait at a barrier, then everyone opens the same shards.
+    if jax.process_index() == 0 and not _cached(target, source, fingerprint):
+        log.info("converting %s → %s", source, target)
+        converter.convert(fmt, source, target, tokenizer_path, overwrite=True, progress=False, options=options)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"shards ready: {target.name}")
+    return ShardSet.open(target, fingerprint)
+
+
+def _cached(target: Path, source: Path, fingerprint: dict[str, str]) -> bool:
+    try:
+        cached = ShardSet.open(target, fingerprint)
+    except ShardError:
+        return False
+    if _sources_current(cached.manifest, source):
+        return True
+    log.info("%s: annotation files changed since conversion; converting again", source)
+    return False
+
+
+def _sources_current(manifest: Manifest, source: Path) -> bool:
+    """The recipe's annotation files (listed with digests in the manifest) are unchanged."""
+    for entry in manifest.data["sources"]:
+        path = Path(entry["path"])
+        path = path if path.is_absolute() else source.parent / path
+        if not path.is_file() or sha256_file(path) != entry["sha256"]:
+            return False
+    return True
+
+
+def summary(shard_set: ShardSet) -> dict[str, Any]:
+    counts = dict(shard_set.manifest.data["counts"])
+    return {"dir": str(shard_set.directory), **counts}
