@@ -240,7 +240,7 @@ def test_unknown_entry_key_and_line_numbers(data):
     )
     (problem,) = problems_of(path)
     assert str(problem) == f"{path}:20: boxes_demo.weight: unknown key; an entry has " + (
-        "annotation, root, repeat_time, data_augment, length, video_reader_backend, visual_aug"
+        "annotation, root, repeat_time, data_augment, length, video_reader_backend, visual_aug, dense_scale"
     )
     path = write_recipe(data, SEED_RECIPE.replace('"prob": 0.3', '"prob": 3'))
     (problem,) = problems_of(path)
@@ -278,3 +278,62 @@ def test_records_problems_from_every_file_and_length_warning(data, caplog):
     assert caplog.text == ""
     # check_media=False: media under the wrong root are not looked up
     read_recipe_records(write_recipe(data, {"e": entry()}), check_media=False)
+
+
+def test_seed_style_recipe_relative_to_the_working_directory_says_where_it_looked(data, monkeypatch):
+    # Seed 004's example writes `data/robot3d/…` as the launcher's working directory sees it; a
+    # recipe kept in another folder than that directory resolves against its own folder instead.
+    (data / "configs").mkdir()
+    path = write_recipe(data / "configs", SEED_RECIPE)
+    monkeypatch.chdir(data)
+    problems = problems_of(path)
+    assert [p.field for p in problems] == [
+        "robot3d_demo.annotation[0]", "robot3d_demo.annotation[1]", "robot3d_demo.root",
+        "boxes_demo.annotation", "boxes_demo.root",
+    ]
+    first = problems[0].message
+    assert str((data / "configs/data/robot3d/part_000.jsonl").resolve()) in first  # where it looked
+    assert f"relative paths resolve against the recipe's folder {(data / 'configs').resolve()}" in first
+    assert "exists relative to the working directory" in first and '"../data/robot3d/part_000.jsonl"' in first
+    assert '"../data/media"' in problems[2].message
+    # Nothing to suggest when the working directory does not have it either.
+    monkeypatch.chdir(data / "configs")
+    assert "working directory" not in problems_of(path)[0].message
+
+
+def _dense_row(steps: int = 2) -> dict:
+    call = {"name": "atomic_decoding", "arguments": {"block_size": 3 * steps + 2}}
+    motion = "<dense>" + "<500>" * (3 * steps) + "</dense>"
+    return {"conversations": [{"from": "human", "value": "where does the point go?"},
+                              {"from": "gpt", "value": f"<tool_call>{json.dumps(call)}</tool_call>{motion}"}]}
+
+
+def test_dense_scale_is_per_entry_and_required_for_dense_motion(data):
+    (data / "dense.jsonl").write_text(json.dumps(_dense_row()) + "\n")
+    ((e, rows),) = read_recipe_records(write_recipe(data, {"e": {"annotation": "dense.jsonl", "dense_scale": 0.5}}))
+    assert e.dense_scale == 0.5 and [r.dense_scale for r in rows] == [0.5]
+    with pytest.raises(FormatError) as info:
+        read_recipe_records(write_recipe(data, {"e": {"annotation": "dense.jsonl"}}))
+    (problem,) = info.value.problems
+    assert (problem.line, problem.field) == (2, "e.dense_scale") and "dense.jsonl:1" in problem.message
+    assert fields_of(data, dense_scale=0) == ["e.dense_scale"]
+    assert fields_of(data, dense_scale="2m") == ["e.dense_scale"]
+    # Entries without dense answers need no scale.
+    ((_, rows),) = read_recipe_records(write_recipe(data, {"e": entry(root="data/media")}))
+    assert rows[0].dense_scale is None
+
+
+def test_video_reader_backend_the_loader_cannot_serve_is_refused_for_video_entries(data):
+    (data / "data/media/clip.mp4").write_bytes(b"not decoded at validation")
+    row = {"image": [{"video": "clip.mp4", "frame_index": 0}], "conversations": ROW["conversations"]}
+    (data / "video.jsonl").write_text(json.dumps(row) + "\n")
+    video = {"annotation": "video.jsonl", "root": "data/media"}
+    read_recipe_records(write_recipe(data, {"v": {**video, "video_reader_backend": "pyav"}}))
+    read_recipe_records(write_recipe(data, {"v": video}))
+    with pytest.raises(FormatError) as info:
+        read_recipe_records(write_recipe(data, {"v": {**video, "video_reader_backend": "decord"}}))
+    (problem,) = info.value.problems
+    assert (problem.line, problem.field) == (5, "v.video_reader_backend")
+    assert "video.jsonl:1" in problem.message and '"pyav"' in problem.message
+    # An image-only entry never opens a video reader: any of the seed's backends may be named.
+    read_recipe_records(write_recipe(data, {"e": entry(root="data/media", video_reader_backend="torchvision")}))

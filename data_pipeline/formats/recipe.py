@@ -4,13 +4,27 @@ A recipe is a JSON object of named entries; each names JSONL annotation files, a
 and sampling options. `read_recipe` checks every entry and raises one `FormatError` listing every
 problem, with the line where the entry (or its field) is written.
 
-Decisions where the seed leaves room:
+Path resolution (seed 004 does not say; its example writes `data/robot3d/…`, which reads as
+relative to the working directory of the launcher):
 - Relative `annotation` and `root` paths resolve against the RECIPE FILE's folder, not the working
   directory, so a recipe moves together with its data and validates the same from anywhere.
-  `root` defaults to "" (that folder itself) and must be an existing directory.
+  `root` defaults to "" (that folder itself) and must be an existing directory. Absolute paths
+  are taken as they are. A path that is missing there but exists relative to the working
+  directory is reported as such, with the path to write instead (a seed-style recipe kept
+  outside its data folder).
+- Media paths inside the annotation files resolve against the entry's `root`.
+
+Decisions where the seed leaves room:
 - `length` is refused on an entry with several annotation files: the seed defines it as the
   "expected row count of a single-file entry".
 - `visual_aug` has no defaults in the seed, so `prob`, `views`, `ops` and `severity` are required.
+- `video_reader_backend`: any of the seed's three is accepted in an entry, but an entry whose
+  records hold video frames must name a backend the loader serves (`SERVED_VIDEO_READER_BACKENDS`:
+  only PyAV is installed), so a run is refused at validation instead of failing mid-epoch.
+- `dense_scale` (our field, metres): the per-dataset scale `s` of dense 3D motion, whose tokens
+  mean `(k − 500) · s / 500` m (seed 004 "Physical Primitives": "a per-dataset scale `s` (for
+  example 2 m)"). An entry whose records hold `<dense>` answers must state it; it travels into
+  each Example's meta and evaluation measures dense errors in those metres.
 - Optional fields may be written as `null`, meaning absent. Unknown keys are refused everywhere.
 """
 
@@ -19,7 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem
@@ -29,6 +45,8 @@ from data_pipeline.formats.vflash import VFlashRecord, read_vflash
 log = logging.getLogger(__name__)
 
 VIDEO_READER_BACKENDS = ("decord", "pyav", "torchvision")
+# What valen_jax.data.media decodes video with; the others are the seed's but not installed.
+SERVED_VIDEO_READER_BACKENDS = ("pyav",)
 VISUAL_AUG_OPS = ("motion_blur", "gaussian_blur", "zoom_blur", "fog", "glass_blur", "light")
 SEVERITY_RANGE = (1, 10)  # seed 004: "a severity drawn from `severity` (1–10)"
 ENTRY_KEYS = (
@@ -39,6 +57,7 @@ ENTRY_KEYS = (
     "length",
     "video_reader_backend",
     "visual_aug",
+    "dense_scale",
 )
 VISUAL_AUG_KEYS = ("prob", "views", "ops", "severity", "zoom_max_severity")
 RECIPE_FIELD = "recipe"
@@ -63,6 +82,9 @@ class RecipeEntry:
     length: int | None
     video_reader_backend: str | None
     visual_aug: VisualAug | None
+    dense_scale: float | None = None  # metres; required when the entry's records hold dense motion
+    # Line of each field's key (and of the entry, under ""), for problems found with the records.
+    lines: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
 
 
 def read_recipe(path: str | Path) -> list[RecipeEntry]:
@@ -121,6 +143,9 @@ def read_recipe_records(
             except FormatError as err:
                 problems.extend(err.problems)
                 failed = True
+        problems.extend(_entry_record_problems(str(path), entry, records))
+        if entry.dense_scale is not None:
+            records = [replace(record, dense_scale=entry.dense_scale) for record in records]
         # Seed 004: `length` is an expectation, and "a mismatch is logged" rather than refused.
         if not failed and entry.length is not None and entry.length != len(records):
             log.warning(
@@ -135,6 +160,30 @@ def read_recipe_records(
     if problems:
         raise FormatError(problems)
     return result
+
+
+def _entry_record_problems(source: str, entry: RecipeEntry, records: list[VFlashRecord]) -> list[Problem]:
+    """What an entry's options must say about its records: a served video reader, a dense scale."""
+    problems = []
+
+    def line(key: str) -> int:
+        return entry.lines.get(key, entry.lines.get("", 0))
+
+    videos = [r for r in records if any(m.kind == "video_frame" for m in r.media)]
+    backend = entry.video_reader_backend
+    if videos and backend is not None and backend not in SERVED_VIDEO_READER_BACKENDS:
+        problems.append(Problem(
+            source, line("video_reader_backend"), f"{entry.name}.video_reader_backend",
+            f"{json.dumps(backend)} cannot decode this entry's videos ({videos[0].source}:{videos[0].line} is "
+            f"the first): the loader reads video with {', '.join(SERVED_VIDEO_READER_BACKENDS)} only; set "
+            f'"video_reader_backend": "pyav" or leave it out'))
+    dense = [r for r in records if any(p.kind == "dense" for turn in r.primitives for p in turn)]
+    if dense and entry.dense_scale is None:
+        problems.append(Problem(
+            source, line(""), f"{entry.name}.dense_scale",
+            f"required: {dense[0].source}:{dense[0].line} answers with <dense> motion, whose tokens mean "
+            '(k - 500) * s / 500 m for the dataset\'s scale s; state it, e.g. "dense_scale": 2.0'))
+    return problems
 
 
 class _EntryReader:
@@ -181,10 +230,17 @@ class _EntryReader:
                 f"must be one of {', '.join(VIDEO_READER_BACKENDS)}, got {json.dumps(backend)}",
             )
         visual_aug = self.visual_aug(spec["visual_aug"]) if spec.get("visual_aug") is not None else None
+        dense_scale = spec.get("dense_scale")
+        if dense_scale is not None and not (
+            _is_number(dense_scale) and math.isfinite(dense_scale) and dense_scale > 0
+        ):
+            self.problem("dense_scale", f"must be a number of metres > 0, got {json.dumps(dense_scale)}")
         if self.problems or annotation is None or root is None:
             return None
+        lines = {key[1] if len(key) > 1 else "": line for key, line in self.lines.items() if key[0] == self.name}
         return RecipeEntry(
-            self.name, annotation, root, float(repeat_time), data_augment, length, backend, visual_aug
+            self.name, annotation, root, float(repeat_time), data_augment, length, backend, visual_aug,
+            None if dense_scale is None else float(dense_scale), lines,
         )
 
     def annotation(self, spec: dict) -> tuple[Path, ...] | None:
@@ -204,7 +260,7 @@ class _EntryReader:
                 continue
             path = (self.folder / item).resolve()
             if not path.is_file():
-                self.problem(field, f"file not found: {path}")
+                self.problem(field, self.not_found("file", item, path, Path.is_file))
             elif path in paths:
                 self.problem(field, f"{path} is listed twice; use repeat_time to weight a source")
             else:
@@ -217,9 +273,21 @@ class _EntryReader:
             return None
         root = (self.folder / value).resolve()
         if not root.is_dir():
-            self.problem("root", f"folder not found: {root}")
+            self.problem("root", self.not_found("folder", value, root, Path.is_dir))
             return None
         return root
+
+    def not_found(self, what: str, written: str, looked: Path, exists) -> str:
+        """Where a missing path was looked for, and what to write when the working directory has it."""
+        if Path(written).is_absolute():
+            return f"{what} not found: {looked}"
+        message = f"{what} not found: {looked} (relative paths resolve against the recipe's folder {self.folder})"
+        in_cwd = Path(written).absolute()
+        if exists(in_cwd):
+            fix = os.path.relpath(in_cwd.resolve(), self.folder)
+            message += (f"; {in_cwd} exists relative to the working directory: write it relative to the "
+                        f"recipe's folder ({json.dumps(fix)}) or as an absolute path")
+        return message
 
     def visual_aug(self, spec: object) -> VisualAug | None:
         if not isinstance(spec, dict):

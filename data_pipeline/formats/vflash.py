@@ -18,7 +18,7 @@ Decisions where the seed leaves room:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from data_pipeline import vocabulary
@@ -62,13 +62,21 @@ class VFlashRecord:
     atom_loss_masks: tuple[str, ...] | None
     calls: tuple[tuple[AtomicCall, ...], ...] = ()  # per turn, as parse_answer returns them
     record_id: str | int | None = None
+    # The dataset's dense-motion scale `s` in metres (a recipe entry's `dense_scale`, or the
+    # converter's `dense_scale` option for a plain file); None where nothing stated it.
+    dense_scale: float | None = None
 
 
 def read_vflash(
-    path: str | Path, media_root: Path | None = None, check_media: bool = True
+    path: str | Path, media_root: Path | None = None, check_media: bool = True,
+    dense_scale: float | None = None,
 ) -> list[VFlashRecord]:
-    """Every record of one VFlash JSONL file, or a FormatError listing every problem."""
+    """Every record of one VFlash JSONL file, or a FormatError listing every problem.
+
+    `dense_scale`: the file's dense-motion scale `s` in metres, set on every record."""
     path = Path(path)
+    if dense_scale is not None and not (isinstance(dense_scale, int | float) and 0 < dense_scale < float("inf")):
+        raise ValueError(f"{path}: dense_scale must be a number of metres > 0, got {dense_scale!r}")
     source = str(path)
     problems = ProblemLog(source)  # lines come in order, so the problems do too
     base = (Path(media_root) if media_root is not None else path.parent).resolve()
@@ -78,7 +86,7 @@ def read_vflash(
         record = line.record(obj)
         problems.extend(line.problems)
         if record is not None and not line.problems:
-            records.append(record)
+            records.append(record if dense_scale is None else replace(record, dense_scale=float(dense_scale)))
     problems.raise_if_any()
     return records
 

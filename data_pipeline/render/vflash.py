@@ -12,6 +12,8 @@ Arrays of the Example:
   that announces it (index within the record, -1 for none: points and boxes), that call's
   `block_size` and its `count` (0 when absent); a dual-arm pair shares one call and one block.
 - `media_{i}` uint8: original bytes of the i-th media item; digests in the header.
+Meta `dense_scale`: the dataset's dense-motion scale `s` (m), present when the record's dataset
+states one; a record with `<dense>` answers and no scale is refused.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ class VFlashRenderer:
             "media": [blob.header() for blob in media],
             "answers": [t.text for t in record.turns if t.role == "gpt"],
         }
+        if record.dense_scale is not None:
+            meta["dense_scale"] = record.dense_scale
+        elif any(p.kind == "dense" for turn in record.primitives for p in turn):
+            # Dense tokens mean metres only for a stated scale s (seed 004); evaluation needs it.
+            raise RenderError(record.source, record.line, "conversations",
+                              "<dense> motion needs the dataset's scale s in metres: set dense_scale in the "
+                              "recipe entry, or the converter option dense_scale for a plain VFlash file")
         return Example(arrays=arrays, meta=meta)
 
     @staticmethod

@@ -18,6 +18,7 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics.vflash import VFlashStats
+from valen_jax.primitives import DENSE_SCALE
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 
@@ -40,6 +41,18 @@ def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> lis
         coords = inner[np.isin(ids[inner], numbers)]
         masks.append("".join("1" if weights[t] > 0 else "0" for t in coords))
     return masks
+
+
+def dense_scale(example: Example) -> float:
+    """The dataset's dense-motion scale `s` (m) that conversion carried into the Example (seed 004:
+    "a per-dataset scale"); only a reference with dense motion needs one, and then it must be there."""
+    scale = example.meta.get("dense_scale")
+    if scale is not None:
+        return float(scale)
+    if "<dense>" in example.meta["answers"][-1]:
+        raise ValueError(f"{example.meta['source']}:{example.meta['line']}: a dense-motion reference in shards "
+                         "without dense_scale (made before it was recorded); convert the data again")
+    return DENSE_SCALE  # never read: neither the reference nor a matched prediction has dense motion
 
 
 def parses(text: str) -> bool:
@@ -81,7 +94,8 @@ def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int
         reference = example.meta["answers"][-1]
         ok = parses(text)
         counts += (1, ok, text == reference)
-        stats.add(reference, text, entry=example.meta.get("entry"), masks=answer_masks(example, eot, numbers))
+        stats.add(reference, text, entry=example.meta.get("entry"), masks=answer_masks(example, eot, numbers),
+                  dense_scale=dense_scale(example))
         if samples is None or i < samples:
             listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
                            "entry": example.meta.get("entry"), "image": _first_image(example),
