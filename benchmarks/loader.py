@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `configs` is a directory of config files, not an installed package
 
 from configs import vflash  # noqa: E402
-from data_pipeline.convert import convert  # noqa: E402
+from data_pipeline.conversion import convert  # noqa: E402
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from valen_jax import sharding  # noqa: E402
 from valen_jax.data.assemble import RowSpec, batch_shapes_of  # noqa: E402

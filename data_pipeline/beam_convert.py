@@ -1,4 +1,4 @@
-"""The conversion of `data_pipeline.convert` as an Apache Beam pipeline (optional extra `beam`).
+"""The conversion of `data_pipeline.conversion` as an Apache Beam pipeline (optional extra `beam`).
 
     pip install 'valen-jax[beam]'
     python -m data_pipeline.convert --runner=beam --format=recipe --input=data/smoke/vflash/recipe.json \
@@ -6,9 +6,9 @@
     # on a cluster: --beam-runner=DataflowRunner|FlinkRunner|SparkRunner --beam-option KEY=VALUE ...
 
 The output is the local runner's, byte for byte (shards and manifest.json): both start from
-`convert.prepare` and end in `convert.write_output`; only the rendering in between differs.
+`conversion.prepare` and end in `conversion.write_output`; only the rendering in between differs.
 
-1. The launcher runs `convert.prepare`: option checks, the format's `load` (records are small
+1. The launcher runs `conversion.prepare`: option checks, the format's `load` (records are small
    picklable dataclasses) and its `check`.
 2. `beam.Create` of (global index, (record, entry name)); a `DoFn` whose `setup()` loads the tokenizer
    and builds the format's renderer once per worker renders each record to Example bytes. A record
@@ -20,7 +20,7 @@ The output is the local runner's, byte for byte (shards and manifest.json): both
    `<temp_location>/valen-convert-<uuid>` when `--beam-option temp_location=...` is given, else a
    temporary directory beside `--output`.
 4. After the pipeline, the launcher reads the gather files back, orders them by index, checks that
-   every record came back exactly once, and writes shards + manifest with `convert.write_output`
+   every record came back exactly once, and writes shards + manifest with `conversion.write_output`
    (staged beside `--output`, then renamed), then deletes the gather directory.
 
 On a cluster (Dataflow, Flink, Spark) the same code runs, with these requirements:
@@ -53,21 +53,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from data_pipeline import shards
-from data_pipeline.convert import BEAM_RUNNERS, FORMATS, prepare, write_output
+from data_pipeline.conversion import BEAM_RUNNERS, prepare, write_output
+from data_pipeline.formats import registry
 from data_pipeline.formats.errors import FormatError, Problem
 from data_pipeline.render.common import RenderError
 from data_pipeline.tokenizer import load_tokenizer
 
-_root_handlers = list(logging.getLogger().handlers)
-import apache_beam as beam  # noqa: E402
-from apache_beam.io import fileio  # noqa: E402
-from apache_beam.io.filesystems import FileSystems  # noqa: E402
-from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
-
-# Without the gcp extra, apache_beam's BigQuery stub calls `logging.warning` at import, which
-# configures the root logger (basicConfig) behind the application's back; take that handler away.
-for _handler in logging.getLogger().handlers[len(_root_handlers):]:
-    logging.getLogger().removeHandler(_handler)
+# Without the gcp extra, apache_beam's BigQuery stub calls `logging.warning` at import, which would
+# configure the root logger (basicConfig) behind the application's back and print a line about a
+# library we do not use. A NullHandler held on the root logger during the import leaves it as found.
+_import_guard = logging.NullHandler()
+logging.getLogger().addHandler(_import_guard)
+try:
+    import apache_beam as beam
+    from apache_beam.io import fileio
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+finally:
+    logging.getLogger().removeHandler(_import_guard)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class RenderFn(beam.DoFn):
     def setup(self):
         logging.getLogger("data_pipeline.tokenizer").setLevel(logging.ERROR)
         tok = load_tokenizer(self._tokenizer, self._template_family)
-        self._renderer = FORMATS[self._fmt].make_renderer(tok, **self._render_options)
+        self._renderer = registry.get(self._fmt).make_renderer(tok, **self._render_options)
 
     def process(self, element):
         index, (record, entry) = element
@@ -191,7 +194,7 @@ def convert_beam(fmt: str, input_path: str | Path, output: str | Path, tokenizer
                  overwrite: bool = False, options: Mapping[str, object] | None = None,
                  template_family: str | None = None, beam_runner: str = "DirectRunner",
                  beam_options: Mapping[str, str | None] | None = None) -> shards.Manifest:
-    """`convert.convert` with rendering on Beam; same arguments, same output bytes."""
+    """`conversion.convert` with rendering on Beam; same arguments, same output bytes."""
     pipeline_opts = pipeline_options(beam_runner, beam_options)  # bad runner options fail before loading
     conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
     temp_location = pipeline_opts.get_all_options().get("temp_location")

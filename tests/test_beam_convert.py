@@ -5,11 +5,14 @@ apache-beam comes from the `beam` extra, which requirements.lock (and so CI) ins
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from data_pipeline import convert as convert_module
 from data_pipeline.beam_convert import IndexedBytesSink, _read_gathered, convert_beam, pipeline_options
-from data_pipeline.convert import FORMATS, ConvertFormat, convert, main
+from data_pipeline.conversion import convert
+from data_pipeline.convert import main
+from data_pipeline.formats import registry
 from data_pipeline.render.common import RenderError
 from data_pipeline.shards import Manifest, read_shard
 from tests.train_runs import ROOT
@@ -37,7 +40,7 @@ def test_beam_direct_runner_writes_the_local_bytes(tmp_path, fmt, capsys):
 
 
 def test_a_record_refused_on_a_worker_is_reported_as_the_local_runner_does(tmp_path, monkeypatch):
-    valen = FORMATS["valen"]
+    valen = registry.FORMATS["valen"]
 
     class Refusing:
         def __init__(self, tokenizer):
@@ -49,7 +52,7 @@ def test_a_record_refused_on_a_worker_is_reported_as_the_local_runner_does(tmp_p
             return self.inner.render(record, entry)
 
     # In-memory DirectRunner: the DoFn runs in this process and sees the patched registry.
-    monkeypatch.setitem(convert_module.FORMATS, "refusing", ConvertFormat(valen.load, Refusing))
+    monkeypatch.setitem(registry.FORMATS, "refusing", dataclasses.replace(valen, make_renderer=Refusing))
     with pytest.raises(RenderError) as local:
         convert("refusing", CASES["valen"], tmp_path / "local", TOKENIZER, progress=False)
     with pytest.raises(RenderError) as beam:

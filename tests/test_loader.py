@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
 from valen_jax.data.assemble import AssemblyError, RowSpec, assemble

@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.shards import Manifest, ShardError
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT

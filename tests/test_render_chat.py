@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data_pipeline import vocabulary
 from data_pipeline.chat_templates import CHATML, LLAMA3, template_family
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.formats.chat import read_chat
 from data_pipeline.render.chat import ChatRenderer
 from data_pipeline.render.common import RenderError, control_tokens, mask_runs, render_chat

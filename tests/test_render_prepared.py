@@ -18,11 +18,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data_pipeline.chat_templates import CHATML
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.prepared import PreparedDescriptor, PreparedFile, file_sha256, write_prepared_zip
+from data_pipeline.formats.prepared_load import PreparedRow, read_prepared_rows
 from data_pipeline.formats.prepared_rows import scan_rows
-from data_pipeline.render.prepared import PreparedRenderer, PreparedRow, read_prepared_rows
+from data_pipeline.render.prepared import PreparedRenderer
 from data_pipeline.shards import Manifest, read_shard
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
 from tests.train_runs import ROOT

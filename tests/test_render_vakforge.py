@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.formats.vakforge import manifest_hash
+from data_pipeline.formats.vakforge_items import read_vakforge_items
 from data_pipeline.render.common import RenderError, mask_runs
-from data_pipeline.render.vakforge import VakforgeRenderer, read_vakforge_items
+from data_pipeline.render.vakforge import VakforgeRenderer
 from data_pipeline.shards import Manifest, read_shard
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import vocabulary
-from data_pipeline.convert import convert
+from data_pipeline.conversion import convert
 from data_pipeline.formats.recipe import read_recipe_records
 from data_pipeline.render.common import RenderError
 from data_pipeline.render.vflash import VFlashRenderer

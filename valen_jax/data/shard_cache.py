@@ -11,7 +11,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from data_pipeline import convert as converter
+from data_pipeline import conversion as converter
 from data_pipeline.shards import Manifest, ShardError, sha256_file
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.sources import ShardSet

@@ -1,0 +1,228 @@
+"""Conversion as a library: validated records → ArrayRecord shards plus `manifest.json`.
+
+`python -m data_pipeline.convert` is the command line over it; `data_pipeline.beam_convert` renders
+on Apache Beam between the same `prepare` and `write_output`. What each format loads, renders and
+takes as options is `data_pipeline.formats.registry`.
+
+    from data_pipeline.conversion import convert
+    convert("recipe", "data/smoke/vflash/recipe.json", "/tmp/vflash_shards", "data/tokenizer", workers=2)
+
+The output appears atomically (written beside, then renamed), so an interrupted run never leaves a
+half-written shard set behind a valid-looking manifest. Identical inputs and options give
+byte-identical shards and manifest for any number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data_pipeline import shards
+from data_pipeline.formats import registry
+from data_pipeline.formats.registry import SourceEntry
+from data_pipeline.tokenizer import fingerprint, load_tokenizer
+
+log = logging.getLogger(__name__)
+_RECORDS_PER_SHARD = 512
+# The Beam runners `data_pipeline.beam_convert` takes (convert's --beam-runner).
+BEAM_RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
+
+
+_worker_renderer = None
+
+
+def _init_worker(fmt: str, tokenizer_path: str, template_family: str | None = None,
+                 render_options: Mapping[str, object] | None = None) -> None:
+    global _worker_renderer
+    logging.getLogger("data_pipeline.tokenizer").setLevel(logging.ERROR)
+    _worker_renderer = registry.get(fmt).make_renderer(load_tokenizer(tokenizer_path, template_family),
+                                                  **(render_options or {}))
+
+
+def _render_one(job: tuple) -> bytes:
+    record, entry = job
+    return _worker_renderer.render(record, entry).to_bytes()
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _split_options(fmt: str, options: Mapping[str, object] | None) -> tuple[dict, dict]:
+    """(load options, render options) of `fmt`: its defaults, updated by the given ones."""
+    spec = registry.get(fmt)
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(spec.load_options) - set(spec.render_options))
+    if unknown:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unknown)
+        raise ValueError(f"{flags}: not an option of --format={fmt}")
+    load = {k: given.get(k, v) for k, v in spec.load_options.items()}
+    render = {k: given.get(k, v) for k, v in spec.render_options.items()}
+    return load, render
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A conversion loaded and checked in the launching process, ready to render.
+
+    `jobs` are (record, entry name) in output order. Both runners (the local Pool below and
+    `data_pipeline.beam_convert`) start from `prepare` and end in `write_output`, so the shards
+    and the manifest come from one code path whatever rendered the examples.
+    """
+
+    fmt: str
+    input_path: Path
+    output: Path
+    tokenizer: str | Path
+    tok: object
+    entries: list[SourceEntry]
+    jobs: list[tuple]
+    load_options: dict
+    render_options: dict
+    template_family: str | None
+    additions: dict
+
+
+def prepare(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
+            overwrite: bool = False, options: Mapping[str, object] | None = None,
+            template_family: str | None = None) -> Conversion:
+    """Refuse a bad call, load the input, run the format's check: all before any rendering."""
+    input_path, output = Path(input_path), Path(output)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise FileExistsError(f"{output}: exists and is not empty; pass --overwrite to replace it")
+    if fmt not in registry.FORMATS:
+        raise ValueError(f"--format={fmt}: conversion supports {', '.join(sorted(registry.FORMATS))}")
+    load_options, render_options = _split_options(fmt, options)
+    tok = load_tokenizer(tokenizer, template_family)
+    # Built once here, so a bad option fails before any worker starts (a failing Pool initializer
+    # would be restarted forever).
+    registry.FORMATS[fmt].make_renderer(tok, **render_options)
+    entries = registry.FORMATS[fmt].load(input_path, **load_options)
+    jobs = [(record, entry.name) for entry in entries for record in entry.records]
+    if not jobs:
+        raise ValueError(f"{input_path}: no records to convert")
+    check = registry.FORMATS[fmt].check
+    additions = check(input_path, entries, str(tokenizer), **load_options) if check is not None else {}
+    return Conversion(fmt, input_path, output, tokenizer, tok, entries, jobs, load_options, render_options,
+                      template_family, additions)
+
+
+def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
+            workers: int = 1, overwrite: bool = False, progress: bool = True,
+            options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
+    """`options`: the format's options (see formats.registry); None values mean "not given"."""
+    conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
+    jobs = conv.jobs
+    initargs = (fmt, str(tokenizer), template_family, conv.render_options)
+    if workers > 1:
+        context = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
+        with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+            rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=8), total=len(jobs),
+                                 desc="convert", disable=not progress))
+    else:
+        _init_worker(*initargs)
+        rendered = [_render_one(job) for job in tqdm(jobs, desc="convert", disable=not progress)]
+    return write_output(conv, rendered)
+
+
+def write_output(conv: Conversion, rendered: Sequence[bytes]) -> shards.Manifest:
+    """Write `rendered` (serialised Examples, in `conv.jobs` order) as shards + manifest, atomically."""
+    if len(rendered) != len(conv.jobs):
+        raise ValueError(f"{len(rendered)} rendered examples for {len(conv.jobs)} records")
+    fmt, input_path, output, tokenizer, tok = conv.fmt, conv.input_path, conv.output, conv.tokenizer, conv.tok
+    entries, template_family = conv.entries, conv.template_family
+    stats = _statistics(rendered)
+    base = input_path.parent
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        num_shards = -(-len(rendered) // _RECORDS_PER_SHARD)
+        written = shards.write_shards(rendered, staging, num_shards)
+        start = 0
+        entry_ranges = []
+        for entry in entries:
+            entry_ranges.append({"name": entry.name, "repeat_time": entry.repeat_time,
+                                 "start": start, "stop": start + len(entry.records), **entry.media_options})
+            start += len(entry.records)
+        manifest = shards.Manifest({
+            "schema_version": shards.SCHEMA_VERSION,
+            "format": fmt,
+            "input": _relative(input_path, base),
+            "sources": [{"path": _relative(f, base), "sha256": shards.sha256_file(f), "entry": e.name}
+                        for e in entries for f in e.files],
+            "entries": entry_ranges,
+            "tokenizer": {"source": str(tokenizer), "fingerprint": fingerprint(tok).to_json(),
+                          "vocab_size": len(tok)},
+            "counts": stats["counts"],
+            "media": stats["media"],
+            # Only the options of this format (none for vflash/recipe), so older manifests keep their bytes.
+            # The runner (local/beam, workers) is deliberately absent: it does not change the output.
+            "options": {"records_per_shard": _RECORDS_PER_SHARD, **conv.load_options, **conv.render_options,
+                        **({"template_family": template_family} if template_family else {})},
+            "shards": written,
+            **conv.additions,
+        })
+        manifest.write(staging)
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _token_counts(example: shards.Example) -> tuple[int, int]:
+    """(tokens, supervised tokens) of one Example.
+
+    Valen Examples hold pieces, not a sequence: their tokens are the pieces' total and their
+    supervised unit is the scoring position of each labeled question's branches.
+    """
+    arrays = example.arrays
+    if "input_ids" in arrays:
+        return len(arrays["input_ids"]), int((arrays["target_weights"] > 0).sum())
+    pieces = ("state_ids", "instruction_ids", "candidate_ids", "suffix_ids")
+    labeled = arrays["labeled"][arrays["candidate_question"]] if len(arrays["candidate_question"]) else []
+    return sum(len(arrays[name]) for name in pieces), int(sum(labeled))
+
+
+def _statistics(rendered: Sequence[bytes]) -> dict:
+    """Totals over the Examples; `skipped` and `overlaps` sum the counters renderers put in meta.
+
+    DESIGN: "a deliberate skip is counted and reported" (vakforge drops overlapping turns, seed 002
+    "log how many"). `overlaps` appears only for formats that report it.
+    """
+    tokens = supervised = longest = 0
+    media: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    overlaps: dict[str, int] = {}
+    for data in rendered:
+        example = shards.Example.from_bytes(data)
+        length, trained = _token_counts(example)
+        tokens += length
+        supervised += trained
+        longest = max(longest, length)
+        for item in example.meta.get("media", []):
+            media.setdefault(item["sha256"], Path(item["path"]).name)
+        for totals, key in ((skipped, "skipped"), (overlaps, "overlaps")):
+            for name, count in example.meta.get(key, {}).items():
+                totals[name] = totals.get(name, 0) + count
+    counts = {"records": len(rendered), "skipped": dict(sorted(skipped.items())), "tokens": tokens,
+              "supervised_tokens": supervised, "longest_example": longest}
+    if overlaps:
+        counts["overlaps"] = dict(sorted(overlaps.items()))
+    return {
+        "counts": counts,
+        "media": [{"sha256": digest, "name": name} for digest, name in sorted(media.items())],
+    }

@@ -1,0 +1,188 @@
+"""The one table of input formats: what validate, conversion (local and Beam) and evaluation know of each.
+
+Per format: how `validate` checks a file (a one-line summary, or a FormatError), how conversion
+loads it into entries of records and renders one record, the options each step takes (with their
+defaults), the Example kind its shards hold (`data_pipeline.examples`) and its family (the records
+it holds: a recipe holds VFlash records; evaluation reports by family). Adding a format touches
+this table and the format's own modules (its reader in `formats/`, its renderer in `render/`).
+
+    from data_pipeline.formats.registry import FORMATS
+    FORMATS["recipe"].validate(Path("data/smoke/vflash/recipe.json"), check_media=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_pipeline import examples
+from data_pipeline.formats.chat import chat_diagnostics, read_chat
+from data_pipeline.formats.prepared import read_prepared
+from data_pipeline.formats.prepared_load import check_prepared, read_prepared_rows
+from data_pipeline.formats.recipe import read_recipe_records
+from data_pipeline.formats.vakforge import export_schema, read_vakforge
+from data_pipeline.formats.vakforge_items import read_vakforge_items
+from data_pipeline.formats.valen import check_valen, read_valen
+from data_pipeline.formats.vflash import read_vflash
+from data_pipeline.render.chat import ChatRenderer
+from data_pipeline.render.prepared import PreparedRenderer
+from data_pipeline.render.vakforge import VakforgeRenderer
+from data_pipeline.render.valen import ValenRenderer
+from data_pipeline.render.vflash import VFlashRenderer
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """One named group of records (a recipe entry, or a whole file), kept in input order."""
+
+    name: str
+    files: tuple[Path, ...]
+    repeat_time: float
+    records: list
+    # What the loader needs to treat this entry's media (recipe `data_augment`, `visual_aug`,
+    # `video_reader_backend`, seed 004); written into the manifest's entry when non-empty.
+    media_options: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One input format.
+
+    `validate(path, check_media, **validate_options) -> str` returns a one-line summary or raises
+    FormatError. `load(path, **load_options)` runs once in the converting process and returns the
+    entries. `make_renderer(tokenizer, **render_options)` returns an object with
+    `render(record, entry_name) -> Example`; it runs in worker processes, so it must be a picklable
+    module-level callable. Each options mapping names the options the step takes, with defaults.
+
+    `check(input_path, entries, tokenizer_path, **load_options)`, when given, runs in the
+    converting process after loading and before rendering, and returns additions to manifest.json.
+    It exists for checks that need the tokenizer path rather than the training tokenizer (prepared
+    rows are compared with the tokenizer as shipped, seed 003) and for provenance only the loader
+    knows (vakforge's manifest_hash, seed 002 "Adapters").
+
+    `schema`: (default file name, exporter) of a format whose records have a JSON Schema.
+    """
+
+    kind: str  # the Example kind of its shards: one of examples.KINDS
+    family: str  # the records it holds; evaluation reports by family
+    validate: Callable[..., str]
+    load: Callable[..., list[SourceEntry]]
+    make_renderer: Callable[..., object]
+    load_options: Mapping[str, object] = field(default_factory=dict)
+    render_options: Mapping[str, object] = field(default_factory=dict)
+    validate_options: Mapping[str, object] = field(default_factory=dict)
+    check: Callable[..., dict] | None = None
+    schema: tuple[str, Callable[[Path], Path]] | None = None
+
+    def __post_init__(self):
+        if self.kind not in examples.KINDS:
+            raise ValueError(f"kind={self.kind!r}: choose one of {', '.join(examples.KINDS)}")
+
+
+# --- validate: one summary line per file ---
+
+def _validate_valen(path: Path, check_media: bool) -> str:
+    # The streaming pass: builds no records, so memory stays flat however long the file is.
+    return f"{check_valen(path, check_media=check_media)} OK"
+
+
+def _validate_vflash(path: Path, check_media: bool) -> str:
+    return f"{len(read_vflash(path, check_media=check_media))} records OK"
+
+
+def _validate_recipe(path: Path, check_media: bool) -> str:
+    entries = read_recipe_records(path, check_media=check_media)
+    records = sum(len(records) for _, records in entries)
+    return f"{len(entries)} entries, {records} records OK"
+
+
+def _validate_chat(path: Path, check_media: bool) -> str:
+    records = read_chat(path, check_media=check_media)
+    # Seed 003: diagnostics, not findings; they never fail a file.
+    return f"{len(records)} records OK; {chat_diagnostics(records).summary()}"
+
+
+def _validate_prepared(path: Path, check_media: bool) -> str:
+    # PATH is a prepared zip, or a directory laid out like one; there is no media to check.
+    stats = read_prepared(path).stats
+    rows, tokens = sum(s.rows for s in stats), sum(s.tokens for s in stats)
+    supervised, longest = sum(s.supervised_tokens for s in stats), max(s.longest_row for s in stats)
+    return f"{len(stats)} files, {rows} rows, {tokens} tokens, {supervised} supervised, longest row {longest} OK"
+
+
+def _validate_vakforge(path: Path, check_media: bool, allow_unconsented: bool = False) -> str:
+    records = read_vakforge(path, allow_unconsented=allow_unconsented, check_media=check_media)
+    return f"{len(records)} conversations OK"
+
+
+# --- conversion: input → entries of records ---
+
+def _load_vflash(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_vflash(path))]
+
+
+def _load_recipe(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records, _media_options(entry))
+            for entry, records in read_recipe_records(path)]
+
+
+def _media_options(entry) -> dict:
+    aug = entry.visual_aug
+    options = {"data_augment": entry.data_augment, "video_reader_backend": entry.video_reader_backend}
+    if aug is not None:
+        options["visual_aug"] = {"prob": aug.prob, "views": aug.views if isinstance(aug.views, str) else list(aug.views),
+                                 "ops": list(aug.ops), "severity": list(aug.severity),
+                                 "zoom_max_severity": aug.zoom_max_severity}
+    return options
+
+
+def _load_valen(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_valen(path))]
+
+
+def _load_chat(path: Path) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_chat(path))]
+
+
+def _load_prepared(path: Path, max_seq_length: int | None) -> list[SourceEntry]:
+    _, rows = read_prepared_rows(path)
+    files = (path,) if path.is_file() else tuple(sorted(p for p in path.rglob("*") if p.is_file()))
+    return [SourceEntry(path.stem, files, 1.0, rows)]
+
+
+def _check_prepared(path: Path, entries: list[SourceEntry], tokenizer_path: str,
+                    max_seq_length: int | None) -> dict:
+    return check_prepared(path, entries[0].records, tokenizer_path, max_seq_length)
+
+
+def _load_vakforge(path: Path, split: str | None) -> list[SourceEntry]:
+    items = read_vakforge_items(path, split)
+    return [SourceEntry(path.stem if split is None else split, (path, path.parent / "splits.json"), 1.0, items)]
+
+
+def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str, split: str | None) -> dict:
+    # Seed 002, "Adapters": the output names the exact data it came from (one hash per manifest).
+    return {"manifest_hash": entries[0].records[0].manifest_hash}
+
+
+FORMATS: dict[str, Format] = {
+    "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer),
+    "vflash": Format(examples.TOKENS, "vflash", _validate_vflash, _load_vflash, VFlashRenderer),
+    "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer),
+    "chat": Format(examples.TOKENS, "chat", _validate_chat, _load_chat, ChatRenderer,
+                   render_options={"assistant_turns": "all"}),
+    "vakforge": Format(examples.TOKENS, "vakforge", _validate_vakforge, _load_vakforge, VakforgeRenderer,
+                       load_options={"split": None}, render_options={"overlap": "merge", "assistant_turns": "all"},
+                       validate_options={"allow_unconsented": False}, check=_check_vakforge,
+                       schema=("vakforge.schema.json", export_schema)),
+    "prepared": Format(examples.TOKENS, "prepared", _validate_prepared, _load_prepared, PreparedRenderer,
+                       load_options={"max_seq_length": None}, check=_check_prepared),
+}
+
+
+def get(name: str) -> Format:
+    """The format called `name`; an unknown name is an error that lists the known ones."""
+    if name not in FORMATS:
+        raise ValueError(f"format {name!r}: choose one of {', '.join(FORMATS)}")
+    return FORMATS[name]
