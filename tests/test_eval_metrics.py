@@ -101,6 +101,24 @@ def test_bad_questions_refused(args):
         ValenStats().add(t, np.array(q), np.array(p), hard)
 
 
+def test_a_choice_with_one_candidate_evaluates():
+    # Seed 000 allows 1–255 choice candidates; the one branch takes all the probability.
+    stats = ValenStats()
+    stats.add("choice", np.array([1.0]), np.array([1.0]), True, {"domain": "solo"})
+    stats.add("choice", np.array([1.0]), None, False, {"domain": "solo"})
+    stats.add("noul", np.array([0.25, 0.75]), np.array([1.0, 0.0]), True, {"domain": "pair"})
+    r = stats.report()
+    solo = r["by_domain"]["solo"]
+    assert (solo["questions"], solo["labeled"], solo["hard_labeled"]) == (2, 1, 1)
+    assert (solo["accuracy"], solo["cross_entropy"], solo["brier"], solo["ece"]) == (1.0, 0.0, 0.0, 0.0)
+    assert solo["rps"] is None  # score questions only
+    assert r["overall"]["accuracy"] == 0.5 and r["overall"]["ece"] == pytest.approx((0.0 + 0.75) / 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        stats.add("choice", np.array([]), None, False)
+    with pytest.raises(ValueError, match="2–10 grades"):
+        stats.add("score", np.array([1.0]), np.array([1.0]), True)
+
+
 def test_unknown_breakdown_key_refused():
     # record_id is in meta but is no breakdown: one group per record would swamp the report
     with pytest.raises(ValueError):

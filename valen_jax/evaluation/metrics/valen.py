@@ -27,6 +27,10 @@ Over a group (overall, one question type, or one breakdown value):
                      prediction = argmax q (a 0.5/0.5 tie predicts `true`): {"true": {"true": n, "false": n},
                      "false": {...}} with the label first.
 
+A choice question may have a single candidate (seed 000: 1–255 candidates). Its one branch takes
+all the probability (q = [1]) and its label is [1], so CE = 0, B = 0, c = 1 and conf = 1 (bin 9,
+no calibration error): it counts toward every mean like any other question, with a perfect score.
+
 A metric whose denominator is 0 is reported as null. Groups: `overall`, `type:<choice|noul|score>`,
 and `domain:…`, `modality:…`, `language_bucket:…` from each record's `meta` (a question whose record
 has no such field is counted under the value `(missing)`, so each breakdown sums to `overall`).
@@ -148,8 +152,8 @@ class ValenStats(GroupedSums):
 
 def _distribution(values: np.ndarray, what: str, tol: float) -> np.ndarray:
     x = np.asarray(values, np.float64)
-    if x.ndim != 1 or x.shape[0] < 2:
-        raise ValueError(f"{what} must be a vector of at least 2 candidate probabilities, got shape {x.shape}")
+    if x.ndim != 1 or x.shape[0] < 1:
+        raise ValueError(f"{what} must be a vector of at least 1 candidate probability, got shape {x.shape}")
     if not np.all(np.isfinite(x)) or x.min() < 0 or abs(x.sum() - 1.0) > tol:
         raise ValueError(f"{what} must be finite, non-negative and sum to 1, got {x.tolist()}")
     return x
