@@ -163,3 +163,69 @@ def test_chat_report_has_token_metrics_and_tool_call_match(tmp_path_factory, tmp
     assert overall["messages"] == 3 and overall["tool_calls"]["reference"] == 3
     assert report["tool_call_exact_match"] == overall["exact_match"] == 0.0
     assert list(report["metrics"]["by_locale"]) == ["(missing)"] == list(report["metrics"]["by_source"])
+
+
+def test_a_choice_question_with_one_candidate_evaluates(valen_workdir, tmp_path):
+    # Seed 000 allows 1–255 choice candidates; the reader accepted one, the metrics used to refuse it.
+    record = json.loads(VALEN_DATA.read_text().splitlines()[0])
+    record["request"]["questions"]["color"]["criteria"] = {"green": "Green light"}
+    record["targets"]["color"] = {"probabilities": {"green": 1.0}}
+    data = tmp_path / "one_candidate.jsonl"
+    data.write_text(json.dumps(record) + "\n", encoding="utf-8")
+    from valen_jax.evaluate import evaluate_workdir
+    report = evaluate_workdir(valen_workdir, data, fmt="valen")
+    choice = report["metrics"]["by_type"]["choice"]
+    assert (choice["questions"], choice["hard_labeled"], choice["accuracy"]) == (1, 1, 1.0)
+    assert choice["cross_entropy"] == pytest.approx(0.0, abs=1e-9) and choice["ece"] == pytest.approx(0.0, abs=1e-9)
+    assert report["questions"] == 3 and report["metrics"]["by_type"]["noul"]["questions"] == 1
+
+
+FSDP_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from valen_jax import checkpoint
+from valen_jax.evaluation import tokens, workdir as eval_workdir
+
+workdir, data = sys.argv[1], sys.argv[2]
+saved_meta = checkpoint.restore_meta
+
+
+def trained_with_fsdp(mgr, step):
+    # The smoke workdir trained on one device; its saved config now says what a model too big for
+    # one device would have trained with.
+    meta = saved_meta(mgr, step)
+    meta["config"]["mesh"] = {"data": -1, "fsdp": 4, "tensor": 2}
+    return meta
+
+
+checkpoint.restore_meta = trained_with_fsdp
+out = {}
+for name, devices in (("eight", None), ("one", jax.devices()[:1])):
+    restored = eval_workdir.restore(workdir, devices=devices)
+    fmt, options = eval_workdir.data_format(restored, None)
+    with jax.set_mesh(restored.mesh):
+        examples, _, _ = eval_workdir.load_examples(fmt, data, restored.workdir, checkpoint.tokenizer_dir(workdir),
+                                                    restored.fingerprint, options, 6)
+        forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, restored.spec, restored.mesh, 4)
+    leaves = jax.tree.leaves(restored.params)
+    out[name] = {"mesh": dict(restored.mesh.shape), "embed": str(restored.params["embed"].sharding.spec),
+                 "largest_shard": max(a.addressable_shards[0].data.size / a.size for a in leaves if a.size >= 4096),
+                 "forced": forced}
+print(json.dumps(out))
+"""
+
+
+def test_a_model_trained_with_fsdp_is_sharded_the_same_way_at_evaluation(tmp_path_factory):
+    workdir = smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny")
+    result = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(workdir), str(ROOT / "data/smoke/vflash/eval.jsonl")],
+                            cwd=ROOT, env=env_with_devices(8), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["eight"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert out["one"]["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}  # fitted to the devices given
+    assert "fsdp" in out["eight"]["embed"] and out["eight"]["largest_shard"] <= 0.5  # not replicated whole
+    eight, one = out["eight"]["forced"], out["one"]["forced"]
+    assert eight["target_tokens"] == one["target_tokens"] > 0
+    assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert eight["accuracy"] == pytest.approx(one["accuracy"], abs=1e-9)
+

@@ -140,6 +140,32 @@ def test_the_format_comes_from_the_checkpoint_config_not_the_path():
         data_format(restored, "parquet")
 
 
+@pytest.mark.parametrize(("saved", "devices", "fitted"), [
+    ({"data": -1, "fsdp": 4, "tensor": 2}, 8, {"data": 1, "fsdp": 4, "tensor": 2}),  # as trained
+    ({"data": -1, "fsdp": 4, "tensor": 1}, 16, {"data": 4, "fsdp": 4, "tensor": 1}),  # more devices: more data
+    ({"data": 2, "fsdp": 4, "tensor": 1}, 16, {"data": 4, "fsdp": 4, "tensor": 1}),
+    ({"data": 2, "fsdp": 4, "tensor": 2}, 4, {"data": 1, "fsdp": 2, "tensor": 2}),  # fewer: fsdp shrinks
+    ({"data": 2, "fsdp": 4, "tensor": 1}, 1, {"data": 1, "fsdp": 1, "tensor": 1}),
+    ({"data": 1, "fsdp": -1, "tensor": 2}, 8, {"data": 1, "fsdp": 4, "tensor": 2}),  # -1: the rest, as in training
+])
+def test_the_evaluation_mesh_keeps_the_training_model_axes(saved, devices, fitted):
+    from valen_jax.evaluation.workdir import fitted_mesh_shape
+    assert fitted_mesh_shape(saved, devices) == fitted
+
+
+def test_evaluators_are_found_by_example_kind():
+    from valen_jax.evaluation import chat, registry, valen, vflash
+
+    assert registry.evaluator_for("valen").evaluate is valen.evaluate
+    assert registry.evaluator_for("vakforge") == registry.evaluator_for("chat") == registry.Evaluator(
+        chat.evaluate, chat.summary)
+    assert registry.evaluator_for("vflash").summary is vflash.summary
+    with pytest.raises(ValueError, match=r"eval\.jsonl: no evaluation defined for 'prepared' data"):
+        registry.evaluator_for("prepared", "eval.jsonl")
+    line = registry.evaluator_for("chat").summary({"loss": 1.5, "accuracy": None, "tool_call_exact_match": 0.25})
+    assert line == "loss 1.5000, accuracy n/a, tool-call exact match 0.2500"
+
+
 def test_vakforge_breaks_down_by_locale_and_meta_source():
     from valen_jax.evaluation.chat import breakdown_of
 

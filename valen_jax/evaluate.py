@@ -23,45 +23,19 @@ With several processes each evaluates a slice and the sums are added before any 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from valen_jax import checkpoint, sharding
-from valen_jax.data.assemble import assemble
+from valen_jax import checkpoint
+from valen_jax.evaluation import registry
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.chat import evaluate_chat
-from valen_jax.evaluation.valen import evaluate_valen
-from valen_jax.evaluation.vflash import evaluate_vflash
-from valen_jax.evaluation.workdir import Restored, stack
-from valen_jax.models.config import ModelConfig
-from valen_jax.step import forward_loss
+from valen_jax.evaluation.workdir import Restored
 
 log = logging.getLogger("valen_jax.evaluate")
-
-
-@functools.cache
-def _forward(graphdef):
-    # One compiled forward per model: evaluation during training reuses it every time.
-    return jax.jit(lambda p, b: forward_loss(graphdef, p, b))
-
-
-def teacher_forced(params, graphdef, examples, spec, mesh, batch_size) -> dict[str, float]:
-    """Loss and next-token accuracy over the examples' supervised tokens (teacher forcing)."""
-    forward = _forward(graphdef)
-    totals = np.zeros(3)
-    for start in range(0, len(examples), batch_size):
-        rows = [assemble(e, spec) for e in examples[start:start + batch_size]]
-        batch = sharding.global_batch(stack(rows, batch_size), mesh)
-        totals += np.asarray(jax.device_get(forward(params, batch)))
-    loss_sum, weight_sum, correct = totals
-    return {"target_tokens": int(weight_sum), "loss": loss_sum / max(weight_sum, 1.0),
-            "accuracy": correct / max(weight_sum, 1.0)}
 
 
 def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str | None = None,
@@ -74,37 +48,23 @@ def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str |
         max_examples)
     if not examples:
         raise ValueError(f"{data}: no examples to evaluate")
-    batch_size = int(batch_size or eval_cfg.batch_size)
-    max_new_tokens = int(max_new_tokens or eval_cfg.max_new_tokens)
+    evaluator = registry.evaluator_for(example_format, str(data))
+    chosen = registry.Options(batch_size=int(batch_size or eval_cfg.batch_size),
+                              max_new_tokens=int(max_new_tokens or eval_cfg.max_new_tokens), mode=mode,
+                              samples=samples)
     report = {"data": str(data), "format": example_format, "task": restored.config.task, "step": restored.step,
               "examples": len(examples), "examples_in_data": available}
-    if example_format == "valen":
-        report.update(evaluate_valen(restored, examples, mode, batch_size))
-    elif example_format == "vflash":
-        report.update(evaluate_vflash(restored, examples, batch_size, max_new_tokens, samples))
-    elif example_format in ("chat", "vakforge"):
-        report.update(evaluate_chat(restored, examples, batch_size, max_new_tokens, samples))
-    else:
-        raise ValueError(f"{data}: no evaluation defined for {example_format!r} data")
+    report.update(evaluator.evaluate(restored, examples, chosen))
     return report
 
 
-def evaluate_params(params, graphdef, model_cfg: ModelConfig, tokenizer, spec, mesh, data, workdir: Path,
-                    fingerprint: dict[str, str], eval_cfg, data_format: str = "vflash", fmt: str | None = None,
-                    options: dict | None = None, config=None, step: int | None = None) -> dict:
-    """Evaluation at the end of training, on `config.eval.max_examples` examples of `data`.
-
-    `fmt`/`options`: the data's converter format and options (config.data.eval_format/eval_options).
-    `config`: the training config; Valen data needs it (mode and row capacity).
-    """
-    if fmt is None:
-        raise ValueError("evaluate_params needs the data's converter format (config.data.eval_format)")
-    if config is None:
-        import ml_collections
-        config = ml_collections.ConfigDict({"task": data_format, "eval": eval_cfg})
-    restored = Restored(Path(workdir).resolve(), step, config, model_cfg, tokenizer, fingerprint, spec, mesh,
-                        graphdef, params)
-    return run(restored, data, fmt, options, max_examples=int(eval_cfg.max_examples))
+def evaluate_params(restored: Restored, data) -> dict:
+    """Evaluation at the end of training: `restored` is the run's own state in the shape a workdir
+    restores to (params, graphdef, model config, tokenizer, row spec, the full training config);
+    `data` is read in the config's `data.eval_format` with its `data.eval_options`, and the first
+    `eval.max_examples` examples are evaluated. Call inside `jax.set_mesh(restored.mesh)`."""
+    fmt, converter_options = eval_workdir.data_format(restored, None)
+    return run(restored, data, fmt, converter_options, max_examples=int(restored.config.eval.max_examples))
 
 
 def write_report(report: dict, path: str | Path) -> None:
@@ -125,17 +85,8 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
 
 
 def summary(report: dict) -> str:
-    def num(x):
-        return "n/a" if x is None else f"{x:.4f}"
-
-    if report["format"] == "valen":
-        return (f"{report['questions']} questions ({report['labeled']} labeled, {report['mode']} mode): "
-                f"accuracy {num(report['accuracy'])}, cross-entropy {num(report['cross_entropy'])}, "
-                f"Brier {num(report['brier'])}, RPS {num(report['rps'])}, ECE {num(report['ece'])}")
-    line = f"loss {num(report['loss'])}, accuracy {num(report['accuracy'])}"
-    if report["format"] == "vflash":
-        return line + f", primitive parse rate {report['generation']['primitive_parse_rate']:.3f}"
-    return line + f", tool-call exact match {num(report['tool_call_exact_match'])}"
+    """The one line the CLI prints about `report`, as its kind's evaluator words it."""
+    return registry.evaluator_for(report["format"]).summary(report)
 
 
 def main(argv=None) -> int:

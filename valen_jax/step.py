@@ -17,7 +17,6 @@ from valen_jax.losses import (
     combine,
     head_token_losses,
     reduce_question_losses,
-    token_cross_entropy,
 )
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.heads import branch_log_probs
@@ -39,13 +38,6 @@ def branch_sums(scores, batch, reduction: str) -> dict:
     agree = jnp.argmax(jnp.where(batch["branch_mask"], log_probs, -jnp.inf), -1) == jnp.argmax(batch["labels"], -1)
     labeled = batch["labeled"].astype(jnp.float32)
     return {"branch_loss": numerator, "branch_correct": jnp.sum(agree * labeled), "branch_questions": jnp.sum(labeled)}
-
-
-def forward_loss(graphdef, params, batch):
-    model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
-    loss_sum, weight_sum, correct = token_cross_entropy(logits, batch["targets"], batch["target_weights"])
-    return loss_sum, weight_sum, correct
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax.evaluation import hosts, tokens
 from valen_jax.data.assemble import expand_media_slots, vision_arrays
+from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.workdir import Restored, local_batch_size
+
+if TYPE_CHECKING:
+    from valen_jax.evaluation.registry import Options
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -73,12 +78,13 @@ def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dic
     return [(calls, {"ids": expanded.ids[:start], "vision": vision}) for calls, (start, _) in pairs if calls]
 
 
-def evaluate_chat(restored: Restored, examples: list[Example], batch_size: int, max_new_tokens: int,
-                  samples: int | None = 8) -> dict:
+def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+    """The report's chat/vakforge part; `options.samples` decoded tool-call messages are listed."""
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
+    max_new_tokens, samples = options.max_new_tokens, options.samples
     mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
-    local_batch = local_batch_size(batch_size, mesh)
+    local_batch = local_batch_size(options.batch_size, mesh)
     batches = hosts.batch_count(len(examples), local_batch)
     stats = ChatStats()
     sums = tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
@@ -109,3 +115,8 @@ def evaluate_chat(restored: Restored, examples: list[Example], batch_size: int, 
             "accuracy": overall["token_accuracy"], "tool_call_exact_match": overall["exact_match"],
             "generation": {"tool_call_messages": overall["messages"], "max_new_tokens": int(max_new_tokens)},
             "metrics": metrics, "samples": listed[:samples] if samples is not None else listed}
+
+
+def summary(report: dict) -> str:
+    return (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
+            f"tool-call exact match {shown(report['tool_call_exact_match'])}")

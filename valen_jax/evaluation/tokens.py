@@ -1,8 +1,12 @@
-"""Token-level evaluation shared by VFlash, chat and vakforge: teacher-forced sums per example, and
-greedy decoding of an assistant answer from the conversation before it.
+"""Token-level evaluation shared by VFlash, chat, vakforge and training's periodic evaluation:
+teacher-forced sums per example (the one teacher-forced path), and greedy decoding of an assistant
+answer from the conversation before it.
 
-Every function runs the examples this process was given, in global batches that all processes
-enter together (`hosts.batch_count`), and returns results for its own examples only.
+`token_sums` and `greedy` run the examples this process was given, in global batches that all
+processes enter together (`hosts.batch_count`), and return results for its own examples only;
+`teacher_forced` takes the whole data, evaluates this process's slice and adds every process's sums.
+The per-token formula is the training loss's (`losses.token_losses`), so `eval_loss` during
+training and `loss` in a report are the same number for the same params.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from flax import nnx
 
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.evaluation import hosts
 from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
-from valen_jax.evaluation.workdir import host_local, stack
+from valen_jax.evaluation import hosts
+from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
+from valen_jax.losses import token_losses
 from valen_jax.step import vision_inputs
 
 
@@ -28,15 +33,16 @@ def _where(example: Example) -> str:
 
 @functools.cache
 def _row_sums_fn(graphdef):
+    # One compiled forward per model (and batch shape): periodic evaluation reuses it every time.
     def row_sums(params, batch):
         model = nnx.merge(graphdef, params)
         logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch))
-        logits = logits.astype(jnp.float32)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        nll = log_z - jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-        correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-        w = batch["target_weights"]
-        return jnp.stack([jnp.sum(nll * w, -1), jnp.sum(correct * w, -1), jnp.sum(w, -1)], axis=-1)
+
+        def one_row(logits, targets, weights):
+            sums = token_losses(logits[None], targets[None], weights[None])
+            return jnp.stack([sums["ce"], sums["correct"], sums["weight"]])
+
+        return jax.vmap(one_row)(logits, batch["targets"], batch["target_weights"])
 
     return jax.jit(row_sums)
 
@@ -53,6 +59,19 @@ def token_sums(params, graphdef, examples: list[Example], spec: RowSpec, mesh, l
         sums = host_local(fn(params, batch), mesh).astype(np.float64)
         out.append(sums[:len(chunk)])
     return np.concatenate(out) if out else np.zeros((0, 3))
+
+
+def teacher_forced(params, graphdef, examples: list[Example], spec: RowSpec, mesh, batch_size: int
+                   ) -> dict[str, float]:
+    """Loss and next-token accuracy over the supervised tokens of `examples` (the whole data, the
+    same list on every process): each process runs its slice, the sums of all processes are added
+    before the ratios are formed. `batch_size`: rows per global batch."""
+    mine = hosts.local_indices(len(examples))
+    local_batch = local_batch_size(batch_size, mesh)
+    sums = token_sums(params, graphdef, [examples[i] for i in mine], spec, mesh, local_batch,
+                      hosts.batch_count(len(examples), local_batch))
+    nll, correct, weight = hosts.sum_array(sums.sum(axis=0))
+    return {"target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0)}
 
 
 def _empty_row(spec: RowSpec) -> dict[str, np.ndarray]:

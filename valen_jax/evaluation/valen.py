@@ -17,6 +17,7 @@ Answer line (one per record, in data order):
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -24,12 +25,16 @@ from flax import nnx
 
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.evaluation import hosts
 from valen_jax.data.valen_rows import MODES, QuestionSpec, valen_row
+from valen_jax.evaluation import hosts
+from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
 from valen_jax.evaluation.workdir import Restored, host_local, local_batch_size, stack
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.step import vision_inputs
+
+if TYPE_CHECKING:
+    from valen_jax.evaluation.registry import Options
 
 BREAKDOWN = ("domain", "modality", "language_bucket")
 
@@ -39,7 +44,7 @@ def question_spec(config, mode: str | None, examples: list[Example]) -> Question
     largest record so that every question of every record is scored (one shape, one compile)."""
     if "data" not in config:
         raise ValueError("Valen evaluation needs the training config (data.valen_mode, max_questions, "
-                         "max_candidates): pass config= to evaluate_params")
+                         "max_candidates)")
     mode = mode or config.data.valen_mode
     if mode not in MODES:
         raise ValueError(f"--mode={mode!r}; choose one of {', '.join(MODES)}")
@@ -121,16 +126,23 @@ def answer_line(example: Example, probs: list[np.ndarray]) -> dict:
     return {"group_id": meta["group_id"], "record_id": meta.get("record_id"), "answers": answers}
 
 
-def evaluate_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int) -> dict:
-    qspec = question_spec(restored.config, mode, examples)
+def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+    """The report's Valen part: per-question metrics in `options.mode` (None: the checkpoint's)."""
+    qspec = question_spec(restored.config, options.mode, examples)
     stats = ValenStats()
-    for i, probs in score_records(restored, examples, qspec, batch_size):
+    for i, probs in score_records(restored, examples, qspec, options.batch_size):
         add_record(stats, examples[i], probs)
     metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]
     return {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
             "accuracy": overall["accuracy"], "cross_entropy": overall["cross_entropy"],
             "brier": overall["brier"], "rps": overall["rps"], "ece": overall["ece"], "metrics": metrics}
+
+
+def summary(report: dict) -> str:
+    return (f"{report['questions']} questions ({report['labeled']} labeled, {report['mode']} mode): "
+            f"accuracy {shown(report['accuracy'])}, cross-entropy {shown(report['cross_entropy'])}, "
+            f"Brier {shown(report['brier'])}, RPS {shown(report['rps'])}, ECE {shown(report['ece'])}")
 
 
 def predict_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int

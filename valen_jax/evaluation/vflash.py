@@ -11,15 +11,21 @@ masked-out waypoint (e.g. an occluded dense point) is excluded from the metrics 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
 from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
-from valen_jax.primitives import DENSE_SCALE
 from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.primitives import DENSE_SCALE
+
+if TYPE_CHECKING:
+    from valen_jax.evaluation.registry import Options
 
 
 def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> list[str] | None:
@@ -71,15 +77,15 @@ def _first_image(example: Example) -> str | None:
     return None
 
 
-def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int, max_new_tokens: int,
-                    samples: int | None = 8) -> dict:
-    """The report's VFlash part; `samples` answers are listed (None: all of them, in data order)."""
+def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+    """The report's VFlash part; `options.samples` answers are listed (None: all, in data order)."""
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
+    max_new_tokens, samples = options.max_new_tokens, options.samples
+    forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, spec, mesh, options.batch_size)
     mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
-    local_batch = local_batch_size(batch_size, mesh)
+    local_batch = local_batch_size(options.batch_size, mesh)
     batches = hosts.batch_count(len(examples), local_batch)
-    sums = tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
 
     eot = end_of_turn_id(tokenizer)
     prompts = [tokens.prompt_of(e, spec, eot) for e in local]
@@ -100,14 +106,18 @@ def evaluate_vflash(restored: Restored, examples: list[Example], batch_size: int
             listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
                            "entry": example.meta.get("entry"), "image": _first_image(example),
                            "reference": reference, "answer": text, "parses": ok})
-    nll, correct, weight = hosts.sum_array(sums.sum(axis=0) if len(sums) else np.zeros(3))
     answers, parsed, exact = hosts.sum_array(counts)
     listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
     return {
-        "target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0),
+        **forced,
         "generation": {"answers": int(answers), "max_new_tokens": int(max_new_tokens),
                        "primitive_parse_rate": parsed / answers if answers else 0.0,
                        "exact_match_rate": exact / answers if answers else 0.0},
         "metrics": hosts.sum_stats(stats).report(),
         "samples": listed,
     }
+
+
+def summary(report: dict) -> str:
+    return (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
+            f"primitive parse rate {report['generation']['primitive_parse_rate']:.3f}")

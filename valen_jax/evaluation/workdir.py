@@ -4,6 +4,8 @@ config (DESIGN, "Checkpoints": they need nothing but the workdir), and the data 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,6 @@ from data_pipeline.shards import Example
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.shard_cache import ensure_shards
-from valen_jax.data.assemble import RowSpec
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
 
@@ -44,9 +45,10 @@ class Restored:
     params: object
 
 
-def restore(workdir: str | Path, step: int | None = None) -> Restored:
+def restore(workdir: str | Path, step: int | None = None, devices=None) -> Restored:
     """The workdir's checkpoint at `step` (default: the latest), params only, verified against their
-    save-time digests: CorruptCheckpoint names a damaged step (no fallback to another one)."""
+    save-time digests: CorruptCheckpoint names a damaged step (no fallback to another one). The
+    params are laid out on `devices` (default: all) as the training config's mesh splits them."""
     workdir = Path(workdir).resolve()
     mgr = checkpoint.manager(workdir, read_only=True)
     step = mgr.latest_step() if step is None else int(step)
@@ -59,7 +61,7 @@ def restore(workdir: str | Path, step: int | None = None) -> Restored:
     fingerprint = meta["tokenizer"]["fingerprint"]
     tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
     model_cfg = ModelConfig.from_json(meta["model"])
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    mesh = evaluation_mesh(config.mesh, devices)
     graphdef, abstract = abstract_model(model_cfg)
     shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
     abstract_params = checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings)
@@ -71,6 +73,42 @@ def restore(workdir: str | Path, step: int | None = None) -> Restored:
     spec = RowSpec.of(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                       meta["media_kwargs"])
     return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
+
+
+def fitted_mesh_shape(saved: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """The training run's mesh (`config.mesh`) on the `num_devices` here.
+
+    The model axes keep their training sizes where the devices allow, so a model that needed FSDP
+    or tensor parallelism to fit is split the same way at evaluation, not replicated whole; the
+    data axis takes the devices left over. With fewer devices than an axis needs, that axis shrinks
+    to the largest divisor that fits (tensor first, then fsdp), which `evaluation_mesh` logs. A
+    `-1` axis means "the rest of the devices", here as in training.
+    """
+    requested = {axis: int(saved[axis]) for axis in sharding.MESH_AXES}
+    rest = [axis for axis, size in requested.items() if size == -1]
+    if len(rest) > 1:
+        raise sharding.ShardingError(f"saved mesh {requested}: at most one axis may be -1")
+    fitted, left = {}, int(num_devices)
+    for axis in ("tensor", "fsdp", "data"):  # model axes first: they decide the memory per device
+        if requested[axis] != -1:
+            fitted[axis] = math.gcd(requested[axis], left)
+            left //= fitted[axis]
+    if rest:
+        fitted[rest[0]] = left
+    else:
+        fitted["data"] *= left  # more devices than training had: the spare ones split the batch
+    return {axis: fitted[axis] for axis in sharding.MESH_AXES}
+
+
+def evaluation_mesh(saved: Mapping[str, int], devices=None) -> Mesh:
+    """A mesh over `devices` (default: all) shaped like the training run's (`fitted_mesh_shape`)."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = fitted_mesh_shape(saved, len(devices))
+    for axis in ("fsdp", "tensor"):
+        if int(saved[axis]) not in (-1, shape[axis]):
+            log.warning("the model was trained with mesh.%s=%s; %d devices here allow %d, so each device "
+                        "holds a larger part of the parameters", axis, saved[axis], len(devices), shape[axis])
+    return sharding.make_mesh(shape, devices)
 
 
 def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:

@@ -108,3 +108,8 @@ class GroupedSums:
 def ratio(numerator: float, denominator: float) -> float | None:
     """numerator / denominator, or None (JSON null) when nothing was counted."""
     return numerator / denominator if denominator else None
+
+
+def shown(x: float | None) -> str:
+    """A metric for a summary line: 4 decimals, or `n/a` where its denominator was 0 (null)."""
+    return "n/a" if x is None else f"{x:.4f}"

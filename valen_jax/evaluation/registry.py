@@ -1,0 +1,49 @@
+"""The one table of evaluators, keyed by example kind (the `format` a shard manifest records).
+
+Each kind's module defines `evaluate(restored, examples, options) -> dict` (its part of the report)
+and `summary(report) -> str` (the line the CLI prints); `evaluate.run` and `evaluate.summary` look
+the kind up here instead of branching on it. Adding a kind adds one row. The keys are the Example
+formats `data_pipeline` writes; when its format registry names the evaluation kind of each format,
+`evaluator_for` becomes a lookup through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from valen_jax.evaluation import chat, valen, vflash
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a caller may choose about one evaluation; every evaluator takes all of it and reads
+    what concerns its kind (`mode` is Valen's, the decoding budget is the token kinds')."""
+
+    batch_size: int
+    max_new_tokens: int
+    mode: str | None = None  # Valen sequence mode; None: the checkpoint's data.valen_mode
+    samples: int | None = 8  # decoded answers listed in the report; None: all
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    evaluate: Callable  # (Restored, list[Example], Options) -> dict, the report's kind-specific part
+    summary: Callable[[dict], str]  # one line for the CLI, from the finished report
+
+
+EVALUATORS: dict[str, Evaluator] = {
+    "valen": Evaluator(valen.evaluate, valen.summary),
+    "vflash": Evaluator(vflash.evaluate, vflash.summary),
+    "chat": Evaluator(chat.evaluate, chat.summary),
+    "vakforge": Evaluator(chat.evaluate, chat.summary),  # chat rows with locale/source breakdowns
+}
+
+
+def evaluator_for(kind: str, where: str = "data") -> Evaluator:
+    """The evaluator of Examples of `kind`; `where` (the data path) goes into the error."""
+    try:
+        return EVALUATORS[kind]
+    except KeyError:
+        raise ValueError(f"{where}: no evaluation defined for {kind!r} data; evaluated kinds: "
+                         f"{', '.join(sorted(EVALUATORS))}") from None
