@@ -9,6 +9,7 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def final_params(workdir: Path):
     from valen_jax import checkpoint
     mgr = checkpoint.manager(workdir, read_only=True)
     step = mgr.latest_step()
-    state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore())).state
     mgr.close()
     return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
 
@@ -47,10 +48,15 @@ def assert_same_run(workdir: Path, reference: Path) -> None:
     assert [m["loss"] for m in metrics(workdir)] == [m["loss"] for m in metrics(reference)]
 
 
-def start(workdir: Path, *overrides: str, devices: int = 1):
+def start(workdir: Path, *overrides: str, devices: int = 1, hold_write_of: int | None = None):
+    """`valen_jax.train` in the background; with `hold_write_of`, that step's checkpoint write is held
+    open until the process is killed (tests/hold_checkpoint_write.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = open(workdir.parent / f"{workdir.name}.log", "w")
-    process = subprocess.Popen(train_command(TINY, workdir, *overrides), cwd=ROOT, env=env_with_devices(devices),
+    command = train_command(TINY, workdir, *overrides)
+    if hold_write_of is not None:
+        command = [sys.executable, "-m", "tests.hold_checkpoint_write", str(hold_write_of), *command[3:]]
+    process = subprocess.Popen(command, cwd=ROOT, env=env_with_devices(devices),
                                stdout=log, stderr=subprocess.STDOUT, text=True)
     return process, workdir.parent / f"{workdir.name}.log"
 
@@ -96,9 +102,8 @@ def test_kill_9_while_training_then_the_same_command_resumes_bitwise(tmp_path, r
 
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_complete_one(tmp_path, reference):
     workdir = tmp_path / "killed-in-save"
-    # The test hook holds each checkpoint's background write open for 3 s; kill inside step 4's.
-    hook = "--config.train.debug_pause_in_save_s=3"
-    process, log = start(workdir, *STEPS, hook)
+    # Step 4's background write is held open (the save call returned, training goes on): kill inside it.
+    process, log = start(workdir, *STEPS, hold_write_of=4)
     wait_for(lambda: "holding the write of checkpoint 4 open" in log.read_text(), process)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
@@ -106,7 +111,7 @@ def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_complete_one
     assert (checkpoints / "2").is_dir() and not (checkpoints / "4").exists()
     assert list(checkpoints.glob("4.orbax-checkpoint-tmp*")), "step 4 was not being written when killed"
 
-    result = run_train(TINY, workdir, *STEPS, hook)
+    result = run_train(TINY, workdir, *STEPS)
     assert "resumed from step 2" in result.stderr
     assert not list(checkpoints.glob("*.orbax-checkpoint-tmp*"))
     assert_same_run(workdir, reference)

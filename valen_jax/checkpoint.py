@@ -1,10 +1,17 @@
-"""Orbax checkpoints holding everything evaluation and prediction need (DESIGN, "Checkpoints").
+"""Orbax checkpoints holding everything evaluation and prediction need (DESIGN, "Checkpoints"),
+and the workdir around them: where checkpoints and the tokenizer live, which step to read,
+where damaged steps go.
 
 Each step directory holds three items: `state` (params, optimizer state, step), `data` (the
 Grain iterator state of this process) and `meta` (JSON: model config, `media_kwargs`,
 tokenizer fingerprint, shard manifest, full config, project version, and the digests below).
 The tokenizer files live once in `WORKDIR/tokenizer/`, checked against the fingerprint in
 `meta` on every load.
+
+Only Orbax's public API is used (`tests/test_checkpoint.py` pins what we rely on, and fails on
+an Orbax upgrade that changes it): `state` is a `PyTreeCheckpointHandler` item (its public
+`use_compression` option), `meta` a `JsonCheckpointHandler` item whose public `async_save` we
+override, `data` Grain's own handler.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and Orbax
 writes them in a background thread into `STEP.orbax-checkpoint-tmp`, renamed to `STEP` only
@@ -20,7 +27,7 @@ checked against the `params/...` digests alone.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -35,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from orbax.checkpoint import future as ocp_future
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data_pipeline.tokenizer import TokenizerFingerprint, fingerprint
@@ -69,8 +75,7 @@ class _PendingDigests:
     """State digests still being computed on the devices when `save` returns.
 
     Fetching them in `save` would make the training loop wait for the reduction over every
-    state array (a host sync per save); the `meta` writer fetches them in Orbax's background
-    commit instead, before it writes `meta.json`.
+    state array (a host sync per save); `MetaHandler` fetches them in its background write.
     """
 
     def __init__(self, paths: list[str], values: Any):
@@ -80,66 +85,52 @@ class _PendingDigests:
         return {p: int(d) for p, d in zip(self.paths, jax.tree.leaves(jax.device_get(self.values)), strict=True)}
 
 
-class _MetaHandler(ocp.handlers.JsonCheckpointHandler):
-    """The `meta` item's JSON handler: resolves pending digests in the background write, and
-    holds a test hook that keeps that write open.
+class MetaHandler(ocp.handlers.JsonCheckpointHandler):
+    """The `meta` item: Orbax's JSON handler, written by a thread of its own that first fetches the
+    state digests.
 
-    `debug_pause_in_save_s` > 0 (config.train.debug_pause_in_save_s; for fault-injection tests
-    only) sleeps inside the asynchronous commit of every save, after the save call returned and
-    before the step directory is finalised: the window a crash test kills the process in, and
-    proof that training steps run while a checkpoint is being written.
+    `async_save` returns the write as a commit future, which Orbax's background commit awaits
+    before it renames the step directory: a step is final only with its digests written, and the
+    save call never waits for them. The item directory exists when the thread starts because
+    `manager` turns off Orbax's asynchronous directory creation.
     """
 
-    def __init__(self, pause_s: float = 0.0):
-        super().__init__()
-        self.pause_s = float(pause_s)
+    FILENAME = "metadata"  # the stock handler's default: every checkpoint, old or new, holds this file
 
-    async def _save_fn(self, x, directory):
-        # JsonCheckpointHandler's write coroutine, run in Orbax's background commit (0.12, pinned).
-        digest = x.get("digest", {}) if isinstance(x, dict) else {}
-        if isinstance(digest.get("state"), _PendingDigests):
-            x = {**x, "digest": {**digest, "state": digest["state"].resolve()}}
-        return await super()._save_fn(x, directory)
-
-    async def async_save(self, directory, item=None, args=None):
-        futures = await super().async_save(directory, item, args)
-        if self.pause_s <= 0:
-            return futures
-
-        async def pause():
-            step = Path(str(directory)).parent.name.split(".")[0]
-            log.warning("debug_pause_in_save_s: holding the write of checkpoint %s open for %.1fs",
-                        step, self.pause_s)
-            await asyncio.sleep(self.pause_s)
-            log.warning("debug_pause_in_save_s: checkpoint %s write resumes", step)
-
-        return [ocp_future.CommitFutureAwaitingContractedSignals(pause(), name="debug_pause"), *futures]
-
-
-class _StateHandler(ocp.handlers.StandardCheckpointHandler):
-    """The `state` item's handler: Orbax's standard one, with zstd compression a choice.
-
-    Orbax compresses every array by default. Trained f32 weights and Adam moments are close to
-    incompressible (a trained 144 MiB state wrote 134 MiB compressed: 7% less) while zstd
-    multiplies the background writer's CPU time by 2-3, time taken from the host that feeds
-    the accelerators (or, on CPU devices, from the step itself). Arrays record their codec, so
-    restores read either kind. The type string stays the standard handler's, so checkpoints
-    look the same to every reader.
-    """
-
-    def __init__(self, compress: bool):
-        super().__init__()
-        # Orbax 0.12 (pinned) offers no compression option on the standard handler; it delegates
-        # every save and restore to this PyTree handler, which has one.
-        self._impl = ocp.handlers.PyTreeCheckpointHandler(use_compression=compress)
+    def __init__(self):
+        super().__init__(filename=self.FILENAME)
+        # One writer thread: meta files are small and written in step order.
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="valen_jax-meta")
 
     @classmethod
     def typestr(cls) -> str:
-        return ocp.handlers.StandardCheckpointHandler.typestr()
+        # The file is the stock handler's JSON, so the step metadata names the stock handler: any
+        # Orbax reader restores `meta` without valen_jax.
+        return ocp.handlers.JsonCheckpointHandler.typestr()
+
+    async def async_save(self, directory, item=None, args=None):
+        meta = args.item if args is not None else item
+        # A concurrent.futures.Future is an orbax.checkpoint.future.Future (`result`, `cancel`).
+        return [self._writer.submit(self._write, directory, meta)]
+
+    def _write(self, directory, meta: dict[str, Any]) -> None:
+        digest = meta.get("digest", {})
+        if isinstance(digest.get("state"), _PendingDigests):
+            meta = {**meta, "digest": {**digest, "state": digest["state"].resolve()}}
+        if jax.process_index() == 0:
+            (directory / self.FILENAME).write_text(json.dumps(meta))
 
 
 def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool = False,
-            debug_pause_in_save_s: float = 0.0, compress: bool = False) -> ocp.CheckpointManager:
+            compress: bool = False) -> ocp.CheckpointManager:
+    """The workdir's checkpoint manager; `compress` writes state arrays with zstd.
+
+    Orbax compresses every array by default. Trained f32 weights and Adam moments are close to
+    incompressible (a trained 144 MiB state wrote 134 MiB compressed: 7% less) while zstd
+    multiplies the background writer's CPU time by 2-3, time taken from the host that feeds the
+    accelerators (or, on CPU devices, from the step itself). Arrays record their codec, so
+    restores read either kind.
+    """
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=not read_only,
@@ -147,22 +138,34 @@ def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool
         read_only=read_only,
         # A tmp directory is a save cut short by a crash: never a checkpoint, only clutter.
         cleanup_tmp_directories=not read_only,
+        # Item directories made in the save call (a few mkdirs), so MetaHandler's thread can write.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    meta_handler = _MetaHandler(debug_pause_in_save_s)
+    meta_handler = MetaHandler()
     registry.add("meta", ocp.args.JsonSave, meta_handler)
     registry.add("meta", ocp.args.JsonRestore, meta_handler)
-    state_handler = _StateHandler(compress)
-    registry.add("state", ocp.args.StandardSave, state_handler)
-    registry.add("state", ocp.args.StandardRestore, state_handler)
-    if read_only:
-        # Partial restores of `state` (params only) need the PyTree handler. Registered only where
-        # nothing is saved: the step metadata records one handler per item, and a manager that
-        # saves must record StandardCheckpointHandler for `state`.
-        registry.add("state", ocp.args.PyTreeRestore, ocp.handlers.PyTreeCheckpointHandler)
+    # The PyTree handler (rather than the standard one, which wraps it) for its compression option
+    # and its partial restores; both write the same files. 96 GB in flight: the standard handler's.
+    state_handler = ocp.handlers.PyTreeCheckpointHandler(use_compression=compress, save_concurrent_gb=96,
+                                                         restore_concurrent_gb=96)
+    registry.add("state", ocp.args.PyTreeSave, state_handler)
+    registry.add("state", ocp.args.PyTreeRestore, state_handler)
     registry.add("data", grain.checkpoint.CheckpointSave)
     registry.add("data", grain.checkpoint.CheckpointRestore)
     return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
+
+
+def select_step(mgr: ocp.CheckpointManager, workdir: str | Path, step: int | None = None) -> int:
+    """`step` if the workdir has it, else (None) its latest checkpoint; CheckpointError when absent."""
+    steps = sorted(mgr.all_steps())
+    if not steps:
+        raise CheckpointError(f"{checkpoint_dir(workdir)}: no checkpoint")
+    if step is None:
+        return steps[-1]
+    if int(step) not in steps:
+        raise CheckpointError(f"{checkpoint_dir(workdir)}: no checkpoint at step {step}; steps: {steps}")
+    return int(step)
 
 
 def _leaf_digest(x):
@@ -210,12 +213,12 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.Data
     """Start an asynchronous save; the digests in `meta` let a later restore prove the files intact.
 
     The state digests are dispatched to the devices here (reading the arrays before the next
-    step may donate them) and fetched by the background `meta` write (`_PendingDigests`).
+    step may donate them) and fetched by the background `meta` write (`MetaHandler`).
     """
     pending = _PendingDigests(_paths(state), _digest(state))
     meta = {**meta, "digest": {"state": pending, "data": iterator_digest(iterator)}}
     return mgr.save(step, force=force, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=ocp.args.PyTreeSave(state),
         data=grain.checkpoint.CheckpointSave(iterator),
         meta=ocp.args.JsonSave(meta),
     ))
@@ -228,7 +231,8 @@ def restore_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
 def restore_state(mgr: ocp.CheckpointManager, step: int, abstract_state: Any,
                   iterator: grain.DatasetIterator | None = None) -> Any:
     """Restore params/optimizer into the shardings of `abstract_state`; the iterator in place."""
-    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    items = {"state": ocp.args.PyTreeRestore(item=abstract_state,
+                                             restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}
     if iterator is not None:
         items["data"] = grain.checkpoint.CheckpointRestore(iterator)
     return mgr.restore(step, args=ocp.args.Composite(**items)).state
@@ -238,7 +242,7 @@ def restore_params(mgr: ocp.CheckpointManager, step: int, abstract_params: Any) 
     """Only the `params` subtree of the `state` item, into the shardings of `abstract_params`.
 
     An Orbax partial restore: leaves of the saved tree missing from the target (`opt_state`,
-    `step`) are skipped, neither read nor allocated. Needs a `manager(..., read_only=True)`.
+    `step`) are skipped, neither read nor allocated.
     """
     item = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),

@@ -152,7 +152,6 @@ def run(config, workdir: str | Path) -> dict:
         "state_layout": checkpoint.state_layout(layout.abstract_state()),
     }
     mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
-                             debug_pause_in_save_s=float(config.train.debug_pause_in_save_s),
                              compress=bool(config.train.checkpoint_compression))
     restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
                                          _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest))
