@@ -51,11 +51,7 @@ def restore(workdir: str | Path, step: int | None = None, devices=None) -> Resto
     params are laid out on `devices` (default: all) as the training config's mesh splits them."""
     workdir = Path(workdir).resolve()
     mgr = checkpoint.manager(workdir, read_only=True)
-    step = mgr.latest_step() if step is None else int(step)
-    if step is None:
-        raise checkpoint.CheckpointError(f"{workdir}: no checkpoint to evaluate")
-    if step not in mgr.all_steps():
-        raise checkpoint.CheckpointError(f"{workdir}: no checkpoint at step {step}; steps: {sorted(mgr.all_steps())}")
+    step = checkpoint.select_step(mgr, workdir, step)
     meta = checkpoint.restore_meta(mgr, step)
     config = ml_collections.ConfigDict(meta["config"])
     fingerprint = meta["tokenizer"]["fingerprint"]
