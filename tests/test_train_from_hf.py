@@ -41,13 +41,16 @@ def _base_model(directory):
 def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     base = tmp_path / "base"
     base_vocab = _base_model(base)
+    # Seed 000: unset media_kwargs come from the base model's processor files; the config's win.
+    (base / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 512, "longest_edge": 2048}}))
+    (base / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1.0, "max_frames": 6}))
     workdir = tmp_path / "run"
     result = run_train("configs/vflash.py:hf", workdir, f"--config.model.init_from={base}",
                        f"--config.data.tokenizer={base}", "--config.train.steps=2", "--config.train.log_every=1",
                        "--config.train.checkpoint_every=2", "--config.train.warmup_steps=1",
                        "--config.model.dtype=float32", "--config.eval.at_end=False", "--config.data.global_batch=8",
                        "--config.model.vision.dim=32", "--config.model.vision.num_layers=1",
-                       "--config.data.seq_len=512")
+                       "--config.data.seq_len=512", "--config.media_kwargs.max_frames=3")
     assert "initialising from" in result.stderr and "added token rows" in result.stderr
     logged = metrics(workdir)
     assert [m["step"] for m in logged] == [1, 2] and all(m["loss"] == m["loss"] for m in logged)
@@ -55,6 +58,10 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 2)
     assert meta["model"]["dim"] == 64 and meta["model"]["attention_bias"] and meta["model"]["scan_layers"]
     assert meta["model"]["vocab_size"] >= base_vocab + 1028
+    assert meta["media_kwargs"] == {"min_pixels": 512, "max_pixels": 2048, "fps": 1.0, "max_frames": 3}
+    assert meta["media_kwargs_sources"] == {"min_pixels": "preprocessor_config.json", "max_pixels":
+                                            "preprocessor_config.json", "fps": "video_preprocessor_config.json",
+                                            "max_frames": "config"}
 
 
 def test_architecture_fields_next_to_init_from_are_refused(tmp_path):

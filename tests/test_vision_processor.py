@@ -64,3 +64,66 @@ def test_encoder_keeps_media_items_apart_and_merges_windows():
                                jnp.ones((1, len(a.patches)), jnp.int32)))
     assert together.shape == (1, (len(a.patches) + len(b.patches)) // 4, 24)
     np.testing.assert_allclose(together[:, : alone.shape[1]], alone, atol=1e-5)
+
+
+# --- media_kwargs defaults: the base model's processor files, else the smoke defaults (seed 000) ---
+
+def _write_processor(directory, image: dict | None = None, video: dict | None = None):
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if image is not None:
+        (directory / "preprocessor_config.json").write_text(json.dumps(image))
+    if video is not None:
+        (directory / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return directory
+
+
+def test_base_model_processor_files_give_the_media_defaults(tmp_path):
+    from valen_jax.data.vision_processor import processor_media_kwargs, resolve_media_kwargs
+
+    # Qwen2-VL writes min/max_pixels; newer processors the same areas as size.shortest/longest_edge.
+    qwen2 = _write_processor(tmp_path / "qwen2", {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14})
+    qwen3 = _write_processor(tmp_path / "qwen3", {"size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+                             {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2,
+                              "max_frames": 768, "min_frames": 4})
+    assert processor_media_kwargs(qwen2) == {"min_pixels": (3136, "preprocessor_config.json"),
+                                             "max_pixels": (12845056, "preprocessor_config.json")}
+    values, sources = resolve_media_kwargs({"min_pixels": None, "max_pixels": None, "fps": None, "max_frames": 5},
+                                           qwen3)
+    # The image file's pixel bounds win over the video file's (one pixel budget); the config wins over both.
+    assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5}
+    assert sources == {"min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
+                       "fps": "video_preprocessor_config.json", "max_frames": "config"}
+    # What the base model does not state (Qwen2-VL has no video file) keeps the smoke default, said so.
+    values, sources = resolve_media_kwargs({}, qwen2)
+    assert (values["fps"], sources["fps"], values["max_frames"]) == (2.0, "smoke default", 8)
+
+
+def test_from_scratch_the_smoke_defaults_and_refusals(tmp_path):
+    from valen_jax.data.vision_processor import MEDIA_DEFAULTS, resolve_media_kwargs
+
+    values, sources = resolve_media_kwargs({"max_pixels": None}, None)
+    assert values == MEDIA_DEFAULTS and set(sources.values()) == {"smoke default"}
+    with pytest.raises(ProcessorError, match="unknown keys"):
+        resolve_media_kwargs({"pixels": 3}, None)
+    with pytest.raises(ProcessorError, match="min_pixels=9000 .config. exceeds max_pixels=4096"):
+        resolve_media_kwargs({"min_pixels": 9000}, None)
+    bad = _write_processor(tmp_path / "bad", {"max_pixels": "many"})
+    with pytest.raises(ProcessorError, match="preprocessor_config.json: max_pixels must be a positive number"):
+        resolve_media_kwargs({}, bad)
+
+
+def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
+    from configs import vflash
+    from valen_jax.data.vision_processor import MEDIA_DEFAULTS, media_kwargs_of
+
+    config = vflash.get_config("tiny")
+    assert set(config.media_kwargs.to_dict().values()) == {None}  # nothing decided before start-up
+    assert media_kwargs_of(config)[0] == MEDIA_DEFAULTS
+    config.model.init_from = str(_write_processor(tmp_path / "base", {"min_pixels": 256, "max_pixels": 1024},
+                                                  {"fps": 1.5, "max_frames": 6}))
+    config.media_kwargs.max_frames = 3
+    assert media_kwargs_of(config) == ({"min_pixels": 256, "max_pixels": 1024, "fps": 1.5, "max_frames": 3}, {
+        "min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
+        "fps": "video_preprocessor_config.json", "max_frames": "config"})

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import ml_collections
+from ml_collections import config_dict
 
 from valen_jax import losses, optim
 from valen_jax.data.vision_processor import MEDIA_DEFAULTS
@@ -114,7 +115,9 @@ def _eval() -> dict[str, Any]:
 
 def _media_kwargs() -> dict[str, Any]:
     # Passed to the media processor and saved in the checkpoint (seed 000, "Images and video").
-    return dict(MEDIA_DEFAULTS)
+    # None (unset): the base model's processor setting (config.model.init_from), or for a model
+    # trained from scratch the smoke default, both resolved at start-up (`media_kwargs_of`).
+    return {key: config_dict.placeholder(type(value)) for key, value in MEDIA_DEFAULTS.items()}
 
 
 _GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "train": _train,

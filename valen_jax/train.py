@@ -39,6 +39,7 @@ from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
 from valen_jax.data.valen_rows import QuestionSpec
+from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.evaluation.tokens import teacher_forced
 from valen_jax.evaluation.workdir import Restored
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
@@ -119,6 +120,9 @@ def run(config, workdir: str | Path) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     model_cfg = model_config(config, tokenizer)
+    # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
+    media_kwargs, media_sources = media_kwargs_of(config)
+    log.info("media_kwargs: %s", ", ".join(f"{k}={v} ({media_sources[k]})" for k, v in media_kwargs.items()))
     train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
                               config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
     log.info("train shards: %s", summary(train_set))
@@ -126,7 +130,7 @@ def run(config, workdir: str | Path) -> dict:
     mesh = sharding.make_mesh(config.mesh)
     check_batch_split(config, mesh)
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    spec = RowSpec.from_config(config, tokenizer, model_cfg)
+    spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
     if is_valen(train_set):
         qspec = QuestionSpec.from_config(config, training=True)
         dataset = build_valen_dataset(train_set, spec, qspec, global_batch=config.data.global_batch,
@@ -144,7 +148,7 @@ def run(config, workdir: str | Path) -> dict:
     meta = {
         "project_version": valen_jax.__version__,
         "model": model_cfg.to_json(),
-        "media_kwargs": config.media_kwargs.to_dict(),
+        "media_kwargs": media_kwargs, "media_kwargs_sources": media_sources,
         "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
         "shards": {"train": train_set.manifest.data},
         "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},

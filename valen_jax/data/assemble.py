@@ -19,7 +19,8 @@ import numpy as np
 from data_pipeline.shards import Example
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
 from valen_jax.data.media import MediaInfo, load_frames
-from valen_jax.data.vision_processor import ProcessedMedia, media_settings, process_frames, tokens_of
+from valen_jax.data.vision_processor import (ProcessedMedia, media_kwargs_of, media_settings, process_frames,
+                                             tokens_of)
 from valen_jax.models.config import VisionConfig
 
 
@@ -45,8 +46,9 @@ class RowSpec:
 
     @classmethod
     def from_config(cls, config, tokenizer, model_cfg, media_kwargs: Mapping | None = None) -> RowSpec:
-        """`config.data.seq_len/max_patches` with `media_kwargs` (default: `config.media_kwargs`)."""
-        media = config.media_kwargs.to_dict() if media_kwargs is None else media_kwargs
+        """`config.data.seq_len/max_patches` with `media_kwargs` (default: `config.media_kwargs` over the
+        base model's processor settings, `vision_processor.media_kwargs_of`)."""
+        media = media_kwargs_of(config)[0] if media_kwargs is None else media_kwargs
         return cls.of(config.data.seq_len, config.data.max_patches, tokenizer, model_cfg, media)
 
     @property

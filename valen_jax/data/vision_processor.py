@@ -8,17 +8,25 @@ window by window so each merge_size² run of patches merges into one text token.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from valen_jax.models.config import VisionConfig
 
-# media_kwargs keys and their defaults (the base model's processor settings when it has one).
+# media_kwargs keys and the SMOKE defaults: the settings of a model trained from scratch (the tiny
+# ViTs of configs/*.py, CPU runs on 64-pixel smoke images). A run from an HF base model takes
+# each key from the base model's own processor files instead (`resolve_media_kwargs`, seed 000:
+# "the defaults are the base model's processor settings"); a key the config sets wins over both.
 MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8}
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+SMOKE_DEFAULT = "smoke default"
 
 
 class ProcessorError(ValueError):
@@ -40,7 +48,66 @@ def media_settings(media_kwargs: Mapping) -> dict:
     unknown = set(media_kwargs) - set(MEDIA_DEFAULTS)
     if unknown:
         raise ProcessorError(f"media_kwargs: unknown keys {sorted(unknown)}; known: {sorted(MEDIA_DEFAULTS)}")
+    unset = sorted(key for key, value in media_kwargs.items() if value is None)
+    if unset:
+        raise ProcessorError(f"media_kwargs: {', '.join(unset)} not resolved (None); resolve_media_kwargs "
+                             "fills them from the base model's processor or the smoke defaults")
     return {**MEDIA_DEFAULTS, **dict(media_kwargs)}
+
+
+def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str]]:
+    """The media_kwargs an HF checkpoint's processor files state, each with the file it came from.
+
+    `preprocessor_config.json` (images) gives the pixel bounds: `min_pixels`/`max_pixels`, or
+    `size.shortest_edge`/`size.longest_edge`, which Qwen2-VL-family processors define as the same
+    pixel AREAS. `video_preprocessor_config.json` gives `fps` and `max_frames` (and the pixel
+    bounds when the image file has none: this processor has one pixel budget for both).
+    Keys neither file states are absent from the result."""
+    directory = Path(directory)
+    found: dict[str, tuple[object, str]] = {}
+    for name in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ProcessorError(f"{path}: not a JSON processor config ({error})") from None
+        size = data.get("size") if isinstance(data.get("size"), dict) else {}
+        stated = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
+                  "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
+        if name == VIDEO_PROCESSOR_FILE:
+            stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"))
+        for key, value in stated.items():
+            if value is None or key in found:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ProcessorError(f"{path}: {key} must be a positive number, got {value!r}")
+            found[key] = (float(value) if key == "fps" else int(value), name)
+    return found
+
+
+def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | None) -> tuple[dict, dict[str, str]]:
+    """Every media_kwargs key with where its value came from ("config", a processor file of the base
+    model, or SMOKE_DEFAULT). A value set in the config (not None) wins; then, with a base model, its
+    processor files; the smoke default fills what a model trained from scratch, or a base model
+    without those settings (e.g. a text model), leaves open: the sources say which, and the run logs them."""
+    unknown = set(config_values) - set(MEDIA_DEFAULTS)
+    if unknown:
+        raise ProcessorError(f"media_kwargs: unknown keys {sorted(unknown)}; known: {sorted(MEDIA_DEFAULTS)}")
+    stated = processor_media_kwargs(base_model_dir) if base_model_dir is not None else {}
+    values, sources = {}, {}
+    for key, default in MEDIA_DEFAULTS.items():
+        if config_values.get(key) is not None:
+            values[key], sources[key] = config_values[key], "config"
+        elif key in stated:
+            values[key], sources[key] = stated[key]
+        else:
+            values[key], sources[key] = default, SMOKE_DEFAULT
+    if values["min_pixels"] > values["max_pixels"]:
+        raise ProcessorError(f"media_kwargs: min_pixels={values['min_pixels']} ({sources['min_pixels']}) exceeds "
+                             f"max_pixels={values['max_pixels']} ({sources['max_pixels']})")
+    return values, sources
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -82,3 +149,14 @@ def process_frames(frames: list[Image.Image], vision: VisionConfig, media_kwargs
 def tokens_of(media: ProcessedMedia, vision: VisionConfig) -> int:
     """Text tokens the media fills after the merger."""
     return media.num_tokens // (vision.merge_size ** 2)
+
+
+def media_kwargs_of(config) -> tuple[dict, dict[str, str]]:
+    """`resolve_media_kwargs` for a training config: `config.media_kwargs` over the processor
+    settings of `config.model.init_from` (a directory or hub name), when the run starts from one."""
+    base = None
+    if config.model.init_from:
+        from valen_jax.models import hf  # only runs from a base model need the checkpoint resolver
+
+        base = hf.resolve(config.model.init_from)
+    return resolve_media_kwargs(config.media_kwargs.to_dict(), base)
