@@ -30,6 +30,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.formats.registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.evaluation import registry
 from valen_jax.evaluation import workdir as eval_workdir
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--data", required=True, help="JSONL, recipe or shard directory")
     parser.add_argument("--output", required=True, help="report.json to write")
-    parser.add_argument("--format", default=None, choices=sorted(eval_workdir.DATA_FORMATS),
+    parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
                         help="Valen sequence mode (default: the checkpoint's data.valen_mode)")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.formats.registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--data", required=True, help="Valen JSONL or shard directory")
     parser.add_argument("--output", required=True, help="answers.jsonl to write")
-    parser.add_argument("--format", default=None, choices=sorted(eval_workdir.DATA_FORMATS),
+    parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
                         help="sequence mode (default: the checkpoint's data.valen_mode)")

@@ -1,10 +1,10 @@
-"""The one table of evaluators, keyed by example kind (the `format` a shard manifest records).
+"""The one table of evaluators, keyed by the family of records the data holds (the `family` of its
+format in `data_pipeline.formats.registry`: `vflash` for both vflash and recipe shards).
 
-Each kind's module defines `evaluate(restored, examples, options) -> dict` (its part of the report)
-and `summary(report) -> str` (the line the CLI prints); `evaluate.run` and `evaluate.summary` look
-the kind up here instead of branching on it. Adding a kind adds one row. The keys are the Example
-formats `data_pipeline` writes; when its format registry names the evaluation kind of each format,
-`evaluator_for` becomes a lookup through it.
+Each family's module defines `evaluate(restored, examples, options) -> dict` (its part of the
+report) and `summary(report) -> str` (the line the CLI prints); `evaluate.run` and
+`evaluate.summary` look the family up here instead of branching on it. Adding an evaluated family
+adds one row; a family without a row (prepared token rows) is refused with the list of those with one.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ EVALUATORS: dict[str, Evaluator] = {
 }
 
 
-def evaluator_for(kind: str, where: str = "data") -> Evaluator:
-    """The evaluator of Examples of `kind`; `where` (the data path) goes into the error."""
+def evaluator_for(family: str, where: str = "data") -> Evaluator:
+    """The evaluator of `family` records; `where` (the data path) goes into the error."""
     try:
-        return EVALUATORS[kind]
+        return EVALUATORS[family]
     except KeyError:
-        raise ValueError(f"{where}: no evaluation defined for {kind!r} data; evaluated kinds: "
+        raise ValueError(f"{where}: no evaluation defined for {family!r} data; evaluated: "
                          f"{', '.join(sorted(EVALUATORS))}") from None

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from data_pipeline.formats.registry import FORMATS
 from data_pipeline.shards import Example
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import RowSpec
@@ -23,11 +24,6 @@ from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
 
 log = logging.getLogger(__name__)
-
-# Converter formats of `--format` → the Example format their shards hold.
-DATA_FORMATS = {"valen": "valen", "vflash": "vflash", "recipe": "vflash", "chat": "chat", "vakforge": "vakforge",
-                "prepared": "prepared"}
-
 
 @dataclass
 class Restored:
@@ -113,8 +109,8 @@ def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:
     eval format only; another format converts with its defaults."""
     data_cfg = restored.config.data
     chosen = fmt or data_cfg.eval_format
-    if chosen not in DATA_FORMATS:
-        raise ValueError(f"--format={chosen!r}; choose one of {', '.join(DATA_FORMATS)}")
+    if chosen not in FORMATS:
+        raise ValueError(f"--format={chosen!r}; choose one of {', '.join(FORMATS)}")
     options = dict(data_cfg.eval_options.to_dict()) if chosen == data_cfg.eval_format else {}
     return chosen, options
 
@@ -122,7 +118,9 @@ def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:
 def load_examples(fmt: str, data: str | Path, workdir: Path, tokenizer_path: str | Path,
                   fingerprint: dict[str, str], options: dict | None, limit: int | None = None
                   ) -> tuple[list[Example], str, int]:
-    """(the first `limit` Examples of `data` in data order, their format, how many the data holds).
+    """(the first `limit` Examples of `data` in data order, the family of records they hold, how many
+    the data holds). The family is the format registry's (`data_pipeline.formats.registry`: recipe
+    shards hold VFlash records); evaluators are found by it.
 
     `data` is a JSONL/recipe file (converted once into `WORKDIR/eval_shards/`) or a shard directory.
     """
@@ -132,7 +130,7 @@ def load_examples(fmt: str, data: str | Path, workdir: Path, tokenizer_path: str
     count = available if limit is None else min(available, int(limit))
     source = shard_set.source()
     examples = [Example.from_bytes(source[i]) for i in range(count)]
-    return examples, shard_set.manifest.data["format"], available
+    return examples, FORMATS[shard_set.manifest.data["format"]].family, available
 
 
 def stack(rows: list[dict], size: int) -> dict[str, np.ndarray]:
