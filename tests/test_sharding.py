@@ -45,6 +45,8 @@ batch = sharding.global_batch({"t": tokens, "p": positions, "s": segments, "pa":
 with jax.set_mesh(mesh):
     sharded = jax.jit(forward)(params, batch["t"], batch["p"], batch["s"], batch["pa"], batch["pp"], batch["ps"])
 print(json.dumps({"specs": specs, "replicated_big": replicated_big,
+                  "rows_per_device": sorted({s.data.shape[0] for s in batch["t"].addressable_shards}),
+                  "embed_per_device": sorted({s.data.shape for s in params["embed"].addressable_shards}),
                   "max_diff": float(jnp.max(jnp.abs(np.asarray(sharded) - np.asarray(reference))))}))
 """
 
@@ -62,6 +64,10 @@ def test_parameters_follow_the_rules_and_outputs_match_unsharded():
     assert specs["layers/0/attn/o"] == "P('tensor', None, 'fsdp')"
     assert specs["layers/0/attn_norm/scale"] == "P(None,)"
     assert report["replicated_big"] == []
+    # What the rules produce: the batch split over data × fsdp (8 rows, 2 per device), the embedding
+    # table split by tensor (vocab) and fsdp (embed), never whole on a device.
+    assert report["rows_per_device"] == [2]
+    assert report["embed_per_device"] == [[128, 32]]
     assert report["max_diff"] < 1e-4
 
 
@@ -75,7 +81,9 @@ def test_mesh_shape_resolves_the_rest_and_refuses_impossible_meshes():
         mesh_shape({"data": -1, "fsdp": 3, "tensor": 1}, 8)
 
 
-def test_logical_names_map_through_one_table():
-    assert str(logical_to_spec(("batch", "length", "act_embed"))) == "P(('data', 'fsdp'), None, None)"
+def test_a_mesh_axis_shards_one_dimension_only_and_an_unknown_name_is_an_error():
+    # `embed` twice (a square weight): the second would reuse fsdp, which JAX refuses; it stays whole.
+    assert logical_to_spec(("embed", "embed")) == logical_to_spec(("embed", None))
+    assert logical_to_spec(("embed", "embed"))[1] is None
     with pytest.raises(ShardingError, match="no rule"):
         logical_to_spec(("nonsense",))

@@ -6,11 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
+from tests import waiting
 from tests.train_runs import ROOT, env_with_devices, metrics, run_train, train_command
 
 pytestmark = pytest.mark.slow
@@ -88,13 +88,9 @@ def test_rerunning_the_command_resumes_at_the_same_step_and_data_position(tmp_pa
     workdir = tmp_path / "resumed"
     process = subprocess.Popen(train_command(TINY, workdir, *steps), cwd=ROOT, env=env_with_devices(1),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and process.poll() is None:
-        if (workdir / "metrics.jsonl").exists() and len(metrics(workdir)) >= 3:
-            process.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
-    out, err = process.communicate(timeout=240)
+    if waiting.until(lambda: (workdir / "metrics.jsonl").exists() and len(metrics(workdir)) >= 3, process):
+        process.send_signal(signal.SIGTERM)
+    out, err = process.communicate()
     assert process.returncode == 0, err[-4000:]
     stopped_at = metrics(workdir)[-1]["step"]
     assert 3 <= stopped_at < 8, "the run ended before it could be preempted"

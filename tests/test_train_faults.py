@@ -10,12 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import waiting
 from tests.train_runs import ROOT, env_with_devices, metrics, run_train, train_command
 
 pytestmark = pytest.mark.slow
@@ -61,16 +61,9 @@ def start(workdir: Path, *overrides: str, devices: int = 1, hold_write_of: int |
     return process, workdir.parent / f"{workdir.name}.log"
 
 
-def wait_for(condition, process, timeout: float = 300.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if condition():
-            return
-        if process.poll() is not None:
-            raise AssertionError("the run ended before the fault could be injected")
-        time.sleep(0.05)
-    process.kill()
-    raise AssertionError("timed out waiting to inject the fault")
+def wait_for(condition, process) -> None:
+    if not waiting.until(condition, process):
+        raise AssertionError("the run ended before the fault could be injected")
 
 
 def logged_steps(workdir: Path) -> int:
