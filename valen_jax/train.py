@@ -35,6 +35,7 @@ from valen_jax import checkpoint, distributed, evaluate, sharding
 from valen_jax.config_schema import check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec, batch_shapes_of
 from valen_jax.data.packing import PackingSpec
+from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
@@ -115,6 +116,7 @@ class PeriodicEval:
 
 def run(config, workdir: str | Path) -> dict:
     validate_config(config)
+    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
