@@ -2,22 +2,40 @@
 
 Never a traceback of another kind: deep nesting, 10k-digit integers, NaN, truncated lines, invalid
 UTF-8, lone surrogates and swapped types must all come back as `PATH:LINE: FIELD: message` problems
-that can be printed. Adding a format is one line in READERS.
+that can be printed. Adding a JSON/JSONL format is one line in READERS; prepared token rows (a
+zip or directory of Parquet files under a JSON descriptor) have their own tests below.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data_pipeline.formats.chat import read_chat
 from data_pipeline.formats.errors import FormatError
+from data_pipeline.formats.prepared import (
+    DESCRIPTOR_NAME,
+    PreparedDescriptor,
+    PreparedFile,
+    read_prepared,
+    write_prepared_zip,
+)
+from data_pipeline.formats.prepared_load import read_prepared_rows
+from data_pipeline.formats.prepared_rows import scan_rows
 from data_pipeline.formats.recipe import read_recipe
+from data_pipeline.formats.vakforge import read_vakforge
+from data_pipeline.formats.vakforge_items import read_vakforge_items
 from data_pipeline.formats.valen import read_valen
 from data_pipeline.formats.valen_check import RecordCheck, plain_counts
 from data_pipeline.formats.valen_state import MediaFiles
@@ -32,6 +50,10 @@ READERS: list[tuple[str, Callable[[Path], object], Path]] = [
     ("valen", read_valen, SMOKE / "valen" / "train.jsonl"),
     ("vflash", read_vflash, SMOKE / "vflash" / "boxes.jsonl"),
     ("recipe", read_recipe, SMOKE / "vflash" / "recipe.json"),
+    ("chat", read_chat, SMOKE / "chat" / "train.jsonl"),
+    # splits.json and the audio files next to the manifest are read too.
+    ("vakforge", read_vakforge, SMOKE / "vakforge" / "vakforge.jsonl"),
+    ("vakforge_items", read_vakforge_items, SMOKE / "vakforge" / "vakforge.jsonl"),
 ]
 
 # A deeper hunt: FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz_readers.py
@@ -187,3 +209,105 @@ def test_valen_fast_path_is_a_subset_of_the_explaining_path(data):
     if counts is not None:
         assert check.problems == [] and checked is not None
         assert (checked.questions, checked.labeled) == counts
+
+
+# -- Prepared token rows: the zip, its descriptor, and the Parquet files it lists --------------------
+
+PREPARED_READERS = [("read_prepared", read_prepared), ("read_prepared_rows", read_prepared_rows)]
+PARQUET_NAMES = ("train.parquet", "more/rows.parquet")
+
+
+def read_prepared_only_format_errors(path: Path) -> None:
+    for _, reader in PREPARED_READERS:
+        read_only_format_errors(reader, path)
+
+
+@pytest.fixture(scope="module")
+def prepared_seed(tmp_path_factory) -> dict[str, bytes]:
+    """A valid prepared version as {member name: bytes}: two Parquet files and prepared.json."""
+    folder = tmp_path_factory.mktemp("prepared_seed")
+    tables = [([[5, 6, 7, 8], [9, 10, 11]], [[0, 0, 1, 1], [0, 1, 1]]), ([[1, 2]], [[0, 1]])]
+    files = []
+    for name, (ids, masks) in zip(PARQUET_NAMES, tables, strict=True):
+        path = folder / name.replace("/", "_")
+        pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())),
+                                 "loss_mask": pa.array(masks, pa.list_(pa.int8()))}), path)
+        files.append(path)
+    entries = []
+    for name, path in zip(PARQUET_NAMES, files, strict=True):
+        stats, problems = scan_rows(path, str(path))
+        assert not problems
+        entries.append(PreparedFile(name, hashlib.sha256(path.read_bytes()).hexdigest(), stats))
+    descriptor = PreparedDescriptor("org/model", "e" * 40, "a" * 64, "b" * 64, tuple(entries))
+    write_prepared_zip(descriptor, files, folder / "seed.zip")
+    with zipfile.ZipFile(folder / "seed.zip") as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    read_prepared(folder / "seed.zip")  # the seed itself is valid
+    return members
+
+
+def write_prepared_dir(folder: Path, members: dict[str, bytes]) -> Path:
+    """A prepared directory holding exactly `members` (a directory must list every file it holds)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for name, data in members.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def byte_edit(data, raw: bytes, label: str) -> bytes:
+    edit = data.draw(st.sampled_from(["truncate", "insert", "flip"]), label=f"{label} edit")
+    at = data.draw(st.integers(0, max(len(raw) - 1, 0)), label=f"{label} at")
+    if edit == "truncate":
+        return raw[:at]
+    if edit == "insert":
+        return raw[:at] + data.draw(st.binary(min_size=1, max_size=8), label=f"{label} bytes") + raw[at:]
+    flipped = bytes(b ^ data.draw(st.integers(1, 255), label=f"{label} mask") for b in raw[at:at + 4])
+    return raw[:at] + flipped + raw[at + 4:]
+
+
+@FUZZ
+@given(data=st.binary(max_size=600))
+def test_prepared_arbitrary_bytes_as_the_zip(tmp_path_factory, data):
+    path = tmp_path_factory.getbasetemp() / "fuzz_prepared.zip"
+    path.write_bytes(data)
+    read_prepared_only_format_errors(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_prepared_mutated_descriptor(tmp_path_factory, prepared_seed, data):
+    doc = json.loads(prepared_seed[DESCRIPTOR_NAME])
+    path_in_doc = data.draw(st.sampled_from(paths_of(doc)), label="path")
+    action = data.draw(st.sampled_from(["drop", "replace"] if path_in_doc else ["replace"]), label="action")
+    doc = mutate(doc, path_in_doc, action, data.draw(json_value, label="new value"))
+    raw = dump(doc, data.draw(st.booleans(), label="ascii"), data.draw(st.sampled_from([3, 900, 100_000])))
+    raw = raw.encode("utf-8", "surrogatepass")
+    if data.draw(st.booleans(), label="byte edit"):
+        raw = byte_edit(data, raw, "descriptor")
+    members = {**prepared_seed, DESCRIPTOR_NAME: raw}
+    folder = write_prepared_dir(tmp_path_factory.getbasetemp() / "fuzz_prepared_descriptor", members)
+    read_prepared_only_format_errors(folder)
+
+
+@FUZZ
+@given(data=st.data())
+def test_prepared_mutated_parquet_with_a_matching_digest(tmp_path_factory, prepared_seed, data):
+    # The descriptor states the damaged file's SHA-256, so the damage reaches the Parquet reader.
+    name = data.draw(st.sampled_from(PARQUET_NAMES), label="file")
+    damaged = byte_edit(data, prepared_seed[name], "parquet")
+    doc = json.loads(prepared_seed[DESCRIPTOR_NAME])
+    for entry in doc["files"]:
+        if entry["path"] == name:
+            entry["sha256"] = hashlib.sha256(damaged).hexdigest()
+    members = {**prepared_seed, name: damaged, DESCRIPTOR_NAME: json.dumps(doc).encode()}
+    as_zip = data.draw(st.booleans(), label="zip")
+    folder = write_prepared_dir(tmp_path_factory.getbasetemp() / "fuzz_prepared_parquet", members)
+    if as_zip:
+        path = folder.with_suffix(".zip")
+        with zipfile.ZipFile(path, "w") as zf:
+            for member, raw in members.items():
+                zf.writestr(member, raw)
+        read_prepared_only_format_errors(path)
+    else:
+        read_prepared_only_format_errors(folder)

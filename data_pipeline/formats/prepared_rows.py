@@ -52,9 +52,10 @@ def scan_rows(
     problems: list[Problem] = []
     try:
         parquet = pq.ParquetFile(file)
-    except (pa.ArrowException, OSError) as err:
+        schema = parquet.schema_arrow
+    # A damaged footer can also hold column names that are not UTF-8 (UnicodeDecodeError, a ValueError).
+    except (pa.ArrowException, OSError, ValueError) as err:
         return None, [Problem(source, 0, FILE_FIELD, f"not a readable Parquet file: {err}")]
-    schema = parquet.schema_arrow
     for name in COLUMNS:
         if name not in schema.names:
             problems.append(
@@ -85,7 +86,7 @@ def scan_rows(
                 if found <= MAX_PROBLEMS_PER_FILE:
                     problems.append(Problem(source, rows + row + 1, field, message))
             rows += batch.num_rows
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, ValueError) as err:
         return None, [*problems, Problem(source, 0, FILE_FIELD, f"cannot read rows: {err}")]
     if found > MAX_PROBLEMS_PER_FILE:
         problems.append(
