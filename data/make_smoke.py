@@ -20,7 +20,9 @@ Geometry conventions of the synthetic scenes (what the labels are computed from)
 * Pixel coordinates are continuous, with the image spanning [0, W] x [0, H]; an object drawn on
   pixel columns l..r-1 and rows t..b-1 has the box (l, t, r, b) and the centre ((l+r)/2, (t+b)/2).
 * Image coordinates are quantised as `quantise(x, 0, W)` / `quantise(y, 0, H)`: linear to
-  0..1000 with half-up rounding (`round_half_up`), e.g. x = 8 px of 128 -> 62.5 -> <63>.
+  0..1000 with half-up rounding, e.g. x = 8 px of 128 -> 62.5 -> <63>. `quantise` is the library's
+  (`valen_jax.primitives`), so the labels round every written half (-4.995 m) the way training
+  and evaluation read them back; `round_half_up` here only places drawn pixels.
 * Robot 3D points are in the camera frame (x right, y down, z forward, metres) and drawn with a
   pinhole camera (f = 80 px, principal point at the image centre); x and y are quantised over
   [-5, 5] m and z over [0, 10] m. Driving waypoints are in the ego frame (x forward over
@@ -44,7 +46,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-NUMBER_MAX = 1000
+from valen_jax.primitives import quantise
+
 IMAGE_SIZE = 128
 VALEN_VIDEO_SIZE = 64
 FOCAL_PX = 80.0
@@ -75,19 +78,6 @@ ATOMIC_DECODING = "atomic_decoding"
 def round_half_up(x: float | int | Fraction) -> int:
     """Round to the nearest integer, ties upward (0.5 -> 1, 2.5 -> 3, -0.5 -> 0), exactly."""
     return math.floor(Fraction(x) + Fraction(1, 2))
-
-
-def quantise(value: float, lo: float, hi: float, n: int = NUMBER_MAX) -> int:
-    """Map `value` in [lo, hi] linearly to 0..n with half-up rounding; clamps out-of-range values.
-
-    The arithmetic is exact (on the binary values of the floats), so a tie such as
-    x = 8 px of a 128 px image (62.5) rounds up to 63 and never down by float error.
-    """
-    lo_f, hi_f = Fraction(lo), Fraction(hi)
-    if not hi_f > lo_f:
-        raise ValueError(f"empty range [{lo}, {hi}]")
-    k = round_half_up((Fraction(value) - lo_f) * n / (hi_f - lo_f))
-    return min(max(k, 0), n)
 
 
 def num(k: int) -> str:

@@ -70,6 +70,9 @@ def test_quantise_half_up_and_edges():
     assert q(-math.pi, -math.pi, math.pi) == 0 and q(math.pi, -math.pi, math.pi) == 1000
     assert q(-10, -10, 250) == 0 and q(250, -10, 250) == 1000
     assert q(-1, 0, 1) == 0 and q(2, 0, 1) == 1000  # clamped
+    # A written half that is a hair below it in binary: half-up as written, the way training and
+    # evaluation read tokens back (one quantiser: a copy rounding the binary value would give 0).
+    assert q(-4.995, -5, 5) == 1 and q(-4.985, -5, 5) == 2
     with pytest.raises(ValueError):
         q(0.5, 1, 1)
 
