@@ -43,7 +43,7 @@ from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from valen_jax import sharding  # noqa: E402
 from valen_jax.data.assemble import RowSpec, batch_shapes_of  # noqa: E402
 from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of  # noqa: E402
-from valen_jax.data.pipeline import build_dataset  # noqa: E402
+from valen_jax.data.pipeline import TokenAssembly, build_dataset  # noqa: E402
 from valen_jax.data.sources import ShardSet, decode, sampling_indices  # noqa: E402
 from valen_jax.models.build import initial_params, model_config  # noqa: E402
 from valen_jax.step import StepOptions, TrainLayout, make_train_step  # noqa: E402
@@ -64,7 +64,7 @@ def parse_args():
 
 def measure_loader(shard_set, spec, config, packing: PackingSpec, workers: int, batches: int):
     dataset = build_dataset(shard_set, spec, global_batch=config.data.global_batch, seed=0, shuffle=True,
-                            repeat=True, workers=workers, packing=packing)
+                            repeat=True, workers=workers, assembly=TokenAssembly(packing))
     started = time.perf_counter()
     iterator = iter(dataset)
     kept = [next(iterator)]

@@ -15,7 +15,7 @@ from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec, packing_statistics
-from valen_jax.data.pipeline import build_dataset, example_refs
+from valen_jax.data.pipeline import TokenAssembly, build_dataset, example_refs
 from valen_jax.data.sources import ShardSet, log_length_mismatches, mixture_of, sampling_indices
 from valen_jax.models.config import ModelConfig, VisionConfig
 
@@ -43,7 +43,7 @@ def setup(tmp_path_factory):
 def _dataset(setup, workers: int):
     recipe, drive, spec = setup
     return build_dataset([(recipe, 3.0), (drive, 1.0)], spec, global_batch=2, seed=4, shuffle=True, repeat=True,
-                         workers=workers, packing=BEST_FIT)
+                         workers=workers, assembly=TokenAssembly(BEST_FIT))
 
 
 @pytest.fixture(scope="module")

@@ -33,13 +33,13 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import load_tokenizer
 from valen_jax import checkpoint, distributed, evaluate, sharding
 from valen_jax.config_schema import check_batch_split, validate_config
-from valen_jax.data.assemble import RowSpec, batch_shapes_of
+from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec
 from valen_jax.data.prepared_checks import check_prepared_run
-from valen_jax.data.pipeline import build_dataset
+from valen_jax.data.pipeline import TokenAssembly, build_dataset
 from valen_jax.data.shard_cache import ensure_shards, summary
-from valen_jax.data.valen_pipeline import build_valen_dataset, is_valen, valen_batch_shapes
-from valen_jax.data.valen_rows import QuestionSpec
+from valen_jax.data.valen_fit import check_training_set
+from valen_jax.data.valen_rows import ValenAssembly, is_valen
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.evaluation.tokens import teacher_forced
 from valen_jax.evaluation.workdir import Restored
@@ -134,17 +134,15 @@ def run(config, workdir: str | Path) -> dict:
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
     if is_valen(train_set):
-        qspec = QuestionSpec.from_config(config, training=True)
-        dataset = build_valen_dataset(train_set, spec, qspec, global_batch=config.data.global_batch,
-                                      seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
-                                      workers=config.data.workers)
-        batch_shapes = valen_batch_shapes(spec, qspec, config.data.global_batch)
+        assembly = ValenAssembly.from_config(config, training=True)
+        # Every record against the row limits once, before the step compiles: one report, not one stop per limit.
+        check_training_set(train_set, spec, assembly.qspec, assembly.overlong)
     else:
-        dataset = build_dataset(train_set, spec, global_batch=config.data.global_batch, seed=config.train.seed,
-                                shuffle=config.data.shuffle, repeat=True, workers=config.data.workers,
-                                packing=PackingSpec.from_config(config), training=True,
-                                media_log_dir=workdir)
-        batch_shapes = batch_shapes_of(spec, config.data.global_batch)
+        assembly = TokenAssembly(PackingSpec.from_config(config))
+    dataset = build_dataset(train_set, spec, assembly, global_batch=config.data.global_batch, seed=config.train.seed,
+                            shuffle=config.data.shuffle, repeat=True, workers=config.data.workers, training=True,
+                            media_log_dir=workdir)
+    batch_shapes = assembly.batch_shapes(spec, config.data.global_batch)
     iterator = iter(dataset)
 
     meta = {

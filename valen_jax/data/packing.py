@@ -37,6 +37,7 @@ import grain
 import numpy as np
 
 from data_pipeline.shards import Example
+from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import AssemblyError, RowSpec, expand_media_slots
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,10 @@ class PackingSpec:
     @classmethod
     def from_config(cls, config) -> PackingSpec:
         data = config.data
-        return cls(data.packing, int(data.max_segments), data.overlong, int(data.pack_buffer))
+        try:
+            return cls(data.packing, int(data.max_segments), data.overlong, int(data.pack_buffer))
+        except ValueError as error:  # the message names the data.* key; at start-up it is a config error
+            raise ConfigError(f"config.{error}") from None
 
     @property
     def segments_per_row(self) -> int:
