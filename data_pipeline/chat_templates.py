@@ -142,6 +142,10 @@ TRAINING_TEMPLATES: dict[str, str] = {"chatml": CHATML, "llama3": LLAMA3}
 # The token that closes an assistant turn, per family: the one that must end every trained span.
 END_OF_TURN: dict[str, str] = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
+# The token that opens every turn, per family: rendering can encode the text turn by turn, cut just
+# before it (render.common.ChatTemplater), and a system turn listing the same tools is encoded once.
+TURN_START: dict[str, str] = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>"}
+
 # Tokens each family's template writes, which must each be one token of the tokenizer.
 FAMILY_TOKENS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_start|>", "<|im_end|>"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from data_pipeline import vocabulary
@@ -22,7 +22,7 @@ from data_pipeline.chat_templates import CHATML, LLAMA3, template_family
 from data_pipeline.conversion import convert
 from data_pipeline.formats.chat import read_chat
 from data_pipeline.render.chat import ChatRenderer
-from data_pipeline.render.common import RenderError, control_tokens, mask_runs, render_chat
+from data_pipeline.render.common import ChatTemplater, RenderError, control_tokens, mask_runs, render_chat
 from data_pipeline.shards import Manifest, read_shard
 from data_pipeline.tokenizer import TokenizerError, end_of_turn_id, ensure_training_template, load_tokenizer
 from tests.train_runs import ROOT
@@ -331,6 +331,60 @@ def test_llama3_refuses_two_calls_in_one_message(tmp_path):
     tok = load_tokenizer(llama_tokenizer(tmp_path / "llama"), template_family="llama3")
     with pytest.raises(RenderError, match="one tool call per assistant message, got 2"):
         render(tok, tmp_path, tool_row(call("call_1"), call("call_2")))
+
+
+# -- the conversion-speed templater ----------------------------------------------------------------
+
+
+def assert_same_as_apply_chat_template(tok, rows):
+    templater = ChatTemplater(tok)  # one for all rows, so repeated system turns come from its cache
+    for row in rows:
+        chat = templater(row["messages"], row.get("tools"))
+        expected = tok.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=True,
+                                           return_dict=True, return_assistant_tokens_mask=True)
+        assert chat.input_ids.tolist() == expected["input_ids"]
+        assert chat.assistant_mask.astype(int).tolist() == expected["assistant_masks"]
+        assert tok.decode(chat.input_ids.tolist(), skip_special_tokens=False) == chat.text
+
+
+def smoke_and_tool_rows():
+    smoke = [json.loads(line) for line in (ROOT / "data/smoke/chat/train.jsonl").read_text().splitlines()]
+    other = {"type": "function", "function": {"name": "stock_price", "description": "Price of a ticker",
+                                              "parameters": {"type": "object", "properties": {"t": {"type": "string"}}}}}
+    varied = [{**tool_row(), "tools": tools} for tools in ([WEATHER], [other, WEATHER], [WEATHER, other])]
+    return smoke + varied * 2 + [PLAIN, tool_row(call("call_1"), call("call_2", {"a": "<3> é"}))]
+
+
+def test_templater_gives_apply_chat_template_ids_and_masks(tokenizer):
+    """Turn-by-turn encoding with a cache of repeated turns changes nothing (ChatTemplater)."""
+    assert ChatTemplater(tokenizer)._turn_start == "<|im_start|>"
+    assert_same_as_apply_chat_template(tokenizer, smoke_and_tool_rows())
+
+
+def test_templater_encodes_whole_texts_when_the_turn_token_cannot_be_cut_before(tmp_path):
+    tok = load_tokenizer(llama_tokenizer(tmp_path / "llama"), template_family="llama3")
+    rows = [tool_row(), PLAIN, tool_row()]
+    assert ChatTemplater(tok)._turn_start == "<|start_header_id|>"
+    assert_same_as_apply_chat_template(tok, rows)
+    # lstrip: the token would take the whitespace before it, which a cut just before it would not see.
+    tok.add_special_tokens({"additional_special_tokens": [
+        AddedToken("<|start_header_id|>", lstrip=True, normalized=False, special=True)]},
+        replace_extra_special_tokens=False)
+    assert ChatTemplater(tok)._turn_start is None
+    assert_same_as_apply_chat_template(tok, rows)
+
+
+def test_smoke_chat_conversion_keeps_its_bytes(tmp_path, monkeypatch):
+    """The shard bytes of the smoke chat set, recorded before conversion was made fast (issue 12).
+
+    A deliberate change of the Example layout, the template or the smoke data updates this digest in
+    the same commit; a speed change never does. Run from the repository root: Examples record the
+    source path as given.
+    """
+    monkeypatch.chdir(ROOT)
+    manifest = convert("chat", "data/smoke/chat/train.jsonl", tmp_path / "out", "data/tokenizer", progress=False)
+    assert [s["sha256"] for s in manifest.data["shards"]] == [
+        "8effbb043cd32f736ae3ab89d23a90d14ae4696d72f37fb37f54609cee03dff9"]
 
 
 # -- convert --------------------------------------------------------------------------------------

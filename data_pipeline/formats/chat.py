@@ -22,6 +22,8 @@ Decisions where the seed leaves room:
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -186,11 +188,9 @@ class _Line(LineProblems):
         if not isinstance(schema, dict):
             self.problem(field, "must be a JSON Schema object")
             return
-        try:
-            validator_for(schema).check_schema(schema)
-        except SchemaError as err:
-            where = "/".join(str(p) for p in err.path)
-            self.problem(field, f"not a valid JSON Schema{' at ' + where if where else ''}: {err.message}")
+        problem = _schema_problem(json.dumps(schema))
+        if problem is not None:
+            self.problem(field, problem)
 
     def message(self, field: str, msg: object) -> ChatMessage | None:
         if not isinstance(msg, dict):
@@ -398,6 +398,22 @@ class _Line(LineProblems):
                     f"messages[{caller}].tool_calls[{k}]",
                     f"call {describe(call.id)} ({describe(call.name)}) is answered by no following tool message",
                 )
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_problem(text: str) -> str | None:
+    """Why the JSON Schema `text` is invalid, or None.
+
+    Keyed by the schema's JSON text: rows repeat the same few tool schemas, and checking one against
+    the meta-schema costs milliseconds (most of reading a tool-calling file before this cache).
+    """
+    schema = json.loads(text)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as err:
+        where = "/".join(str(p) for p in err.path)
+        return f"not a valid JSON Schema{' at ' + where if where else ''}: {err.message}"
+    return None
 
 
 def _a(role: str) -> str:
