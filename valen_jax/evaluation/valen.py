@@ -25,7 +25,7 @@ from flax import nnx
 
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.data.valen_rows import MODES, QuestionSpec, valen_row
+from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, valen_row
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
@@ -126,12 +126,28 @@ def answer_line(example: Example, probs: list[np.ndarray]) -> dict:
     return {"group_id": meta["group_id"], "record_id": meta.get("record_id"), "answers": answers}
 
 
+def add_unlabeled_record(stats: ValenStats, example: Example) -> None:
+    """A record without any label: its questions count as unlabeled, and it is never scored, so its
+    media is never read (seed 000: "If a record has no labels at all, its media is never read")."""
+    meta, owner = example.meta, example.arrays["candidate_question"]
+    breakdown = {key: meta.get(key) for key in BREAKDOWN}
+    for q, qtype in enumerate(meta["question_types"]):
+        k = int((owner == q).sum())
+        # ValenStats reads no probabilities of an unlabeled question; uniform ones pass its checks.
+        stats.add(qtype, np.full(k, 1.0 / k), None, False, breakdown)
+
+
 def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
-    """The report's Valen part: per-question metrics in `options.mode` (None: the checkpoint's)."""
-    qspec = question_spec(restored.config, options.mode, examples)
+    """The report's Valen part: per-question metrics in `options.mode` (None: the checkpoint's).
+    Records without labels add nothing to a metric, so they are counted, not scored."""
+    labeled = [e for e in examples if has_labels(e)]
+    unlabeled = [e for e in examples if not has_labels(e)]
+    qspec = question_spec(restored.config, options.mode, labeled or examples)
     stats = ValenStats()
-    for i, probs in score_records(restored, examples, qspec, options.batch_size):
-        add_record(stats, examples[i], probs)
+    for i, probs in score_records(restored, labeled, qspec, options.batch_size) if labeled else ():
+        add_record(stats, labeled[i], probs)
+    for i in hosts.local_indices(len(unlabeled)):  # each host its share, as for scored records
+        add_unlabeled_record(stats, unlabeled[i])
     metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]
     return {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
