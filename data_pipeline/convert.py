@@ -79,10 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", help="vakforge: convert only this split of splits.json (all)")
     parser.add_argument("--overlap", choices=OVERLAP_POLICIES, help="vakforge: overlapping turns (merge)")
     parser.add_argument("--max-seq-length", type=int, help="prepared: refuse rows longer than this (unchecked)")
+    parser.add_argument("--dense-scale", type=float,
+                        help="vflash: the file's dense-motion scale s in metres (a recipe states it per entry)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {"assistant_turns": args.assistant_turns, "split": args.split, "overlap": args.overlap,
-               "max_seq_length": args.max_seq_length}
+               "max_seq_length": args.max_seq_length, "dense_scale": args.dense_scale}
     try:
         if args.runner == "beam":
             manifest = _convert_beam(args, options)

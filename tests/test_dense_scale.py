@@ -63,3 +63,16 @@ def test_evaluation_refuses_dense_references_in_shards_without_a_scale(renderer,
         dense_scale(example)
     (record,) = read_vflash(_write(tmp_path, "<point><1><2></point>"))
     assert "dense_scale" not in renderer.render(record, "p").meta
+
+
+def test_convert_takes_the_scale_of_a_plain_file_as_a_format_option(tmp_path):
+    from data_pipeline.conversion import convert
+    from data_pipeline.shards import read_shard
+
+    path = _write(tmp_path)
+    manifest = convert("vflash", path, tmp_path / "shards", ROOT / "data/tokenizer", options={"dense_scale": 1.5})
+    assert manifest.data["options"]["dense_scale"] == 1.5
+    (example,) = [e for shard in sorted((tmp_path / "shards").glob("*.array_record")) for e in read_shard(shard)]
+    assert example.meta["dense_scale"] == 1.5
+    with pytest.raises(RenderError, match="dense_scale"):
+        convert("vflash", path, tmp_path / "none", ROOT / "data/tokenizer")

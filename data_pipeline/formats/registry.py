@@ -118,8 +118,9 @@ def _validate_vakforge(path: Path, check_media: bool, allow_unconsented: bool = 
 
 # --- conversion: input → entries of records ---
 
-def _load_vflash(path: Path) -> list[SourceEntry]:
-    return [SourceEntry(path.stem, (path,), 1.0, read_vflash(path))]
+def _load_vflash(path: Path, dense_scale: float | None) -> list[SourceEntry]:
+    # A plain file has no recipe entry to state its dense-motion scale s (seed 004): an option does.
+    return [SourceEntry(path.stem, (path,), 1.0, read_vflash(path, dense_scale=dense_scale))]
 
 
 def _load_recipe(path: Path) -> list[SourceEntry]:
@@ -168,7 +169,8 @@ def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str,
 
 FORMATS: dict[str, Format] = {
     "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer),
-    "vflash": Format(examples.TOKENS, "vflash", _validate_vflash, _load_vflash, VFlashRenderer),
+    "vflash": Format(examples.TOKENS, "vflash", _validate_vflash, _load_vflash, VFlashRenderer,
+                     load_options={"dense_scale": None}),
     "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer),
     "chat": Format(examples.TOKENS, "chat", _validate_chat, _load_chat, ChatRenderer,
                    render_options={"assistant_turns": "all"}),
