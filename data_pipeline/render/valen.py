@@ -13,6 +13,13 @@ per-epoch candidate shuffling change without reconverting):
 - `suffix_ids`: what closes the question turn (e.g. `<|im_end|>`); a branch is scored there.
 - `labels` float32 [C] (the candidate's probability; 0 when unlabeled), `labeled` bool [Q],
   `question_type` int32 [Q] (0 choice, 1 noul, 2 score), `media_{i}` bytes.
+Media of a record WITHOUT labels are embedded like any other, although training and evaluation
+never read them (seed 000: "If a record has no labels at all, its media is never read"; the
+loader drops such a record before laying it out and counts it, evaluation counts its questions
+as unlabeled without laying it out): prediction answers every question of every record (seed
+000, "Inference"), and one converted file serves all three (configs/valen.py trains and
+evaluates on the same file), so the converter cannot know the bytes will go unused. They cost
+shard space, never decoding.
 Meta keeps what evaluation reads: group_id, record_id, domain, modality, language_bucket,
 question ids, candidate keys per question, which labels are hard.
 """
