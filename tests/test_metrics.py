@@ -97,7 +97,6 @@ def _tiny():
     ("train.grad_accum_steps", 3, "grad_accum_steps"),
     ("train.param_groups", [{"pattern": "embed", "frozen": True, "lr_multiplier": 0.5}], "exactly one"),
     ("train.param_groups", [{"pattern": "embed", "lr": 0.5}], "'pattern' and one of"),
-    ("train.debug_pause_in_save_s", -1.0, "debug_pause"),
     ("loss.z_loss", -1e-4, "z_loss"),
     ("loss.loss_reduction", "mean", "state_mean"),
     ("loss.weights", {"tokens": 1.0, "branches": 0.0}, "exactly"),

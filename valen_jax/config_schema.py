@@ -84,8 +84,6 @@ def _train() -> dict[str, Any]:
         # Peak FLOP/s per device for MFU; None: from the device kind's datasheet, measured on CPU.
         # A fresh placeholder per config: a shared FieldReference would tie two configs together.
         "peak_flops": ml_collections.config_dict.placeholder(float),
-        # Test hook only: hold every checkpoint's background write open this long (fault tests).
-        "debug_pause_in_save_s": 0.0,
     }
 
 
@@ -186,8 +184,6 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(str(error)) from None
     if train.peak_flops is not None and not float(train.peak_flops) >= 0:
         raise ConfigError(f"config.train.peak_flops must be None/0 (from the device) or > 0, got {train.peak_flops}")
-    if not float(train.debug_pause_in_save_s) >= 0:
-        raise ConfigError(f"config.train.debug_pause_in_save_s must be ≥ 0, got {train.debug_pause_in_save_s}")
     for key in ("dtype", "param_dtype"):
         if config.model[key] not in DTYPES:
             raise ConfigError(f"config.model.{key}={config.model[key]!r}; choose one of {', '.join(DTYPES)}")
