@@ -7,6 +7,12 @@ soft labels train the softmax over a question's branches.
 `data.valen_mode` picks `question` (the state once, one branch per candidate, branches isolated
 by the attention mask) or `shared_state` (every candidate in one sequence); `loss.loss_reduction`
 picks `state_mean` (seed default) or `question_mean`. Variants as in configs/common.py.
+
+Row limits (seed 000): a Valen row is one record, never packed, so `data.packing` other than
+`none`, `loss.z_loss` > 0 and `loss.weights.tokens` > 0 are refused at start-up; `data.overlong=skip`
+drops records whose row exceeds `seq_len`, `max_questions`, `max_candidates` or `max_patches`. The
+whole training set is checked once at start-up and the smallest limits that fit it are logged
+(valen_jax/data/valen_fit.py).
 """
 
 import sys

@@ -180,3 +180,15 @@ def test_valen_honours_overlong_skip_and_max_segments():
     assert assembly.overlong == "skip"  # the loader drops rows that do not fit (test above)
     # Every Valen row is one segment, so any max_segments ≥ 1 holds.
     assert assembly.qspec == QuestionSpec("question", 4, 8, training=True)
+
+
+def test_a_valen_run_stops_at_start_up_with_the_refusal_and_with_the_whole_fit_report(tmp_path):
+    from valen_jax import train
+
+    with pytest.raises(ConfigError, match=r"config\.data\.packing='first_fit'"):
+        train.run(_config(**{"data.packing": "first_fit"}), tmp_path / "packed")
+    # Both limits at once, from the whole set (not the first record over one of them).
+    with pytest.raises(ConfigError, match=r"smallest limits that fit every record") as refused:
+        train.run(_config(**{"data.seq_len": 64, "data.max_candidates": 2}), tmp_path / "small")
+    assert "data.seq_len: " in str(refused.value) and "data.max_candidates: " in str(refused.value)
+    assert not (tmp_path / "small" / "checkpoints").exists()
