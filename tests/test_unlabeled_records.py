@@ -45,3 +45,21 @@ def test_evaluation_never_reads_the_media_of_a_record_without_labels(valen_workd
     questions = len(labeled["request"]["questions"]) + len(unlabeled["request"]["questions"])
     assert report["questions"] == questions
     assert report["metrics"]["overall"]["unlabeled"] >= len(unlabeled["request"]["questions"])
+
+
+def test_training_counts_and_reports_the_records_it_drops_for_having_no_labels(tmp_path):
+    from tests.train_runs import run_train
+    from valen_jax import checkpoint
+
+    # Text records (no assets), one of them twice more without any label.
+    records = [json.loads(line) for line in (ROOT / "data/smoke/valen/text.jsonl").read_text().splitlines()]
+    unlabeled = [dict(records[0], targets={}), {k: v for k, v in records[1].items() if k != "targets"}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records + unlabeled), encoding="utf-8")
+    workdir = tmp_path / "run"
+    result = run_train("configs/valen.py:tiny", workdir, f"--config.data.train={data}", f"--config.data.eval={data}",
+                       "--config.train.steps=1", "--config.train.checkpoint_every=1", "--config.eval.at_end=False")
+    assert "records without labels (never trained on, media not read): 2" in result.stdout
+    assert "4 records with labels, 2 without" in result.stderr  # the start-up log line
+    meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 1)
+    assert meta["records_without_labels"] == 2

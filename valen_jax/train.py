@@ -133,10 +133,11 @@ def run(config, workdir: str | Path) -> dict:
     check_batch_split(config, mesh)
     layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
+    unlabeled = None  # Valen: training records without a labeled question, dropped and reported (seed 000)
     if is_valen(train_set):
         assembly = ValenAssembly.from_config(config, training=True)
         # Every record against the row limits once, before the step compiles: one report, not one stop per limit.
-        check_training_set(train_set, spec, assembly.qspec, assembly.overlong)
+        unlabeled = check_training_set(train_set, spec, assembly.qspec, assembly.overlong).unlabeled
     else:
         assembly = TokenAssembly(PackingSpec.from_config(config))
     dataset = build_dataset(train_set, spec, assembly, global_batch=config.data.global_batch, seed=config.train.seed,
@@ -151,6 +152,7 @@ def run(config, workdir: str | Path) -> dict:
         "media_kwargs": media_kwargs, "media_kwargs_sources": media_sources,
         "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
         "shards": {"train": train_set.manifest.data},
+        **({"records_without_labels": unlabeled} if unlabeled is not None else {}),
         "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
         "config": json.loads(config.to_json_best_effort()),
         "state_layout": checkpoint.state_layout(layout.abstract_state()),
@@ -229,6 +231,8 @@ def run(config, workdir: str | Path) -> dict:
     metrics_log.close()
     result = {"workdir": str(workdir), "step": step, "checkpoint": str(checkpoint.checkpoint_dir(workdir) / str(step)),
               "losses": losses, "preempted": preempted.requested}
+    if unlabeled is not None:
+        result["records_without_labels"] = unlabeled
     if config.eval.at_end and not preempted.requested:
         report_path = workdir / "eval" / f"report-{step}.json"
         with jax.set_mesh(mesh):
@@ -269,6 +273,8 @@ def main(argv) -> None:
     if result["losses"]:
         print(f"loss: first logged {result['losses'][0][1]:.4f} (step {result['losses'][0][0]}), "
               f"last {result['losses'][-1][1]:.4f} (step {result['losses'][-1][0]})")
+    if "records_without_labels" in result:
+        print(f"records without labels (never trained on, media not read): {result['records_without_labels']}")
     print(f"checkpoint: {result['checkpoint']}")
     if "report" in result:
         print(f"evaluation report: {result['report']}")
