@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data_pipeline import shards
+from data_pipeline import examples, shards
 from data_pipeline.formats import registry
 from data_pipeline.formats.registry import SourceEntry
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
@@ -190,7 +190,7 @@ def _token_counts(example: shards.Example) -> tuple[int, int]:
     supervised unit is the scoring position of each labeled question's branches.
     """
     arrays = example.arrays
-    if "input_ids" in arrays:
+    if examples.kind_of(example) == examples.TOKENS:
         return len(arrays["input_ids"]), int((arrays["target_weights"] > 0).sum())
     pieces = ("state_ids", "instruction_ids", "candidate_ids", "suffix_ids")
     labeled = arrays["labeled"][arrays["candidate_question"]] if len(arrays["candidate_question"]) else []
@@ -213,10 +213,11 @@ def _statistics(rendered: Sequence[bytes]) -> dict:
         tokens += length
         supervised += trained
         longest = max(longest, length)
-        for item in example.meta.get("media", []):
+        for item in examples.media_headers(example):
             media.setdefault(item["sha256"], Path(item["path"]).name)
-        for totals, key in ((skipped, "skipped"), (overlaps, "overlaps")):
-            for name, count in example.meta.get(key, {}).items():
+        meta = examples.meta_of(example)
+        for totals, counters in ((skipped, meta.skipped), (overlaps, meta.overlaps)):
+            for name, count in (counters or {}).items():
                 totals[name] = totals.get(name, 0) + count
     counts = {"records": len(rendered), "skipped": dict(sorted(skipped.items())), "tokens": tokens,
               "supervised_tokens": supervised, "longest_example": longest}

@@ -47,7 +47,7 @@ def test_question_mode_branch_scores_equal_separate_sequences(setup):
     row = valen_row(example, spec, qspec, None)
     tree = _scores(model, row)
     state_len = int((row["branch_ids"] == 0).sum() - (row["segment_ids"] == 0).sum())
-    for q in range(int(row["question_state"].sum())):
+    for q in range(int(row["branch_mask"].any(axis=1).sum())):
         for k in np.flatnonzero(row["branch_mask"][q]):
             end = row["score_positions"][q, k]
             branch = row["branch_ids"][end]
@@ -79,9 +79,9 @@ def test_training_skips_unlabeled_questions_and_shuffles_choices_with_labels(set
     assert tuple(inference["candidate_index"][0][: len(keys[0])]) == (0, 1, 2)
     partly = next(e for e in examples if not e.arrays["labeled"].all())
     row = valen_row(partly, spec, QuestionSpec("question", 8, 8, training=True), np.random.default_rng(0))
-    assert row["question_state"].sum() == partly.arrays["labeled"].sum()
+    assert row["branch_mask"].any(axis=1).sum() == partly.arrays["labeled"].sum()
     shared = valen_row(partly, spec, QuestionSpec("shared_state", 8, 8, training=True), np.random.default_rng(0))
-    assert shared["question_state"].sum() == len(partly.meta["questions"])  # kept as context
+    assert shared["branch_mask"].any(axis=1).sum() == len(partly.meta["questions"])  # kept as context
     assert shared["labeled"].sum() == partly.arrays["labeled"].sum()
     assert (shared["branch_ids"] == 0).all()
 

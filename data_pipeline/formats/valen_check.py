@@ -16,15 +16,15 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+# Question types and noul keys (seed 000) are part of the shard encoding: declared once there.
+from data_pipeline.examples import NOUL_KEYS, QUESTION_TYPES
 from data_pipeline.formats import valen_state
 from data_pipeline.formats.errors import RECORD_FIELD, LineProblems, describe, member, quote
 from data_pipeline.formats.valen_state import Asset, MediaFiles, ResolvedMedia, StateMessages, is_text
 
 RECORD_KEYS = ("group_id", "request", "targets", "assets", "meta")
-QUESTION_TYPES = ("choice", "noul", "score")
 CHOICE_CANDIDATES = (1, 255)  # seed 000 "Records and questions": "Mapping of 1–255 candidate names"
 SCORE_GRADES = (2, 10)  # seed 000: "List of 2–10 non-empty grade descriptions"
-NOUL_KEYS = ("true", "false")  # seed 000: label keys "true", "false"; "Fixed, true first"
 GRADE_KEYS = tuple(str(k) for k in range(SCORE_GRADES[1]))  # score label keys "0" … "K-1"
 SUM_ABS_TOL = 1e-6  # seed 000 "Labels and missing values": "abs_tol=1e-6"
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import vocabulary
+from data_pipeline import examples, vocabulary
 from data_pipeline.formats.chat import ChatMessage, ChatRecord, ImagePart, TextPart, ToolCall
 from data_pipeline.render.common import ControlTokenGuard, RenderError, mask_runs, read_media, render_chat
 from data_pipeline.shards import Example
@@ -104,14 +104,11 @@ class ChatRenderer:
         arrays = {"input_ids": ids, "target_weights": weights}
         for index, blob in enumerate(media):
             arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)
-        meta = {
-            "format": "chat", "source": source, "line": line, "entry": entry,
-            "media": [blob.header() for blob in media],
-            "turns": len(record.messages), "trained_turns": trained,
-            "tool_calls": [[{"name": c.name, "arguments": arguments_text(c)} for c in m.tool_calls]
-                           for m in assistant],
-        }
-        return Example(arrays=arrays, meta=meta)
+        return examples.build(
+            examples.TOKENS, arrays, format="chat", source=source, line=line, entry=entry,
+            media=[blob.header() for blob in media], turns=len(record.messages), trained_turns=trained,
+            tool_calls=[[{"name": c.name, "arguments": arguments_text(c)} for c in m.tool_calls]
+                        for m in assistant])
 
     def _check_message(self, record: ChatRecord, field: str, message: ChatMessage) -> None:
         refuse = self.refuse_control_tokens

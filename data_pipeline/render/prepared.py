@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from data_pipeline import examples
 from data_pipeline.formats.prepared_load import PreparedRow
 from data_pipeline.shards import Example
 
@@ -23,5 +24,5 @@ class PreparedRenderer:
     def render(self, row: PreparedRow, entry: str) -> Example:
         arrays = {"input_ids": row.input_ids.astype(np.int32),
                   "target_weights": row.loss_mask.astype(np.float32)}
-        return Example(arrays=arrays, meta={"format": "prepared", "source": row.source, "line": row.line,
-                                            "entry": entry})
+        return examples.build(examples.TOKENS, arrays, format="prepared", source=row.source, line=row.line,
+                              entry=entry)

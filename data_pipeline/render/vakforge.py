@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from data_pipeline import examples
 from data_pipeline.formats.chat import ChatMessage, ChatRecord, ToolCall
 from data_pipeline.formats.vakforge import VakforgeConversation
 from data_pipeline.formats.vakforge_items import VakforgeItem
@@ -80,13 +81,11 @@ class VakforgeRenderer:
         example = self.chat.render_record(record, entry)
         for entity in entities:
             entity["message"] += offset
-        example.meta.update({
-            "format": "vakforge", "id": conv.id, "locale": conv.locale, "language": conv.language.primary,
-            "data_source": conv.meta.source, "domain": conv.domain, "scenario": conv.scenario,
-            "split": item.split, "entities": entities, "overlaps": overlaps,
-            "skipped": {"overlapping_turns": overlaps["dropped"]} if overlaps["dropped"] else {},
-        })
-        return example
+        return examples.extend(
+            example, examples.TOKENS, format="vakforge", id=conv.id, locale=conv.locale,
+            language=conv.language.primary, data_source=conv.meta.source, domain=conv.domain,
+            scenario=conv.scenario, split=item.split, entities=entities, overlaps=overlaps,
+            skipped={"overlapping_turns": overlaps["dropped"]} if overlaps["dropped"] else {})
 
     def _messages(self, conv: VakforgeConversation) -> tuple[list[_Message], list[dict], dict[str, int]]:
         messages: list[_Message] = []

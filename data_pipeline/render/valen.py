@@ -21,7 +21,8 @@ as unlabeled without laying it out): prediction answers every question of every 
 evaluates on the same file), so the converter cannot know the bytes will go unused. They cost
 shard space, never decoding.
 Meta keeps what evaluation reads: group_id, record_id, domain, modality, language_bucket,
-question ids, candidate keys per question, which labels are hard.
+question ids, candidate keys per question, which labels are hard. The fields, dtypes and
+encodings are declared in `data_pipeline.examples` (kind `valen`), which `build` checks.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import vocabulary
+from data_pipeline import examples, vocabulary
+from data_pipeline.examples import QUESTION_TYPES
 from data_pipeline.formats.valen import ValenRecord
 from data_pipeline.render.common import ControlTokenGuard, RenderError, read_media
 from data_pipeline.shards import Example
 
-QUESTION_TYPES = ("choice", "noul", "score")
 _SENTINEL = "\u2063VALEN_QUESTION\u2063"  # invisible separator: never in real text, split point only
 _MEDIA_SLOT = vocabulary.VISION_START + vocabulary.IMAGE_PAD + vocabulary.VISION_END
 
@@ -131,18 +132,15 @@ class ValenRenderer:
             "question_type": np.asarray(types, np.int32),
         }
         media = [read_media(m.path, m.kind, None, None) for m in record.media]
-        for index, (blob, ref) in enumerate(zip(media, record.media, strict=True)):
+        for blob, ref in zip(media, record.media, strict=True):
             if ref.sha256 is not None and blob.sha256 != ref.sha256:
                 raise RenderError(record.source, record.line, "assets", f"{ref.url} changed since it was validated")
-            arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)
-        meta = {
-            "format": "valen", "source": record.source, "line": record.line, "entry": entry,
-            "group_id": record.group_key,
-            **{key: record.meta.get(key) for key in ("record_id", "domain", "modality", "language_bucket")},
-            "questions": [q.id for q in record.questions], "question_types": [q.type for q in record.questions],
-            "candidate_keys": candidate_keys, "hard_labels": hard, "media": [blob.header() for blob in media],
-        }
-        return Example(arrays=arrays, meta=meta)
+        arrays.update(examples.media_arrays([blob.data for blob in media]))
+        return examples.build(
+            examples.VALEN, arrays, format="valen", source=record.source, line=record.line, entry=entry,
+            group_id=record.group_key, **{key: record.meta.get(key) for key in examples.VALEN_RECORD_META},
+            questions=[q.id for q in record.questions], question_types=[q.type for q in record.questions],
+            candidate_keys=candidate_keys, hard_labels=hard, media=[blob.header() for blob in media])
 
 
 def _concat(pieces: list[np.ndarray]) -> np.ndarray:

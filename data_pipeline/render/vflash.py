@@ -13,7 +13,8 @@ Arrays of the Example:
   `block_size` and its `count` (0 when absent); a dual-arm pair shares one call and one block.
 - `media_{i}` uint8: original bytes of the i-th media item; digests in the header.
 Meta `dense_scale`: the dataset's dense-motion scale `s` (m), present when the record's dataset
-states one; a record with `<dense>` answers and no scale is refused.
+states one; a record with `<dense>` answers and no scale is refused. The fields, dtypes and
+encodings (PRIMITIVE_KINDS) are declared in `data_pipeline.examples` (kind `tokens`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import hashlib
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import vocabulary
+from data_pipeline import examples, vocabulary
+from data_pipeline.examples import PRIMITIVE_KINDS
 from data_pipeline.formats.vflash import VFlashRecord
 from data_pipeline.render.common import (
     ControlTokenGuard,
@@ -37,11 +39,6 @@ from data_pipeline.render.lmdb_media import LmdbMediaError, read_lmdb_value
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import token_id
 
-# Stable ids for `primitive_spans`; append only (shards on disk carry these numbers).
-PRIMITIVE_KINDS: tuple[str, ...] = (
-    "point", "box", "robot_single_2d", "robot_single", "robot_left_2d", "robot_right_2d",
-    "robot_left", "robot_right", "drive", "dense",
-)
 _START_TAG_KIND = {
     "<point>": "point", "<box>": "box", "<drive>": "drive", "<dense>": "dense",
     **{tag: tag[1:-1] for tag in vocabulary.ROBOT_START_TAGS},
@@ -86,21 +83,16 @@ class VFlashRenderer:
                                           dtype=np.int32).reshape(-1, 3),
             "primitive_blocks": _primitive_blocks(record),
         }
-        for index, blob in enumerate(media):
-            arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)
-        meta = {
-            "format": "vflash", "source": record.source, "line": record.line, "entry": entry,
-            "media": [blob.header() for blob in media],
-            "answers": [t.text for t in record.turns if t.role == "gpt"],
-        }
-        if record.dense_scale is not None:
-            meta["dense_scale"] = record.dense_scale
-        elif any(p.kind == "dense" for turn in record.primitives for p in turn):
+        arrays.update(examples.media_arrays([blob.data for blob in media]))
+        if record.dense_scale is None and any(p.kind == "dense" for turn in record.primitives for p in turn):
             # Dense tokens mean metres only for a stated scale s (seed 004); evaluation needs it.
             raise RenderError(record.source, record.line, "conversations",
                               "<dense> motion needs the dataset's scale s in metres: set dense_scale in the "
                               "recipe entry, or the converter option dense_scale for a plain VFlash file")
-        return Example(arrays=arrays, meta=meta)
+        return examples.build(examples.TOKENS, arrays, format="vflash", source=record.source, line=record.line,
+                              entry=entry, media=[blob.header() for blob in media],
+                              answers=[t.text for t in record.turns if t.role == "gpt"],
+                              dense_scale=record.dense_scale)
 
     @staticmethod
     def _media(ref, record) -> MediaBlob:

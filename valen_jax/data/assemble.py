@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
 from valen_jax.data.media import MediaInfo, load_frames
@@ -65,7 +66,7 @@ class ExpandedExample:
 
 
 def _where(example: Example) -> str:
-    return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
+    return contract.where(example)
 
 
 def load_media(example: Example, spec: RowSpec, *, training: bool = False, rng: np.random.Generator | None = None,
@@ -75,11 +76,11 @@ def load_media(example: Example, spec: RowSpec, *, training: bool = False, rng: 
     Augmentation runs only with `training` (seed 004: visual_aug "applies only in training"); its
     op is drawn once per sample and shared by the sample's views, so it is drawn here.
     """
-    headers = example.meta.get("media", [])
+    headers = contract.media_headers(example)
     if headers and spec.vision is None:
         raise AssemblyError(f"{_where(example)}: has media but the model has no vision encoder")
     sample_aug = draw_sample_aug(entry, rng, _where(example)) if training and entry is not None else None
-    loaded = [load_frames(example.arrays[f"media_{i}"].tobytes(), header, spec.media_kwargs, _where(example),
+    loaded = [load_frames(contract.media_bytes(example, i), header, spec.media_kwargs, _where(example),
                           training=training, rng=rng, entry=entry, view=i, sample_aug=sample_aug)
               for i, header in enumerate(headers)]
     return ([process_frames(item.frames, spec.vision, spec.media_kwargs) for item in loaded],

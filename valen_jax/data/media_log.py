@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from valen_jax.data.media import MediaInfo
 from valen_jax.data.vision_processor import ProcessedMedia
 
@@ -80,12 +81,12 @@ class MediaLog:
 
     def log_expanded(self, example: Example, expanded: ExpandedExample, spec: RowSpec) -> None:
         """What the loader calls after `expand_media_slots`: one line per media item of the example."""
-        headers = example.meta.get("media", [])
+        headers = contract.media_headers(example)
         if not headers:
             return
-        where = f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
+        where = contract.where(example)
         self.write(media_records(where, headers, expanded.media, expanded.media_info, spec.vision.merge_size,
-                                 example.meta.get("entry")))
+                                 contract.meta_of(example).entry))
 
     def close(self) -> None:
         if self._fd is not None and self._pid == os.getpid():

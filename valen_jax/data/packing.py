@@ -36,6 +36,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import AssemblyError, RowSpec, expand_media_slots
@@ -131,7 +132,7 @@ def piece_of(example: Example, spec: RowSpec, media_log=None, **augment) -> Piec
     ids = expanded.ids
     return Piece(ids[:-1].astype(np.int32), ids[1:].astype(np.int32), expanded.weights[1:].astype(np.float32),
                  patches.astype(np.float32), positions.astype(np.int32), media_index, len(media),
-                 f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}")
+                 contract.where(example))
 
 
 def overlong_reason(piece: Piece, spec: RowSpec) -> str | None:
