@@ -254,15 +254,15 @@ class _EntryReader:
             self.problem("annotation", f"must be a path or a non-empty list of paths to JSONL files; {what}")
             return None
         paths: list[Path] = []
-        for field, item in items:
+        for where, item in items:
             if not isinstance(item, str) or not item or "://" in item:
-                self.problem(field, f"must be a local file path, got {json.dumps(item)[:60]}")
+                self.problem(where, f"must be a local file path, got {json.dumps(item)[:60]}")
                 continue
             path = (self.folder / item).resolve()
             if not path.is_file():
-                self.problem(field, self.not_found("file", item, path, Path.is_file))
+                self.problem(where, self.not_found("file", item, path, Path.is_file))
             elif path in paths:
-                self.problem(field, f"{path} is listed twice; use repeat_time to weight a source")
+                self.problem(where, f"{path} is listed twice; use repeat_time to weight a source")
             else:
                 paths.append(path)
         return tuple(paths) if len(paths) == len(items) else None

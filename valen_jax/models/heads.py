@@ -14,8 +14,6 @@ from flax import nnx
 
 from valen_jax.models.layers import param
 
-NOUL_BRANCHES = ("true", "false")  # fixed order, true first (seed 000 table)
-
 
 class ScoreHead(nnx.Module):
     def __init__(self, dim: int, param_dtype, rngs: nnx.Rngs):
