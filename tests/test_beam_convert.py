@@ -6,6 +6,8 @@ apache-beam comes from the `beam` extra, which requirements.lock (and so CI) ins
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +93,14 @@ def test_beam_flags_are_refused_where_they_do_not_apply(tmp_path, capsys):
         pipeline_options("DirectRunner", {"runner": "FlinkRunner"})
     options = pipeline_options("DirectRunner", {"save_main_session": None}).get_all_options()
     assert options["direct_running_mode"] == "in_memory" and options["save_main_session"] is True
+
+
+def test_importing_the_converters_leaves_the_root_logger_alone_and_has_no_cycle():
+    # apache_beam logs a warning at import; our modules must not let that configure the root logger
+    # (an application's logging is its own), and the library must not import its CLI.
+    code = ("import logging, sys\n"
+            "import data_pipeline.beam_convert, data_pipeline.conversion, data_pipeline.formats.registry\n"
+            "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
+            "assert 'data_pipeline.convert' not in sys.modules, 'the library imported its CLI'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
