@@ -120,6 +120,11 @@ class MetaHandler(ocp.handlers.JsonCheckpointHandler):
         if jax.process_index() == 0:
             (directory / self.FILENAME).write_text(json.dumps(meta))
 
+    def close(self) -> None:
+        # CheckpointManager.close() closes every item handler, after waiting for pending saves.
+        self._writer.shutdown(wait=True)
+        super().close()
+
 
 def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool = False,
             compress: bool = False) -> ocp.CheckpointManager:
