@@ -102,3 +102,13 @@ def test_the_prepared_smoke_set_regenerates_byte_identically(tmp_path):
                    check=True, capture_output=True, timeout=300)
     for name in ("train.zip", "eval.zip"):
         assert (tmp_path / name).read_bytes() == (ROOT / "data/smoke/prepared" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("variant", ["", "tiny", "hf"])
+def test_every_variant_of_the_prepared_config_validates(variant):
+    from valen_jax.config_schema import validate_config
+
+    config = prepared_config.get_config(variant)
+    validate_config(config)
+    assert (config.data.format, config.data.eval_format, config.model.vision, config.eval.at_end) == (
+        "prepared", "prepared", None, False)
