@@ -37,10 +37,8 @@ from data_pipeline import shards
 from data_pipeline.chat_templates import TRAINING_TEMPLATES
 from data_pipeline.conversion import BEAM_RUNNERS, convert
 from data_pipeline.formats.errors import FormatError
-from data_pipeline.formats.registry import FORMATS
-from data_pipeline.render.chat import ASSISTANT_TURNS
+from data_pipeline.formats.registry import CONVERT_OPTIONS, FORMATS, takers
 from data_pipeline.render.common import RenderError
-from data_pipeline.render.vakforge import OVERLAP_POLICIES
 
 
 def _convert_beam(args: argparse.Namespace, options: Mapping[str, object]) -> shards.Manifest:
@@ -73,18 +71,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--template-family", choices=sorted(TRAINING_TEMPLATES),
                         help="install this training chat template when the tokenizer's has no generation markers")
-    # Format options: left unset (None) they take the format's default; set for a format that does
-    # not take them, they are refused.
-    parser.add_argument("--assistant-turns", choices=ASSISTANT_TURNS, help="chat, vakforge: loss policy (all)")
-    parser.add_argument("--split", help="vakforge: convert only this split of splits.json (all)")
-    parser.add_argument("--overlap", choices=OVERLAP_POLICIES, help="vakforge: overlapping turns (merge)")
-    parser.add_argument("--max-seq-length", type=int, help="prepared: refuse rows longer than this (unchecked)")
-    parser.add_argument("--dense-scale", type=float,
-                        help="vflash: the file's dense-motion scale s in metres (a recipe states it per entry)")
+    # Format options (formats.registry.CONVERT_OPTIONS): left unset (None) they take the format's
+    # default; set for a format that does not take them, they are refused.
+    for name, option in CONVERT_OPTIONS.items():
+        defaults = takers(name)
+        shown = ", ".join(f"{fmt}={value}" if value is not None else fmt for fmt, value in defaults.items())
+        parser.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
+                            help=f"{option.meaning} ({shown})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    options = {"assistant_turns": args.assistant_turns, "split": args.split, "overlap": args.overlap,
-               "max_seq_length": args.max_seq_length, "dense_scale": args.dense_scale}
+    options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
     try:
         if args.runner == "beam":
             manifest = _convert_beam(args, options)

@@ -21,6 +21,9 @@ def test_every_format_says_what_each_stage_needs():
         assert spec.kind in examples.KINDS and spec.family in registry.FORMATS
         assert callable(spec.validate) and callable(spec.load) and callable(spec.make_renderer)
     assert registry.FORMATS["recipe"].family == "vflash"
+    # Each option a format takes is declared once, so convert's command line offers it.
+    assert registry.undeclared_options() == []
+    assert registry.takers("assistant_turns") == {"chat": "all", "vakforge": "all"}
     with pytest.raises(ValueError, match="format 'csv': choose one of valen, vflash"):
         registry.get("csv")
     with pytest.raises(ValueError, match="kind='text'"):

@@ -25,9 +25,9 @@ from data_pipeline.formats.vakforge import export_schema, read_vakforge
 from data_pipeline.formats.vakforge_items import read_vakforge_items
 from data_pipeline.formats.valen import check_valen, read_valen
 from data_pipeline.formats.vflash import read_vflash
-from data_pipeline.render.chat import ChatRenderer
+from data_pipeline.render.chat import ASSISTANT_TURNS, ChatRenderer
 from data_pipeline.render.prepared import PreparedRenderer
-from data_pipeline.render.vakforge import VakforgeRenderer
+from data_pipeline.render.vakforge import OVERLAP_POLICIES, VakforgeRenderer
 from data_pipeline.render.valen import ValenRenderer
 from data_pipeline.render.vflash import VFlashRenderer
 
@@ -188,3 +188,35 @@ def get(name: str) -> Format:
     if name not in FORMATS:
         raise ValueError(f"format {name!r}: choose one of {', '.join(FORMATS)}")
     return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class ConvertOption:
+    """A conversion option some formats take; `python -m data_pipeline.convert` offers it as
+    `--NAME-WITH-DASHES`, and a format that does not take it refuses it."""
+
+    type: Callable[[str], object]
+    meaning: str
+    choices: tuple[str, ...] | None = None
+
+
+# Every option of any format's load_options/render_options, declared once for the command line.
+CONVERT_OPTIONS: dict[str, ConvertOption] = {
+    "assistant_turns": ConvertOption(str, "loss policy", ASSISTANT_TURNS),
+    "split": ConvertOption(str, "convert only this split of splits.json"),
+    "overlap": ConvertOption(str, "overlapping turns", OVERLAP_POLICIES),
+    "max_seq_length": ConvertOption(int, "refuse rows longer than this"),
+    "dense_scale": ConvertOption(float, "the file's dense-motion scale s in metres (a recipe states it per entry)"),
+}
+
+
+def takers(option: str) -> dict[str, object]:
+    """Format name -> its default for `option`, for the formats that take it."""
+    return {name: {**spec.load_options, **spec.render_options}[option] for name, spec in FORMATS.items()
+            if option in spec.load_options or option in spec.render_options}
+
+
+def undeclared_options() -> list[str]:
+    """Options some format takes that CONVERT_OPTIONS does not declare (tests keep this empty)."""
+    return sorted({o for spec in FORMATS.values() for o in (*spec.load_options, *spec.render_options)}
+                  - set(CONVERT_OPTIONS))
