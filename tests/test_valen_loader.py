@@ -168,6 +168,8 @@ def _config(**overrides):
     ("loss.weights.tokens", 1.0, "config.loss.weights.tokens=1.0"),
     ("data.max_segments", 0, "config.data.max_segments=0"),
     ("data.overlong", "truncate", "config.data.overlong='truncate'"),
+    ("data.valen_mode", "tree", "config.data.valen_mode='tree'"),
+    ("data.max_candidates", 0, "config.data.max_candidates=0"),
 ])
 def test_valen_refuses_what_its_rows_cannot_honour(path, value, named):
     with pytest.raises(ConfigError) as refused:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import (
@@ -52,6 +51,11 @@ class QuestionSpec:
     @classmethod
     def from_config(cls, config, training: bool) -> QuestionSpec:
         data = config.data
+        if data.valen_mode not in MODES:
+            raise ConfigError(f"config.data.valen_mode={data.valen_mode!r}; choose one of {', '.join(MODES)}")
+        for key in ("max_questions", "max_candidates"):
+            if int(data[key]) < 1:
+                raise ConfigError(f"config.data.{key}={data[key]} must be ≥ 1")
         return cls(data.valen_mode, int(data.max_questions), int(data.max_candidates), training)
 
 
@@ -60,7 +64,7 @@ def _pieces(ids: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
 
 
 def _where(example: Example) -> str:
-    return contract.where(example)
+    return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
 
 
 def has_labels(example: Example) -> bool:
@@ -169,8 +173,8 @@ def valen_row(example: Example, spec: RowSpec, qspec: QuestionSpec, rng: np.rand
         raise AssemblyError(f"{where}: the {qspec.mode}-mode row does not fit: {'; '.join(exceeded)} "
                             "(a training run checks its whole set at start-up: valen_fit)")
     if media_log is not None and loaded[0]:
-        media_log.write(media_records(where, contract.media_headers(example), loaded[0], loaded[1],
-                                      spec.vision.merge_size, contract.meta_of(example).entry))
+        media_log.write(media_records(where, example.meta.get("media", []), loaded[0], loaded[1],
+                                      spec.vision.merge_size, example.meta.get("entry")))
     length = layout.needs.seq_len
     shape = (qspec.max_questions, qspec.max_candidates)
     score_positions = np.zeros(shape, np.int32)
