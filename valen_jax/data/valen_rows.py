@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import (
@@ -64,7 +65,7 @@ def _pieces(ids: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
 
 
 def _where(example: Example) -> str:
-    return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
+    return contract.where(example)
 
 
 def has_labels(example: Example) -> bool:
@@ -173,8 +174,8 @@ def valen_row(example: Example, spec: RowSpec, qspec: QuestionSpec, rng: np.rand
         raise AssemblyError(f"{where}: the {qspec.mode}-mode row does not fit: {'; '.join(exceeded)} "
                             "(a training run checks its whole set at start-up: valen_fit)")
     if media_log is not None and loaded[0]:
-        media_log.write(media_records(where, example.meta.get("media", []), loaded[0], loaded[1],
-                                      spec.vision.merge_size, example.meta.get("entry")))
+        media_log.write(media_records(where, contract.media_headers(example), loaded[0], loaded[1],
+                                      spec.vision.merge_size, contract.meta_of(example).entry))
     length = layout.needs.seq_len
     shape = (qspec.max_questions, qspec.max_candidates)
     score_positions = np.zeros(shape, np.int32)
