@@ -133,6 +133,8 @@ META: dict[str, tuple[MetaField, ...]] = {
 }
 # Valen meta fields copied from the record's own `meta` object (seed 000), null where it lacks them.
 VALEN_RECORD_META = ("record_id", "domain", "modality", "language_bucket")
+# Of those, the buckets evaluation reports metrics by (seed 000: per domain/modality/language).
+VALEN_BREAKDOWNS = ("domain", "modality", "language_bucket")
 _ARRAYS = {kind: {f.name: f for f in fields} for kind, fields in ARRAYS.items()}
 _META = {kind: {f.name: f for f in fields} for kind, fields in META.items()}
 

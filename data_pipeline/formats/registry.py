@@ -53,7 +53,8 @@ class Format:
     FormatError. `load(path, **load_options)` runs once in the converting process and returns the
     entries. `make_renderer(tokenizer, **render_options)` returns an object with
     `render(record, entry_name) -> Example`; it runs in worker processes, so it must be a picklable
-    module-level callable. Each options mapping names the options the step takes, with defaults.
+    module-level callable. Each options mapping names the options the step takes, with defaults;
+    a conversion option is declared once in CONVERT_OPTIONS (its command-line flag).
 
     `check(input_path, entries, tokenizer_path, **load_options)`, when given, runs in the
     converting process after loading and before rendering, and returns additions to manifest.json.
