@@ -1,32 +1,59 @@
-# Everything runs from .venv, created from the lock file (requirements.lock).
-PYTHON ?= python3.11
+# Everything runs from .venv, created from the lock files:
+#   requirements.lock       runtime only (what `make train` needs; no torch, Beam, notebooks or pytest)
+#   requirements-test.lock  runtime + the `test` and `bench` extras (what `make test` adds)
+# Both are universal locks for every Python in pyproject's requires-python (3.11 to 3.14).
+
+# The first Python that the pinned jaxlib/grain/array-record wheels support; `make PYTHON=...` for another.
+# Asked to run, not just looked up: a pyenv shim exists for every installed version but runs only some.
+PYTHON ?= $(firstword $(foreach v,3.11 3.12 3.13 3.14,$(shell python$(v) -c 'import sys; print(sys.executable)' 2>/dev/null)))
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/vflash-smoke
 
-.PHONY: setup train test lock lint clean
+# torch's CPU build (torch==2.13.0+cpu, test set only) is not on PyPI: it comes from a local wheel
+# directory when this machine has one, else from the PyTorch CPU index. Choosing here, instead of
+# passing both, keeps pip from waiting minutes on an index a machine without internet cannot reach.
+WHEELS ?= /opt/wheels
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(wildcard $(WHEELS)/torch-*.whl),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
+
+.PHONY: setup setup-test train test lock lint clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
+	@test -n "$(PYTHON)" || { echo "Makefile: no python3.11, python3.12, python3.13 or python3.14 on PATH;" \
+	    "run make PYTHON=/path/to/python3.X" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -r requirements.lock
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
+$(VENV)/.installed-test: $(VENV)/.installed requirements-test.lock
+	$(VENV)/bin/pip install --quiet $(TORCH_SOURCE) -r requirements-test.lock
+	touch $@
+
 setup: $(VENV)/.installed
+
+setup-test: $(VENV)/.installed-test
 
 train: setup
 	$(PY) -m valen_jax.train --config=configs/vflash.py --workdir=$(WORKDIR)
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -q
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check .
 
-# Regenerate the lock after editing pyproject.toml dependencies (needs `pip install uv`).
+# Regenerate both locks after editing pyproject.toml dependencies (needs `pip install uv`, outside .venv).
+# The test lock is constrained by the runtime lock, so the two never pin a package differently.
+# uv resolves torch from the same source as the install; with the PyTorch index, best-match keeps it
+# from taking every other package from that index too.
+LOCK_FLAGS := --universal --python-version 3.11 --no-emit-find-links
 lock:
-	uv pip compile pyproject.toml --extra test --extra beam --extra notebooks --python-version 3.11 --find-links /opt/wheels --emit-find-links -o requirements.lock
+	uv pip compile pyproject.toml $(LOCK_FLAGS) -o requirements.lock
+	uv pip compile pyproject.toml --extra test --extra bench $(LOCK_FLAGS) -c requirements.lock \
+	    $(TORCH_SOURCE) --index-strategy unsafe-best-match -o requirements-test.lock
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,6 +1,6 @@
 """`--runner=beam` (DirectRunner, one in-memory worker) gives the local runner's shards and manifest, byte for byte.
 
-apache-beam comes from the `beam` extra, which requirements.lock (and so CI) installs.
+apache-beam comes from the `beam` extra, which requirements-test.lock (and so `make test` and CI) installs.
 """
 
 from __future__ import annotations
