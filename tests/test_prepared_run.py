@@ -112,3 +112,17 @@ def test_every_variant_of_the_prepared_config_validates(variant):
     validate_config(config)
     assert (config.data.format, config.data.eval_format, config.model.vision, config.eval.at_end) == (
         "prepared", "prepared", None, False)
+
+
+def test_ready_shards_are_checked_by_the_descriptor_their_manifest_keeps(tmp_path):
+    from data_pipeline.conversion import convert
+
+    shards = tmp_path / "shards"
+    convert("prepared", ROOT / "data/smoke/prepared/train.zip", shards, TOKENIZER)
+    check_prepared_run(_config(train=str(shards)))
+    with pytest.raises(ConfigError, match="longestRow: 470 tokens"):
+        check_prepared_run(_config(train=str(shards), seq_len=300))
+    chat = tmp_path / "chat"
+    convert("chat", ROOT / "data/smoke/chat/eval.jsonl", chat, TOKENIZER)
+    with pytest.raises(ConfigError, match="shards without a prepared descriptor"):
+        check_prepared_run(_config(train=str(chat)))
