@@ -15,9 +15,10 @@ from tests.train_runs import ROOT, env_with_devices, metrics, run_train
 from valen_jax import distributed
 
 TINY = "configs/vflash.py:tiny"
-# Eval off: this compares training only. Global batch 8 (tiny) splits as 4 rows per process.
+# Global batch 8 (tiny) splits as 4 rows per process. Teacher-forced eval at step 4: each process
+# evaluates its slice of the held-out set and the sums of both are added, as one process's would be.
 COMMON = ("--config.train.steps=4", "--config.train.log_every=1", "--config.train.checkpoint_every=4",
-          "--config.eval.at_end=False", "--config.eval.every=0")
+          "--config.eval.at_end=False", "--config.eval.every=4", "--config.eval.max_examples=6")
 
 _spec = importlib.util.spec_from_file_location("launch_local", ROOT / "launch" / "local.py")
 local = importlib.util.module_from_spec(_spec)
@@ -60,6 +61,8 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
     assert [m["examples_seen"] for m in two] == [8, 16, 24, 32]
     np.testing.assert_allclose([m["loss"] for m in two], [m["loss"] for m in one], rtol=2e-5)
     np.testing.assert_allclose([m["grad_norm"] for m in two], [m["grad_norm"] for m in one], rtol=1e-4)
+    assert two[-1]["eval_target_tokens"] == one[-1]["eval_target_tokens"] > 0
+    np.testing.assert_allclose(two[-1]["eval_loss"], one[-1]["eval_loss"], rtol=2e-5)
     # One Grain iterator state per process, beside the one state both wrote parts of.
     assert sorted(p.name for p in (workdir / "checkpoints/4/data").glob("process_*")) == [
         "process_0-of-2.json", "process_1-of-2.json"]
