@@ -18,7 +18,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +39,62 @@ BEAM_RUNNERS = ("DirectRunner", "DataflowRunner", "FlinkRunner", "SparkRunner")
 
 
 _worker_renderer = None
+_worker_error: BaseException | None = None
+# Under fork, the jobs the workers inherit from the launching process (they render by index).
+_worker_jobs: Sequence[tuple] = ()
 
 
 def _init_worker(fmt: str, tokenizer_path: str, template_family: str | None = None,
-                 render_options: Mapping[str, object] | None = None) -> None:
-    global _worker_renderer
+                 options: Mapping[str, object] | None = None) -> None:
+    global _worker_renderer, _worker_error
     logging.getLogger("data_pipeline.tokenizer").setLevel(logging.ERROR)
-    _worker_renderer = registry.get(fmt).make_renderer(load_tokenizer(tokenizer_path, template_family),
-                                                  **(render_options or {}))
+    try:
+        _, render_options = _split_options(fmt, options)
+        _worker_renderer = registry.get(fmt).make_renderer(load_tokenizer(tokenizer_path, template_family),
+                                                           **render_options)
+    except Exception as err:  # raised with the first job: a Pool restarts a failing initializer forever
+        _worker_error = err
 
 
 def _render_one(job: tuple) -> bytes:
+    if _worker_error is not None:
+        raise _worker_error
     record, entry = job
     return _worker_renderer.render(record, entry).to_bytes()
+
+
+def _render_index(index: int) -> bytes:
+    return _render_one(_worker_jobs[index])
+
+
+def _can_fork() -> bool:
+    """Whether workers may be forked from this process as it is.
+
+    Forking copies a process without its other threads, so a lock one of them holds stays locked in
+    the child. Only a process with no other Python thread and without JAX (whose runtime threads
+    Python does not see; a training run converts its data in-process) is forked; HF tokenizers
+    handles being forked itself.
+    """
+    return ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+            and "jax" not in sys.modules)
+
+
+def _server_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a server that imported this module once (spawn where there is none).
+
+    Under spawn every worker starts an interpreter and imports transformers (and torch, which
+    transformers' auto classes import when installed): 2-3 s of CPU each.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])  # no effect once this process's server is running
+    return context
+
+
+def _chunksize(jobs: int, workers: int) -> int:
+    # Large chunks: one message per chunk each way; a few chunks per worker still balance the load.
+    return max(1, min(256, jobs // (8 * workers)))
 
 
 def _relative(path: Path, base: Path) -> str:
@@ -122,17 +167,42 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
             workers: int = 1, overwrite: bool = False, progress: bool = True,
             options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
     """`options`: the format's options (see formats.registry); None values mean "not given"."""
+    if workers <= 1:
+        conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
+        renderer = registry.get(fmt).make_renderer(conv.tok, **conv.render_options)  # the tokenizer prepare loaded
+        rendered = [renderer.render(record, entry).to_bytes()
+                    for record, entry in tqdm(conv.jobs, desc="convert", disable=not progress)]
+        return write_output(conv, rendered)
+    if _can_fork():
+        return _convert_forked(fmt, input_path, output, tokenizer, workers, overwrite, progress, options,
+                               template_family)
+    initargs = (fmt, str(tokenizer), template_family, dict(options or {}))
+    # The workers start (and load the tokenizer) while this process reads and checks the input; an
+    # error there (a bad call or bad input, refused by `prepare` as with one worker) ends them.
+    with _server_context().Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+        conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
+        jobs = conv.jobs
+        rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=_chunksize(len(jobs), workers)),
+                             total=len(jobs), desc="convert", disable=not progress))
+    return write_output(conv, rendered)
+
+
+def _convert_forked(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path, workers: int,
+                    overwrite: bool, progress: bool, options: Mapping[str, object] | None,
+                    template_family: str | None) -> shards.Manifest:
+    """Workers forked after reading: they inherit the renderer and the records, so nothing is imported,
+    loaded or pickled again; only job indices go out and serialised Examples come back."""
+    global _worker_renderer, _worker_jobs
     conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
-    jobs = conv.jobs
-    initargs = (fmt, str(tokenizer), template_family, conv.render_options)
-    if workers > 1:
-        context = multiprocessing.get_context("spawn")  # fork after JAX/threads is unsafe
-        with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
-            rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=8), total=len(jobs),
-                                 desc="convert", disable=not progress))
-    else:
-        _init_worker(*initargs)
-        rendered = [_render_one(job) for job in tqdm(jobs, desc="convert", disable=not progress)]
+    _worker_renderer = registry.get(fmt).make_renderer(conv.tok, **conv.render_options)
+    _worker_jobs = conv.jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            indices = range(len(conv.jobs))
+            rendered = list(tqdm(pool.imap(_render_index, indices, chunksize=_chunksize(len(indices), workers)),
+                                 total=len(indices), desc="convert", disable=not progress))
+    finally:
+        _worker_renderer, _worker_jobs = None, ()
     return write_output(conv, rendered)
 
 

@@ -409,6 +409,20 @@ def test_convert_chat_is_byte_identical_whatever_the_worker_count(tmp_path, make
     assert len(one.data["media"]) == 1 and "overlaps" not in one.data["counts"]
 
 
+def test_forked_and_served_workers_write_the_same_bytes(tmp_path, monkeypatch):
+    """Workers forked from a plain launching process, or from a forkserver (a process holding JAX)."""
+    from data_pipeline import conversion
+
+    rows = write(tmp_path / "chat.jsonl", *([PLAIN, tool_row()] * 5))
+    outputs = {}
+    for forked in (True, False):
+        monkeypatch.setattr(conversion, "_can_fork", lambda forked=forked: forked)
+        outputs[forked] = convert("chat", rows, tmp_path / str(forked), TOKENIZER, workers=2, progress=False)
+    assert outputs[True].data == outputs[False].data
+    for name in outputs[True].shard_paths:
+        assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes()
+
+
 def test_convert_refuses_options_of_other_formats(tmp_path):
     rows = write(tmp_path / "chat.jsonl", PLAIN)
     with pytest.raises(ValueError, match="--split: not an option of --format=chat"):

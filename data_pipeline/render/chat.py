@@ -37,7 +37,15 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import examples, vocabulary
 from data_pipeline.formats.chat import ChatMessage, ChatRecord, ImagePart, TextPart, ToolCall
-from data_pipeline.render.common import ControlTokenGuard, RenderError, mask_runs, read_media, render_chat
+from data_pipeline.render.common import (
+    ChatTemplater,
+    ChatTokens,
+    ControlTokenGuard,
+    RenderError,
+    mask_runs,
+    read_media,
+    render_chat,
+)
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, token_id
 
@@ -60,6 +68,8 @@ class ChatRenderer:
         self.end_of_turn = end_of_turn_id(tokenizer)
         self.image_pad_id = token_id(tokenizer, vocabulary.IMAGE_PAD)
         self._guard = ControlTokenGuard(tokenizer)
+        # Kept across records: a system turn listing the same tools is encoded once.
+        self._templater = ChatTemplater(tokenizer)
 
     def control_token_in(self, text: str) -> str | None:
         return self._guard.find(text)
@@ -79,7 +89,8 @@ class ChatRenderer:
         """Template, mask and embed a record whose texts are checked already (see `render`)."""
         source, line = record.source, record.line
         messages = [_template_message(m) for m in record.messages]
-        chat = render_chat(self.tokenizer, messages, source, line, tools=record.tools, end_of_turn=self.end_of_turn)
+        chat = render_chat(self.tokenizer, messages, source, line, tools=record.tools, end_of_turn=self.end_of_turn,
+                           templater=self._templater)
         ids = chat.input_ids
         runs = mask_runs(chat.assistant_mask)
         assistant = [m for m in record.messages if m.role == "assistant"]
@@ -87,7 +98,7 @@ class ChatRenderer:
             raise RenderError(source, line, "messages",
                               f"the chat template marks {len(runs)} assistant spans for {len(assistant)} "
                               "assistant messages; the loss policy needs one span per message")
-        self._check_nothing_dropped(record, ids, chat.assistant_mask, runs, assistant)
+        self._check_nothing_dropped(record, chat, runs, assistant)
         weights = chat.assistant_mask.astype(np.float32)
         trained = len(runs)
         if self.assistant_turns == "last":
@@ -123,25 +134,31 @@ class ChatRenderer:
             refuse(record.source, record.line, f"{where}.name", call.name)
             refuse(record.source, record.line, f"{where}.arguments", arguments_text(call))
 
-    def _check_nothing_dropped(self, record: ChatRecord, ids: np.ndarray, mask: np.ndarray,
-                               runs: list[tuple[int, int]], assistant: Sequence[ChatMessage]) -> None:
-        """Each call inside its own message's span; results and declared tools outside every span."""
-        def decode(part: np.ndarray) -> str:
-            return self.tokenizer.decode(part.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def _check_nothing_dropped(self, record: ChatRecord, chat: ChatTokens, runs: list[tuple[int, int]],
+                               assistant: Sequence[ChatMessage]) -> None:
+        """Each call inside its own message's span; results and declared tools outside every span.
+
+        Read in the rendered text through the tokens' offsets: the text their decoding gives, without
+        decoding (a fast tokenizer's offsets cover the text it encoded).
+        """
+        text, offsets = chat.text, chat.offsets
+
+        def text_of(start: int, stop: int) -> str:
+            return text[offsets[start, 0]:offsets[stop - 1, 1]]
 
         for (start, stop), message in zip(runs, assistant, strict=True):
-            span = decode(ids[start:stop])
+            span = text_of(start, stop)
             for call in message.tool_calls:
                 if call.name not in span:
                     raise RenderError(record.source, record.line, "messages",
                                       f"the chat template dropped tool call {call.id!r} ({call.name!r})")
-        text = decode(ids[~mask])
+        outside = "".join(text_of(start, stop) for start, stop in mask_runs(~chat.assistant_mask))
         for i, message in enumerate(record.messages):
-            if message.role == "tool" and _text_of(message.content) not in text:
+            if message.role == "tool" and _text_of(message.content) not in outside:
                 raise RenderError(record.source, record.line, f"messages[{i}]",
                                   "the chat template dropped this tool message")
         for i, tool in enumerate(record.tools):
-            if tool["function"]["name"] not in text:
+            if tool["function"]["name"] not in outside:
                 raise RenderError(record.source, record.line, f"tools[{i}]",
                                   "the chat template does not render the row's tools")
 
