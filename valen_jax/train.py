@@ -14,6 +14,7 @@ or a `kill -9` alike; a damaged latest checkpoint is reported and the one before
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -29,7 +30,6 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import valen_jax
-from data_pipeline.shards import Example
 from data_pipeline.tokenizer import load_tokenizer
 from valen_jax import checkpoint, distributed, evaluate, sharding
 from valen_jax.config_schema import check_batch_split, validate_config
@@ -41,7 +41,7 @@ from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.valen_fit import check_training_set
 from valen_jax.data.valen_rows import ValenAssembly, is_valen
 from valen_jax.data.vision_processor import media_kwargs_of
-from valen_jax.evaluation.tokens import teacher_forced
+from valen_jax.evaluation.periodic import PeriodicEval
 from valen_jax.evaluation.workdir import Restored
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.build import initial_params, model_config
@@ -93,25 +93,6 @@ def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfi
             raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} has another model config")
 
     return check
-
-
-class PeriodicEval:
-    """Teacher-forced loss/accuracy on the held-out set (`config.data.eval`), decoded once."""
-
-    def __init__(self, config, workdir: Path, fingerprint: dict, spec, mesh, graphdef):
-        shard_set = ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
-                                  config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
-        source = shard_set.source()
-        count = min(len(shard_set), int(config.eval.max_examples))
-        self.examples = [Example.from_bytes(source[i]) for i in range(count)]
-        self.spec, self.mesh, self.graphdef = spec, mesh, graphdef
-        self.batch_size = int(config.eval.batch_size)
-        log.info("evaluating every %d steps on %d examples of %s", config.eval.every, count, config.data.eval)
-
-    def __call__(self, params) -> dict[str, float]:
-        with jax.set_mesh(self.mesh):
-            result = teacher_forced(params, self.graphdef, self.examples, self.spec, self.mesh, self.batch_size)
-        return {f"eval_{k}": float(v) for k, v in result.items()}
 
 
 def run(config, workdir: str | Path) -> dict:
@@ -187,8 +168,9 @@ def run(config, workdir: str | Path) -> dict:
     log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
              peak, jax.device_count(), peak_source, flops_per_step)
     # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.
-    evaluator = (PeriodicEval(config, workdir, fingerprint, spec, mesh, layout.graphdef)
-                 if 0 < int(config.eval.every) <= int(config.train.steps) else None)
+    # The run in the shape evaluate restores a workdir to; each evaluation fills in the params of the moment.
+    own = Restored(workdir, None, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef, None)
+    evaluator = PeriodicEval(own) if 0 < int(config.eval.every) <= int(config.train.steps) else None
 
     step = int(state["step"])
     metrics_log = MetricsLog(workdir, start_step=step)
@@ -236,10 +218,8 @@ def run(config, workdir: str | Path) -> dict:
     if config.eval.at_end and not preempted.requested:
         report_path = workdir / "eval" / f"report-{step}.json"
         with jax.set_mesh(mesh):
-            # The run's own state in the shape evaluate restores a workdir to: one evaluation path.
-            own = Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef,
-                           state["params"])
-            report = evaluate.evaluate_params(own, config.data.eval)
+            report = evaluate.evaluate_params(dataclasses.replace(own, step=step, params=state["params"]),
+                                              config.data.eval)
         evaluate.write_report(report, report_path)
         result["report"] = str(report_path)
     mgr.close()

@@ -1,0 +1,54 @@
+"""Evaluation during training (`config.eval.every`): the held-out set (`config.data.eval`) read once
+at start-up, then scored with the params of the moment through the same code as `evaluate`.
+
+Token families (vflash, chat, vakforge, prepared) get teacher-forced loss/accuracy
+(`tokens.teacher_forced`: each process its slice, sums added across processes); Valen data gets
+the per-question metrics of `valen.evaluate`. Greedy decoding is left to the end-of-run report:
+it reruns the model once per generated token, too slow to repeat every few hundred steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from valen_jax.evaluation import valen
+from valen_jax.evaluation.registry import Options
+from valen_jax.evaluation.tokens import teacher_forced
+from valen_jax.evaluation.workdir import Restored, data_format, load_examples
+
+log = logging.getLogger(__name__)
+
+VALEN_KEYS = ("questions", "labeled", "accuracy", "cross_entropy", "brier", "rps", "ece")
+
+
+class PeriodicEval:
+    """`evaluator(params)` → {"eval_<metric>": value} for metrics.jsonl (a metric with no data,
+    e.g. RPS without a labeled score question, is left out rather than logged as null)."""
+
+    def __init__(self, run: Restored):
+        """`run`: the training run in the shape a workdir restores to; its params are ignored."""
+        config = run.config
+        fmt, options = data_format(run, None)
+        self.examples, self.family, available = load_examples(
+            fmt, config.data.eval, run.workdir, config.data.tokenizer, run.fingerprint, options,
+            int(config.eval.max_examples))
+        if not self.examples:
+            raise ValueError(f"{config.data.eval}: no examples to evaluate during training (config.eval.every)")
+        self.run = run
+        self.options = Options(batch_size=int(config.eval.batch_size), max_new_tokens=0)
+        log.info("evaluating every %d steps on %d of the %d examples of %s", config.eval.every,
+                 len(self.examples), available, config.data.eval)
+
+    def __call__(self, params) -> dict[str, float]:
+        run = dataclasses.replace(self.run, params=params)
+        with jax.set_mesh(run.mesh):
+            if self.family == "valen":
+                report = valen.evaluate(run, self.examples, self.options)
+                values = {key: report[key] for key in VALEN_KEYS}
+            else:
+                values = teacher_forced(params, run.graphdef, self.examples, run.spec, run.mesh,
+                                        self.options.batch_size)
+        return {f"eval_{k}": float(v) for k, v in values.items() if v is not None}
