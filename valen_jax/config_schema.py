@@ -138,17 +138,26 @@ def defaults(group: str, **values: Any) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(fields)
 
 
+def _check_keys(where: str, group: ml_collections.ConfigDict, keys) -> None:
+    missing = [k for k in keys if k not in group]
+    if missing:
+        raise ConfigError(f"config.{where} lacks {', '.join(missing)}")
+    # A key the schema does not know would be read by nothing: a typo must not pass silently.
+    unknown = sorted(set(group) - set(keys))
+    if unknown:
+        raise ConfigError(f"config.{where} has unknown keys {', '.join(unknown)}; known: {', '.join(keys)}")
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
+    unknown = sorted(set(config) - set(GROUPS) - {"task"})
+    if unknown:
+        raise ConfigError(f"config has unknown groups {', '.join(unknown)}; known: task, {', '.join(GROUPS)}")
     for group, keys in REQUIRED.items():
         if group not in config:
             raise ConfigError(f"config has no group {group!r}")
-        missing = [k for k in keys if k not in config[group]]
-        if missing:
-            raise ConfigError(f"config.{group} lacks {', '.join(missing)}")
+        _check_keys(group, config[group], keys)
     if config.model.vision is not None:
-        missing = [k for k in _vision() if k not in config.model.vision]
-        if missing:
-            raise ConfigError(f"config.model.vision lacks {', '.join(missing)}")
+        _check_keys("model.vision", config.model.vision, tuple(_vision()))
     for path in ("data.seq_len", "data.global_batch", "train.steps", "train.checkpoint_every",
                  "train.log_every", "eval.batch_size"):
         group, key = path.split(".")

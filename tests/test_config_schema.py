@@ -1,0 +1,69 @@
+"""The config schema is the one source of keys and defaults: every shipped config holds exactly its
+keys, a typo is refused by name, and groups built from it are independent."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.train_runs import ROOT
+from valen_jax.config_schema import ARCHITECTURE_KEYS, REQUIRED, ConfigError, defaults, validate_config
+
+CONFIGS = ("vflash", "valen", "chat", "vakforge", "prepared")
+
+
+def _config(name: str, variant: str = ""):
+    spec = importlib.util.spec_from_file_location(f"{name}_schema_cfg", ROOT / f"configs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(variant)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("variant", ["", "tiny", "hf"])
+def test_every_shipped_config_holds_exactly_the_schema_keys(name, variant):
+    config = _config(name, variant)
+    validate_config(config)
+    assert {group: set(config[group]) for group in REQUIRED} == {g: set(keys) for g, keys in REQUIRED.items()}
+    if variant == "hf":
+        # The checkpoint fixes the architecture: the variant unsets exactly the schema's architecture keys.
+        unset = [k for k in REQUIRED["model"] if config.model[k] is None and k not in ("init_from", "vision")]
+        assert unset == list(ARCHITECTURE_KEYS)
+
+
+@pytest.mark.parametrize(("group", "key"), [("data", "seq_length"), ("train", "learning_rat"), ("model.vision", "depth")])
+def test_a_misspelt_key_is_refused_by_name(group, key):
+    config = _config("valen", "tiny")
+    target = config
+    for part in group.split("."):
+        target = target[part]
+    with config.unlocked():
+        target[key] = 1
+    with pytest.raises(ConfigError, match=f"config.{group} has unknown keys {key}"):
+        validate_config(config)
+
+
+def test_a_missing_key_or_group_is_refused_by_name():
+    config = _config("chat", "tiny")
+    with config.unlocked():
+        del config.loss["z_loss"]
+    with pytest.raises(ConfigError, match="config.loss lacks z_loss"):
+        validate_config(config)
+    config = _config("chat", "tiny")
+    with config.unlocked():
+        config.optimiser = {"lr": 1.0}
+    with pytest.raises(ConfigError, match="unknown groups optimiser"):
+        validate_config(config)
+
+
+def test_groups_from_the_schema_need_their_undefaulted_keys_and_are_independent():
+    with pytest.raises(ConfigError, match="config.data: format, train, eval, eval_format, tokenizer, seq_len, "
+                                          "max_patches must be given"):
+        defaults("data")
+    with pytest.raises(ConfigError, match="config.mesh has no key pipeline"):
+        defaults("mesh", pipeline=2)
+    # Placeholders are made per group: setting one config's peak_flops leaves another's unset.
+    first, second = defaults("train"), defaults("train")
+    first.peak_flops = 1e12
+    assert second.peak_flops is None
