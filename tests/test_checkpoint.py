@@ -268,7 +268,7 @@ def test_what_we_rely_on_from_orbax_is_unchanged(tmp_path):
     # readable by the stock handlers alone; a save cut short is a `STEP.orbax-checkpoint-tmp*` directory.
     save_steps(tmp_path, [3])
     step_dir = tmp_path / "checkpoints" / "3"
-    assert {p.name for p in step_dir.iterdir() if p.is_dir()} == {"state", "data", "meta"}
+    assert {p.name for p in step_dir.iterdir() if p.is_dir()} == set(checkpoint.ITEMS) == {"state", "data", "meta"}
     assert json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())["item_handlers"] == recorded
     assert ocp.handlers.JsonCheckpointHandler().restore(step_dir / "meta")["step"] == 3
     assert (step_dir / "meta" / checkpoint.MetaHandler.FILENAME).is_file()

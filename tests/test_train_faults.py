@@ -27,12 +27,15 @@ STEPS = ("--config.train.steps=8", "--config.train.log_every=1", "--config.eval.
 
 def final_params(workdir: Path):
     import jax
-    import orbax.checkpoint as ocp
 
     from valen_jax import checkpoint
     mgr = checkpoint.manager(workdir, read_only=True)
-    step = mgr.latest_step()
-    state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore())).state
+    step = checkpoint.select_step(mgr, workdir)
+    # The saved shapes and dtypes, read back onto one device (the runs may have used several).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                          mgr.item_metadata(step)["state"])
+    state = checkpoint.restore_state(mgr, step, target)
     mgr.close()
     return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
 
