@@ -186,6 +186,44 @@ def check(kind: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) 
     indices = sorted(int(m.group(1)) for m in map(MEDIA_ARRAY.fullmatch, arrays) if m)
     if indices != list(range(len(media))):
         raise ExampleError(f"{label}: {len(media)} media headers for media arrays {indices}")
+    broken = _broken_relation(kind, arrays, meta)
+    if broken:
+        raise ExampleError(f"{label}: {kind} Example: {broken}")
+
+
+def _broken_relation(kind: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> str | None:
+    """The first relation between the kind's fields (lengths, offsets, codes) that does not hold."""
+    if kind == TOKENS:
+        ids, weights = arrays["input_ids"], arrays["target_weights"]
+        if ids.ndim != 1 or ids.shape != weights.shape:
+            return f"input_ids {ids.shape} and target_weights {weights.shape} must be [T] of one length"
+        spans, blocks = arrays.get("primitive_spans"), arrays.get("primitive_blocks")
+        for name, array in (("primitive_spans", spans), ("primitive_blocks", blocks)):
+            if array is not None and (array.ndim != 2 or array.shape[1] != 3):
+                return f"{name} is {array.shape}, not [N, 3]"
+        if spans is not None and blocks is not None and len(spans) != len(blocks):
+            return f"{len(spans)} primitive_spans for {len(blocks)} primitive_blocks"
+        if spans is not None and len(spans) and not (0 <= spans[:, 0].min() and spans[:, 0].max() < len(PRIMITIVE_KINDS)):
+            return "primitive_spans kind ids outside PRIMITIVE_KINDS"
+        return None
+    for pieces in ("instruction", "candidate"):
+        ids, offsets = arrays[f"{pieces}_ids"], arrays[f"{pieces}_offsets"]
+        if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(ids) or (np.diff(offsets) < 0).any():
+            return f"{pieces}_offsets do not split {pieces}_ids (0 … {len(ids)}, non-decreasing)"
+    questions, candidates = len(arrays["instruction_offsets"]) - 1, len(arrays["candidate_offsets"]) - 1
+    if not len(arrays["labeled"]) == len(arrays["question_type"]) == questions:
+        return f"labeled and question_type must hold one entry per question ({questions})"
+    if not len(arrays["candidate_question"]) == len(arrays["labels"]) == candidates:
+        return f"candidate_question and labels must hold one entry per candidate ({candidates})"
+    types = arrays["question_type"]
+    if len(types) and not (0 <= types.min() and types.max() < len(QUESTION_TYPES)):
+        return "question_type codes outside QUESTION_TYPES"
+    per_question = [len(meta[name]) for name in ("questions", "question_types", "candidate_keys", "hard_labels")]
+    if per_question != [questions] * 4:
+        return f"meta questions, question_types, candidate_keys, hard_labels hold {per_question}, not {questions} each"
+    if sum(len(keys) for keys in meta["candidate_keys"]) != candidates:
+        return f"meta candidate_keys name {sum(len(k) for k in meta['candidate_keys'])} candidates, arrays {candidates}"
+    return None
 
 
 def build(kind: str, arrays: dict[str, np.ndarray], **meta: Any) -> Example:

@@ -14,17 +14,38 @@ from data_pipeline.examples import ARRAYS, META, ExampleError
 from data_pipeline.shards import Example
 from tests.train_runs import ROOT
 
-_SAMPLE_ARRAY = {"int32": np.arange(3, dtype=np.int32), "float32": np.ones(3, np.float32),
-                 "bool": np.array([True, False]), "uint8": np.zeros(2, np.uint8)}
-_SAMPLE_META = {str: "x", int: 3, list: [], dict: {}, object: "y"}
+
+def _i32(*values) -> np.ndarray:
+    return np.asarray(values, np.int32)
+
+
+_SAMPLES = {
+    # A VFlash-like row: one point primitive announced by no atomic_decoding call.
+    examples.TOKENS: ({"input_ids": _i32(1, 2, 3), "target_weights": np.asarray([0, 1, 1], np.float32),
+                       "primitive_spans": _i32(0, 1, 3).reshape(1, 3), "primitive_blocks": _i32(-1, 0, 0).reshape(1, 3)},
+                      {"answers": ["<point>…</point>"], "dense_scale": 2.0, "turns": 2, "trained_turns": 1,
+                       "tool_calls": [[]], "id": "c1", "locale": "en-US", "language": "en", "data_source": "synthetic",
+                       "domain": "d", "scenario": None, "split": "train", "entities": [], "skipped": {},
+                       "overlaps": {"turns": 0, "merged": 0, "dropped": 0}}),
+    # One labeled choice question with two candidates.
+    examples.VALEN: ({"state_ids": _i32(1, 2), "suffix_ids": _i32(3), "instruction_ids": _i32(4, 5),
+                      "instruction_offsets": _i32(0, 2), "candidate_ids": _i32(6, 7), "candidate_offsets": _i32(0, 1, 2),
+                      "candidate_question": _i32(0, 0), "labels": np.asarray([1, 0], np.float32),
+                      "labeled": np.asarray([True]), "question_type": _i32(0)},
+                     {"group_id": "g", "record_id": None, "domain": "traffic", "modality": "image",
+                      "language_bucket": "en", "questions": ["q1"], "question_types": ["choice"],
+                      "candidate_keys": [["red", "green"]], "hard_labels": [True]}),
+}
 
 
 def _full(kind: str) -> tuple[dict, dict]:
-    """Every declared field of `kind`, with a value of its declared type, and one media item."""
-    arrays = {f.name: _SAMPLE_ARRAY[f.dtype] for f in ARRAYS[kind]}
-    arrays["media_0"] = np.frombuffer(b"\x89PNG", np.uint8)
-    meta = {f.name: _SAMPLE_META[f.type if isinstance(f.type, type) else f.type[0]] for f in META[kind]}
-    meta["media"] = [{"sha256": "0" * 64, "kind": "image", "path": "a.png", "frame_index": None, "resize": None}]
+    """Every declared field of `kind` with a consistent value, and one media item."""
+    arrays, meta = _SAMPLES[kind]
+    arrays = {**arrays, "media_0": np.frombuffer(b"\x89PNG", np.uint8)}
+    meta = {"format": "f", "source": "x", "line": 3, "entry": "e", **meta,
+            "media": [{"sha256": "0" * 64, "kind": "image", "path": "a.png", "frame_index": None, "resize": None}]}
+    assert sorted(meta) == sorted(f.name for f in META[kind]) and set(arrays) - {"media_0"} == {
+        f.name for f in ARRAYS[kind]}
     return arrays, meta
 
 
@@ -60,6 +81,23 @@ def test_the_contract_refuses_what_it_does_not_declare(kind):
         examples.build(kind, {k: v for k, v in arrays.items() if k != "media_0"}, **meta)
     with pytest.raises(AttributeError, match="'colour' is not a meta field of any Example kind"):
         _ = examples.meta_of(examples.build(kind, arrays, **meta)).colour
+
+
+def test_the_contract_refuses_fields_that_disagree_with_each_other():
+    arrays, meta = _full(examples.VALEN)
+    with pytest.raises(ExampleError, match=r"candidate_question and labels must hold one entry per candidate \(2\)"):
+        examples.build(examples.VALEN, {**arrays, "labels": np.ones(3, np.float32)}, **meta)
+    with pytest.raises(ExampleError, match="instruction_offsets do not split instruction_ids"):
+        examples.build(examples.VALEN, {**arrays, "instruction_offsets": _i32(0, 3)}, **meta)
+    with pytest.raises(ExampleError, match="question_type codes outside QUESTION_TYPES"):
+        examples.build(examples.VALEN, {**arrays, "question_type": _i32(3)}, **meta)
+    with pytest.raises(ExampleError, match=r"meta candidate_keys name 3 candidates, arrays 2"):
+        examples.build(examples.VALEN, arrays, **{**meta, "candidate_keys": [["a", "b", "c"]]})
+    arrays, meta = _full(examples.TOKENS)
+    with pytest.raises(ExampleError, match=r"input_ids \(3,\) and target_weights \(2,\) must be \[T\]"):
+        examples.build(examples.TOKENS, {**arrays, "target_weights": np.ones(2, np.float32)}, **meta)
+    with pytest.raises(ExampleError, match="1 primitive_spans for 0 primitive_blocks"):
+        examples.build(examples.TOKENS, {**arrays, "primitive_blocks": np.zeros((0, 3), np.int32)}, **meta)
 
 
 def test_an_optional_field_given_as_none_is_left_out_unless_nullable():
