@@ -1,4 +1,12 @@
-"""Evaluation of a trained workdir: restore (`workdir`), the data split over processes (`hosts`),
-teacher forcing and greedy decoding over token rows (`tokens`), one evaluator per example kind
-(`valen`, `vflash`, `chat`) and the metric formulas they sum (`metrics`). The CLIs are
-`valen_jax.evaluate` and `valen_jax.predict`."""
+"""Evaluation of a trained workdir, or of a run during training.
+
+    workdir   restore a checkpoint (params only, on the training config's mesh) and read the data
+    hosts     which examples a process evaluates; sums added across processes before any ratio
+    tokens    the one teacher-forced path (per-example sums) and greedy decoding over token rows
+    valen, vflash, chat   one evaluator per record family: evaluate(restored, examples, options), summary(report)
+    registry  the table of those evaluators, keyed by the format registry's family
+    periodic  evaluation every `config.eval.every` steps, through the same code
+    metrics   the formulas each family's evaluator sums
+
+The CLIs are `valen_jax.evaluate` and `valen_jax.predict`.
+"""
