@@ -263,6 +263,8 @@ def test_what_we_rely_on_from_orbax_is_unchanged(tmp_path):
     assert {"use_compression", "save_concurrent_gb", "restore_concurrent_gb"} <= handler_options
     assert "filename" in inspect.signature(ocp.handlers.JsonCheckpointHandler).parameters
     assert inspect.iscoroutinefunction(ocp.handlers.JsonCheckpointHandler.async_save)
+    # MetaHandler returns its write as a concurrent.futures.Future: all Orbax's Future protocol asks.
+    assert {name for name in vars(ocp.future.Future) if not name.startswith("_")} <= {"result", "cancel"}
 
     # On disk: one directory per step and item, the meta JSON under Orbax's default file name,
     # readable by the stock handlers alone; a save cut short is a `STEP.orbax-checkpoint-tmp*` directory.
