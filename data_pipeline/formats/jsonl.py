@@ -12,6 +12,7 @@ its longest line); `read_jsonl_objects` is the list form.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,13 +55,39 @@ _scan = _DECODER.scan_once  # the C scanner: one JSON value starting exactly at 
 _JSON_SPACE = " \t\n\r"
 
 
+# Deepest nesting accepted. The C scanner's own limit differs by Python version (3.11/3.12 stop at
+# the recursion limit, ~1000; 3.13 parses far deeper), so one explicit limit gives every version the
+# same verdict on the same line. No record of any seed nests past a few dozen levels.
+MAX_NESTING = 512
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting(text: str) -> int:
+    """The deepest bracket nesting of `text`, brackets inside strings not counted."""
+    depth = deepest = 0
+    for char in _JSON_STRING.sub("", text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _too_deep(text: str) -> bool:
+    # Counting brackets runs in C; only a line with that many brackets pays for the exact scan.
+    return text.count("[") + text.count("{") > MAX_NESTING and _nesting(text) > MAX_NESTING
+
+
 def loads_strict(text: str) -> object:
     """json.loads that refuses repeated keys and NaN/Infinity; every failure is a ValueError.
 
-    `json.JSONDecodeError` keeps its position; nesting too deep for the parser (a RecursionError)
-    and integers over `sys.get_int_max_str_digits()` digits become plain ValueErrors with a
+    `json.JSONDecodeError` keeps its position; nesting deeper than `MAX_NESTING` (or the parser's
+    stack) and integers over `sys.get_int_max_str_digits()` digits become plain ValueErrors with a
     readable message.
     """
+    if _too_deep(text):
+        raise _NotJSON("nested too deeply for the JSON parser")
     try:
         return _DECODER.decode(text)
     except RecursionError:
@@ -109,6 +136,8 @@ def iter_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> Iterat
             # Fast path: the C scanner on a line that is one value and its newline; anything else
             # (blank lines, leading spaces, errors) goes through loads_strict for the exact answer.
             try:
+                if _too_deep(text):
+                    raise ValueError
                 obj, end = _scan(text, 0)
                 if end != len(text) and text[end:] != "\n" and text[end:].strip(_JSON_SPACE):
                     raise ValueError
