@@ -28,6 +28,8 @@ both outputs are compared row by row (they must be equal, or the comparison woul
 
 The last line is `convert_ratio_vs_datasets=X worker_scaling=Y`: X = our records/s with 1 worker /
 `datasets` records/s (both one process; goal >= 3), Y = our records/s with 2 workers / with 1.
+Wall time is what the figures are; on a shared machine they move with the load, so each line also
+gives the CPU seconds the command and its waited-for children used (the load average is printed).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -149,13 +152,16 @@ def datasets_pass(jsonl: Path, out_dir: Path) -> None:
 
 # -- timing and the comparison ----------------------------------------------------------------------
 
-def timed(command: list[str]) -> float:
+def timed(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process and the children it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
-    return seconds
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def compare_outputs(shard_dir: Path, arrow: Path, rows: int) -> None:
@@ -192,21 +198,25 @@ def main(argv: list[str] | None = None) -> None:
         write_chat_file(jsonl, args.rows)
         size_mb = jsonl.stat().st_size / 1e6
         print(f"{args.rows} tool-calling chat rows, {size_mb:.1f} MB; load average {os.getloadavg()[0]:.2f}")
-        rates = {}
+        rates, cpu_rates = {}, {}
         for workers in (1, 2):
             out = tmp / f"shards_{workers}"
-            seconds = timed([sys.executable, "-m", "data_pipeline.convert", "--format=chat", f"--input={jsonl}",
-                             f"--output={out}", f"--tokenizer={TOKENIZER}", f"--workers={workers}"])
-            rates[workers] = args.rows / seconds
-            print(f"ours, CLI --workers={workers}: {seconds:7.2f} s  {rates[workers]:8.0f} records/s")
-        seconds = timed([sys.executable, __file__, "--datasets-pass", str(jsonl), str(tmp / "datasets")])
-        rates["datasets"] = args.rows / seconds
-        print(f"datasets .map(apply_chat_template): {seconds:7.2f} s  {rates['datasets']:8.0f} records/s")
+            seconds, cpu = timed([sys.executable, "-m", "data_pipeline.convert", "--format=chat", f"--input={jsonl}",
+                                  f"--output={out}", f"--tokenizer={TOKENIZER}", f"--workers={workers}"])
+            rates[workers], cpu_rates[workers] = args.rows / seconds, args.rows / cpu
+            print(f"ours, CLI --workers={workers}: {seconds:7.2f} s  {rates[workers]:6.0f} records/s  "
+                  f"(CPU {cpu:6.2f} s, {cpu_rates[workers]:6.0f} records per CPU-second)")
+        seconds, cpu = timed([sys.executable, __file__, "--datasets-pass", str(jsonl), str(tmp / "datasets")])
+        rates["datasets"], cpu_rates["datasets"] = args.rows / seconds, args.rows / cpu
+        print(f"datasets .map(apply_chat_template): {seconds:7.2f} s  {rates['datasets']:6.0f} records/s  "
+              f"(CPU {cpu:6.2f} s, {cpu_rates['datasets']:6.0f} records per CPU-second)")
         compare_outputs(tmp / "shards_1", tmp / "datasets" / "encoded.arrow", args.rows)
         if (tmp / "shards_1" / "manifest.json").read_text() != (tmp / "shards_2" / "manifest.json").read_text():
             raise SystemExit("1 and 2 workers wrote different shards")
         print("outputs: same token ids and assistant masks as apply_chat_template; 1 and 2 workers identical")
         print(f"load average after: {os.getloadavg()[0]:.2f}")
+        print(f"per CPU-second: ours (1 worker) / datasets = {cpu_rates[1] / cpu_rates['datasets']:.2f}; "
+              f"ours with 2 workers / datasets = {rates[2] / rates['datasets']:.2f} (records/s)")
     print(f"convert_ratio_vs_datasets={rates[1] / rates['datasets']:.2f} worker_scaling={rates[2] / rates[1]:.2f}")
 
 

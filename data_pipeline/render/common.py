@@ -78,8 +78,8 @@ class ChatTemplater:
     tokenizer without special tokens, then every token overlapping a generation span masked), with
     two savings that leave the result unchanged:
     - the rendered text is encoded in turns, each starting at the family's turn-start token
-      (`chat_templates.TURN_START`), and a turn that comes back (the system block listing a row's
-      tools) is encoded once while remembered. The tokenizer splits its input at added tokens before normalising and
+      (`chat_templates.TURN_START`), and a turn that keeps coming back (the system block listing a
+      row's tools) is encoded twice, then remembered. The tokenizer splits its input at added tokens before normalising and
       pre-tokenising, so a piece that starts with a non-normalised added token without `lstrip` or
       `single_word` encodes alone exactly as it does in place (ids, and offsets shifted by its start).
       Other tokenizers encode the whole text;
@@ -87,9 +87,11 @@ class ChatTemplater:
     tests/test_render_chat.py compares it with `apply_chat_template` row by row.
     """
 
-    # Encoded turns are remembered up to this many tokens in all (about 12 bytes each), then forgotten
-    # at once: most turns (questions, answers) never come back, and forgetting only costs re-encoding.
-    _CACHE_TOKENS = 2_000_000
+    # A turn is remembered from its second sighting on: most turns (questions, answers, tool results)
+    # never come back, and remembering them would fill the cache and push out the ones that do. Both
+    # are bounded and forgotten at once when full; forgetting only costs re-encoding.
+    _CACHE_TOKENS = 4_000_000  # about 12 bytes each
+    _SEEN_TURNS = 1 << 20
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
@@ -97,6 +99,7 @@ class ChatTemplater:
         self._turn_start = _separable_turn_start(tokenizer)
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._cached_tokens = 0
+        self._seen: set[int] = set()  # hashes of turns encoded once
 
     def __call__(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> ChatTokens:
         # As apply_chat_template: keys whose value is None are dropped, the special tokens are template variables.
@@ -125,13 +128,20 @@ class ChatTemplater:
 
     def _cached(self, piece: str) -> tuple[np.ndarray, np.ndarray]:
         found = self._cache.get(piece)
-        if found is None:
-            found = self._encode_piece(piece)
-            if self._cached_tokens + len(found[0]) > self._CACHE_TOKENS:
-                self._cache.clear()
-                self._cached_tokens = 0
-            self._cache[piece] = found
-            self._cached_tokens += len(found[0])
+        if found is not None:
+            return found
+        found = self._encode_piece(piece)
+        key = hash(piece)  # a collision only remembers a turn early
+        if key not in self._seen:
+            if len(self._seen) >= self._SEEN_TURNS:
+                self._seen.clear()
+            self._seen.add(key)
+            return found
+        if self._cached_tokens + len(found[0]) > self._CACHE_TOKENS:
+            self._cache.clear()
+            self._cached_tokens = 0
+        self._cache[piece] = found
+        self._cached_tokens += len(found[0])
         return found
 
     def _encode_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
