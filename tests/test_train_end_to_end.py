@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests import waiting
-from tests.train_runs import ROOT, env_with_devices, metrics, run_train, train_command
+from tests.train_runs import ROOT, env_with_devices, final_params, metrics, run_train, train_command
 
 pytestmark = pytest.mark.slow
 TINY = "configs/vflash.py:tiny"
@@ -70,16 +70,6 @@ def test_one_and_eight_devices_give_the_same_losses(tmp_path):
     np.testing.assert_allclose([m["grad_norm"] for m in one], [m["grad_norm"] for m in eight], rtol=1e-4)
 
 
-def _final_params(workdir):
-    from valen_jax import checkpoint
-    mgr = checkpoint.manager(workdir, read_only=True)
-    step = mgr.latest_step()
-    import orbax.checkpoint as ocp
-    state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-    mgr.close()
-    return step, state["params"]
-
-
 def test_rerunning_the_command_resumes_at_the_same_step_and_data_position(tmp_path):
     steps = ("--config.train.steps=8", "--config.train.log_every=1", NO_EVAL, "--config.train.checkpoint_every=8")
     run_train(TINY, tmp_path / "straight", *steps)
@@ -103,9 +93,8 @@ def test_rerunning_the_command_resumes_at_the_same_step_and_data_position(tmp_pa
     straight = metrics(tmp_path / "straight")
     # Same data in the same order after the restart: identical losses step for step.
     assert [m["loss"] for m in resumed] == [m["loss"] for m in straight]
-    step_a, params_a = _final_params(tmp_path / "straight")
-    step_b, params_b = _final_params(workdir)
+    step_a, params_a = final_params(tmp_path / "straight")
+    step_b, params_b = final_params(workdir)
     assert step_a == step_b == 8
-    import jax
-    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(params_a, params_b, strict=True):
+        np.testing.assert_array_equal(a, b)

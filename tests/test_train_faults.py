@@ -16,28 +16,13 @@ import numpy as np
 import pytest
 
 from tests import waiting
-from tests.train_runs import ROOT, env_with_devices, metrics, run_train, train_command
+from tests.train_runs import ROOT, env_with_devices, final_params, metrics, run_train, train_command
 
 pytestmark = pytest.mark.slow
 TINY = "configs/vflash.py:tiny"
 # Checkpoints at 2, 4, 6, 8 (the tiny config keeps the last 3); the same schedule in every run.
 STEPS = ("--config.train.steps=8", "--config.train.log_every=1", "--config.eval.at_end=False",
          "--config.train.checkpoint_every=2")
-
-
-def final_params(workdir: Path):
-    import jax
-
-    from valen_jax import checkpoint
-    mgr = checkpoint.manager(workdir, read_only=True)
-    step = checkpoint.select_step(mgr, workdir)
-    # The saved shapes and dtypes, read back onto one device (the runs may have used several).
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                          mgr.item_metadata(step)["state"])
-    state = checkpoint.restore_state(mgr, step, target)
-    mgr.close()
-    return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
 
 
 def assert_same_run(workdir: Path, reference: Path) -> None:

@@ -33,3 +33,20 @@ def run_train(config: str, workdir: Path, *overrides: str, devices: int = 1, tim
 def metrics(workdir: Path) -> list[dict]:
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def final_params(workdir: Path):
+    """(step, params as numpy leaves) of the latest checkpoint in `workdir`, read onto one device."""
+    import jax
+    import numpy as np
+
+    from valen_jax import checkpoint
+    mgr = checkpoint.manager(workdir, read_only=True)
+    step = checkpoint.select_step(mgr, workdir)
+    # The saved shapes and dtypes, read back onto one device (the runs may have used several).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                          mgr.item_metadata(step)["state"])
+    state = checkpoint.restore_state(mgr, step, target)
+    mgr.close()
+    return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
