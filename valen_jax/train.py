@@ -35,8 +35,8 @@ from valen_jax import checkpoint, distributed, evaluate, sharding
 from valen_jax.config_schema import check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec
-from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.data.pipeline import TokenAssembly, build_dataset
+from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.valen_fit import check_training_set
 from valen_jax.data.valen_rows import ValenAssembly, is_valen

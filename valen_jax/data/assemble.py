@@ -20,8 +20,13 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.shards import Example
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
 from valen_jax.data.media import MediaInfo, load_frames
-from valen_jax.data.vision_processor import (ProcessedMedia, media_kwargs_of, media_settings, process_frames,
-                                             tokens_of)
+from valen_jax.data.vision_processor import (
+    ProcessedMedia,
+    media_kwargs_of,
+    media_settings,
+    process_frames,
+    tokens_of,
+)
 from valen_jax.models.config import VisionConfig
 
 
