@@ -388,6 +388,21 @@ def test_tools_declarations(tmp_path):
     ]
 
 
+def test_tool_schemas_are_checked_once_each_and_deep_ones_are_a_problem(tmp_path):
+    """The meta-schema check is cached by schema text; one too deep for jsonschema is a problem, not a crash."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+    deep: dict = {"type": "object"}
+    for _ in range(120):
+        deep = {"type": "object", "properties": {"a": deep}}
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    path = write(tmp_path / "bad.jsonl", *[row(user(), assistant(), tools=[bad])] * 3,
+                 row(user(), assistant(), tools=[deep_tool]))
+    found = problems_of(path)
+    assert [(p.line, p.field) for p in found] == [(n, "tools[0].function.parameters") for n in (1, 2, 3, 4)]
+    assert found[0].message == found[2].message and "not a valid JSON Schema" in found[0].message
+    assert "nested too deeply" in found[3].message
+
+
 def test_record_and_message_shapes(tmp_path):
     path = write(
         tmp_path / "bad.jsonl",

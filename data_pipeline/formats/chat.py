@@ -413,6 +413,9 @@ def _schema_problem(text: str) -> str | None:
     except SchemaError as err:
         where = "/".join(str(p) for p in err.path)
         return f"not a valid JSON Schema{' at ' + where if where else ''}: {err.message}"
+    except RecursionError:
+        # jsonschema recurses per level, deeper than the JSON parser needed: a problem, not a traceback.
+        return "nested too deeply to check against the JSON Schema meta-schema"
     return None
 
 
