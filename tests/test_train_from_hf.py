@@ -42,7 +42,8 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     base = tmp_path / "base"
     base_vocab = _base_model(base)
     # Seed 000: unset media_kwargs come from the base model's processor files; the config's win.
-    (base / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 512, "longest_edge": 2048}}))
+    (base / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 512, "longest_edge": 2048},
+                                                                      "image_mean": [0.25, 0.5, 0.75]}))
     (base / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1.0, "max_frames": 6}))
     workdir = tmp_path / "run"
     result = run_train("configs/vflash.py:hf", workdir, f"--config.model.init_from={base}",
@@ -58,10 +59,12 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 2)
     assert meta["model"]["dim"] == 64 and meta["model"]["attention_bias"] and meta["model"]["scan_layers"]
     assert meta["model"]["vocab_size"] >= base_vocab + 1028
-    assert meta["media_kwargs"] == {"min_pixels": 512, "max_pixels": 2048, "fps": 1.0, "max_frames": 3}
+    assert meta["media_kwargs"] == {"min_pixels": 512, "max_pixels": 2048, "fps": 1.0, "max_frames": 3,
+                                    "image_mean": [0.25, 0.5, 0.75], "image_std": [0.5, 0.5, 0.5]}
     assert meta["media_kwargs_sources"] == {"min_pixels": "preprocessor_config.json", "max_pixels":
                                             "preprocessor_config.json", "fps": "video_preprocessor_config.json",
-                                            "max_frames": "config"}
+                                            "max_frames": "config", "image_mean": "preprocessor_config.json",
+                                            "image_std": "smoke default"}
 
 
 def test_architecture_fields_next_to_init_from_are_refused(tmp_path):

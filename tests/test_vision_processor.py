@@ -8,7 +8,13 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from valen_jax.data.vision_processor import ProcessorError, process_frames, smart_resize, tokens_of
+from valen_jax.data.vision_processor import (
+    ProcessorError,
+    media_settings,
+    process_frames,
+    smart_resize,
+    tokens_of,
+)
 from valen_jax.models.config import VisionConfig
 from valen_jax.models.vision import VisionEncoder
 
@@ -37,9 +43,10 @@ def test_patches_are_ordered_in_merge_windows():
     # The first merge window holds the patches at (0,0), (0,1), (1,0), (1,1).
     assert media.positions[:4].tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
     assert media.positions[4:8].tolist() == [[0, 0, 2], [0, 0, 3], [0, 1, 2], [0, 1, 3]]
-    # Patch content: first pixel of the patch at (h=1, w=1) is row 4, column 4.
-    first = media.patches[3].reshape(2, 4, 4, 3)[0, 0, 0]
-    np.testing.assert_allclose((first + 1) * 127.5, [40, 40, 0], atol=1.0)
+    # Patch content, flattened (C, t, p, p) like HF's: first pixel of the patch at (h=1, w=1) is
+    # row 4, column 4; the smoke mean/std 0.5 map [0, 255] to [-1, 1].
+    first = media.patches[3].reshape(3, 2, 4, 4)[:, 0, 0, 0]
+    np.testing.assert_allclose((first + 1) * 127.5, [40, 40, 0], atol=1e-3)
 
 
 def test_a_clip_pads_its_last_temporal_patch_and_an_image_fills_one():
@@ -84,17 +91,21 @@ def test_base_model_processor_files_give_the_media_defaults(tmp_path):
 
     # Qwen2-VL writes min/max_pixels; newer processors the same areas as size.shortest/longest_edge.
     qwen2 = _write_processor(tmp_path / "qwen2", {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14})
-    qwen3 = _write_processor(tmp_path / "qwen3", {"size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+    qwen3 = _write_processor(tmp_path / "qwen3", {"size": {"shortest_edge": 65536, "longest_edge": 16777216},
+                                                  "image_mean": [0.5, 0.5, 0.5]},
                              {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2,
-                              "max_frames": 768, "min_frames": 4})
+                              "max_frames": 768, "min_frames": 4, "image_std": [0.25, 0.5, 0.5]})
     assert processor_media_kwargs(qwen2) == {"min_pixels": (3136, "preprocessor_config.json"),
                                              "max_pixels": (12845056, "preprocessor_config.json")}
     values, sources = resolve_media_kwargs({"min_pixels": None, "max_pixels": None, "fps": None, "max_frames": 5},
                                            qwen3)
     # The image file's pixel bounds win over the video file's (one pixel budget); the config wins over both.
-    assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5}
+    # mean/std likewise: the video file fills what the image file does not state.
+    assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5,
+                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.25, 0.5, 0.5)}
     assert sources == {"min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
-                       "fps": "video_preprocessor_config.json", "max_frames": "config"}
+                       "fps": "video_preprocessor_config.json", "max_frames": "config",
+                       "image_mean": "preprocessor_config.json", "image_std": "video_preprocessor_config.json"}
     # What the base model does not state (Qwen2-VL has no video file) keeps the smoke default, said so.
     values, sources = resolve_media_kwargs({}, qwen2)
     assert (values["fps"], sources["fps"], values["max_frames"]) == (2.0, "smoke default", 8)
@@ -112,6 +123,11 @@ def test_from_scratch_the_smoke_defaults_and_refusals(tmp_path):
     bad = _write_processor(tmp_path / "bad", {"max_pixels": "many"})
     with pytest.raises(ProcessorError, match="preprocessor_config.json: max_pixels must be a positive number"):
         resolve_media_kwargs({}, bad)
+    zero_std = _write_processor(tmp_path / "std", {"image_std": [0.5, 0, 0.5]})
+    with pytest.raises(ProcessorError, match="std/preprocessor_config.json: image_std must be three numbers .RGB., all > 0"):
+        resolve_media_kwargs({}, zero_std)
+    with pytest.raises(ProcessorError, match="media_kwargs: image_mean must be three numbers"):
+        media_settings({"image_mean": (0.5, 0.5)})
 
 
 def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
@@ -124,6 +140,8 @@ def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
     config.model.init_from = str(_write_processor(tmp_path / "base", {"min_pixels": 256, "max_pixels": 1024},
                                                   {"fps": 1.5, "max_frames": 6}))
     config.media_kwargs.max_frames = 3
-    assert media_kwargs_of(config) == ({"min_pixels": 256, "max_pixels": 1024, "fps": 1.5, "max_frames": 3}, {
+    assert media_kwargs_of(config) == ({"min_pixels": 256, "max_pixels": 1024, "fps": 1.5, "max_frames": 3,
+                                        "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}, {
         "min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
-        "fps": "video_preprocessor_config.json", "max_frames": "config"})
+        "fps": "video_preprocessor_config.json", "max_frames": "config", "image_mean": "smoke default",
+        "image_std": "smoke default"})

@@ -4,6 +4,13 @@ An image or a run of video frames is resized so both sides are multiples of
 patch_size × merge_size and the area lies within [min_pixels, max_pixels] (aspect kept:
 `smart_resize`), cut into patches of temporal_patch_size frames × patch_size², and ordered
 window by window so each merge_size² run of patches merges into one text token.
+
+The numerics are those of transformers' `Qwen2VLImageProcessorPil` (5.24), which Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL checkpoints name: Pillow bicubic resize of the uint8 RGB frame,
+× 1/255 in float64 then float32, (x − image_mean) / image_std in float32, and each patch
+flattened channel-first as (C, t, p, p) — the layout of the HF vision tower's Conv3d weight
+[dim, C, t, p, p], so an imported patch embedding is a plain reshape.
+tests/test_processor_parity.py holds us to it.
 """
 
 from __future__ import annotations
@@ -23,7 +30,15 @@ from valen_jax.models.config import VisionConfig
 # ViTs of configs/*.py, CPU runs on 64-pixel smoke images). A run from an HF base model takes
 # each key from the base model's own processor files instead (`resolve_media_kwargs`, seed 000:
 # "the defaults are the base model's processor settings"); a key the config sets wins over both.
-MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8}
+# image_mean/std 0.5 map pixels to [-1, 1] (what the smoke models have always been trained on).
+MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8,
+                  "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+RESCALE_FACTOR = 1 / 255
+PIL_BICUBIC = 3  # PILImageResampling.BICUBIC, the `resample` the Qwen-VL processors use
+# Processor settings we do not honour in any other value than this: a checkpoint stating another is refused.
+FIXED_SETTINGS = {"do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+                  "resample": PIL_BICUBIC}
+GEOMETRY_KEYS = ("patch_size", "temporal_patch_size", "merge_size")
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
 SMOKE_DEFAULT = "smoke default"
@@ -52,7 +67,22 @@ def media_settings(media_kwargs: Mapping) -> dict:
     if unset:
         raise ProcessorError(f"media_kwargs: {', '.join(unset)} not resolved (None); resolve_media_kwargs "
                              "fills them from the base model's processor or the smoke defaults")
-    return {**MEDIA_DEFAULTS, **dict(media_kwargs)}
+    settings = {**MEDIA_DEFAULTS, **dict(media_kwargs)}
+    for key in ("image_mean", "image_std"):
+        _check_channels(key, settings[key], "media_kwargs")
+    return settings
+
+
+def _check_channels(key: str, value, where: str) -> tuple[float, float, float]:
+    """One number per RGB channel; a std must be positive (it divides)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = (value,) * 3
+    ok = (isinstance(value, list | tuple) and len(value) == 3
+          and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value))
+    if not ok or (key == "image_std" and min(value) <= 0):
+        raise ProcessorError(f"{where}: {key} must be three numbers (RGB){', all > 0' if key == 'image_std' else ''}, "
+                             f"got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str]]:
@@ -60,9 +90,11 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
 
     `preprocessor_config.json` (images) gives the pixel bounds: `min_pixels`/`max_pixels`, or
     `size.shortest_edge`/`size.longest_edge`, which Qwen2-VL-family processors define as the same
-    pixel AREAS. `video_preprocessor_config.json` gives `fps` and `max_frames` (and the pixel
-    bounds when the image file has none: this processor has one pixel budget for both).
-    Keys neither file states are absent from the result."""
+    pixel AREAS, and `image_mean`/`image_std`. `video_preprocessor_config.json` gives `fps` and
+    `max_frames` (and the pixel bounds and mean/std when the image file has none: this processor
+    has one pixel budget and one normalisation for both). Keys neither file states are absent from
+    the result. A setting we cannot honour (no resize, another resampling filter or rescale factor,
+    no normalisation) is refused, naming the file and the field."""
     directory = Path(directory)
     found: dict[str, tuple[object, str]] = {}
     for name in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
@@ -73,11 +105,15 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
             data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ProcessorError(f"{path}: not a JSON processor config ({error})") from None
+        _refuse_unhonoured(data, path)
         size = data.get("size") if isinstance(data.get("size"), dict) else {}
         stated = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
                   "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
         if name == VIDEO_PROCESSOR_FILE:
             stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"))
+        for key in ("image_mean", "image_std"):
+            if data.get(key) is not None and key not in found:
+                found[key] = (_check_channels(key, data[key], str(path)), name)
         for key, value in stated.items():
             if value is None or key in found:
                 continue
@@ -110,6 +146,44 @@ def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | No
     return values, sources
 
 
+def _refuse_unhonoured(data: Mapping, path: Path) -> None:
+    for key, wanted in FIXED_SETTINGS.items():
+        if data.get(key) is not None and data[key] != wanted:  # null: the class default, which is this
+            raise ProcessorError(f"{path}: {key}={data[key]!r} is not supported (this processor always uses "
+                                 f"{key}={wanted!r}, as the Qwen-VL processors do)")
+    factor = data.get("rescale_factor")
+    if factor is not None and not math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9):
+        raise ProcessorError(f"{path}: rescale_factor={factor!r} is not supported (only 1/255)")
+
+
+def processor_geometry(directory: str | Path) -> dict[str, tuple[int, str]]:
+    """patch_size, temporal_patch_size and merge_size as the checkpoint's processor files state them
+    (image file first), each with its file. They belong to the model, not to media_kwargs."""
+    directory = Path(directory)
+    found: dict[str, tuple[int, str]] = {}
+    for name in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
+        path = directory / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for key in GEOMETRY_KEYS:
+            value = data.get(key)
+            if value is None or key in found:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ProcessorError(f"{path}: {key} must be a positive integer, got {value!r}")
+            found[key] = (value, name)
+    return found
+
+
+def check_processor_geometry(vision: VisionConfig, directory: str | Path) -> None:
+    """Refuse a checkpoint whose processor cuts patches other than its vision tower reads them."""
+    for key, (value, name) in processor_geometry(directory).items():
+        if getattr(vision, key) != value:
+            raise ProcessorError(f"{Path(directory) / name}: {key}={value} but the model's vision config has "
+                                 f"{key}={getattr(vision, key)}; the processor and the vision tower must agree")
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     if min(height, width) <= 0 or max(height, width) / min(height, width) > 200:
         raise ProcessorError(f"image {width}x{height}: aspect ratio beyond 200 or empty")
@@ -131,15 +205,18 @@ def process_frames(frames: list[Image.Image], vision: VisionConfig, media_kwargs
     p, m, tp = vision.patch_size, vision.merge_size, vision.temporal_patch_size
     width, height = frames[0].size
     h, w = smart_resize(height, width, p * m, int(settings["min_pixels"]), int(settings["max_pixels"]))
-    pixels = np.stack([np.asarray(f.convert("RGB").resize((w, h), Image.BICUBIC), np.float32) for f in frames])
-    pixels = pixels / 127.5 - 1.0
+    # Exactly HF's PIL backend: uint8 resize, rescale in float64 → float32, normalise in float32.
+    pixels = np.stack([np.asarray(f.convert("RGB").resize((w, h), Image.BICUBIC)) for f in frames])
+    pixels = (pixels.astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
+    pixels = (pixels - np.asarray(settings["image_mean"], np.float32)) / np.asarray(settings["image_std"], np.float32)
     # An image is repeated to fill one temporal patch; a video's last frame pads its final one.
     pad = (-len(pixels)) % tp
     pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)]) if pad else pixels
     gt, gh, gw = len(pixels) // tp, h // p, w // p
-    # [gt, tp, gh/m, m, p, gw/m, m, p, 3] → windows of m×m patches in row-major window order.
+    # [gt, tp, gh/m, m, p, gw/m, m, p, C] → windows of m×m patches in row-major window order, each
+    # patch flattened as (C, t, p, p) like HF's.
     grid = pixels.reshape(gt, tp, gh // m, m, p, gw // m, m, p, 3)
-    patches = grid.transpose(0, 2, 5, 3, 6, 1, 4, 7, 8).reshape(gt * gh * gw, tp * p * p * 3)
+    patches = grid.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, 3 * tp * p * p)
     t, bh, bw, ih, iw = np.meshgrid(np.arange(gt), np.arange(gh // m), np.arange(gw // m), np.arange(m),
                                     np.arange(m), indexing="ij")
     positions = np.stack([t, bh * m + ih, bw * m + iw], axis=-1).reshape(-1, 3).astype(np.int32)

@@ -1,0 +1,120 @@
+"""Our image/video preprocessing equals the HF processor of the checkpoint (issue 13, "Processor parity").
+
+Reference: transformers 5.24's `Qwen2VLImageProcessorPil`, built locally from explicit kwargs and
+saved with `save_pretrained`, so our side is driven by the checkpoint's own
+`preprocessor_config.json`. It is the Pillow backend; the `Qwen2VLImageProcessor` class (and every
+Qwen-VL video processor) is the torchvision backend, and torchvision is not installed here (no
+wheel matching torch 2.13.0+cpu): AutoImageProcessor gives the Pillow one in this environment.
+Qwen2.5-VL has no processor of its own (it uses Qwen2-VL's), Qwen3-VL uses the same class with
+patch_size 16 and mean/std 0.5. Media are random uint8 pixels, so resampling errors would show.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from valen_jax.data.vision_processor import (
+    ProcessorError,
+    check_processor_geometry,
+    process_frames,
+    processor_media_kwargs,
+    resolve_media_kwargs,
+)
+from valen_jax.models.config import VisionConfig
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# (name, HF processor kwargs as the family's checkpoint states them, small pixel bounds to keep it quick)
+FAMILIES = {
+    "qwen2_vl": dict(patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+                     min_pixels=56 * 56, max_pixels=28 * 28 * 64),
+    "qwen3_vl": dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                     size={"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 64}),
+}
+# height × width: tiny (upscaled to min_pixels), very wide, very tall, one far above max_pixels,
+# and an ordinary one inside the bounds.
+SIZES = [(7, 5), (40, 900), (700, 33), (1200, 1600), (150, 220)]
+
+
+def _image(height: int, width: int, seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8))
+
+
+def _checkpoint(family: str, tmp_path, **overrides):
+    processor = Qwen2VLImageProcessorPil(**{**FAMILIES[family], **overrides})
+    processor.save_pretrained(tmp_path)
+    media_kwargs, _ = resolve_media_kwargs({}, tmp_path)
+    vision = VisionConfig(patch_size=processor.patch_size, merge_size=processor.merge_size,
+                          temporal_patch_size=processor.temporal_patch_size, dim=8, num_layers=1, num_heads=1,
+                          mlp_dim=8)
+    check_processor_geometry(vision, tmp_path)
+    return processor, vision, media_kwargs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_images_equal_the_hf_processor(family, tmp_path):
+    processor, vision, media_kwargs = _checkpoint(family, tmp_path)
+    for i, (height, width) in enumerate(SIZES):
+        image = _image(height, width, i)
+        theirs = processor(images=[image], return_tensors="np")
+        ours = process_frames([image], vision, media_kwargs)
+        assert ours.grid == tuple(theirs["image_grid_thw"][0]), (height, width)
+        assert ours.patches.shape == theirs["pixel_values"].shape
+        np.testing.assert_allclose(ours.patches, theirs["pixel_values"], rtol=0, atol=1e-6, err_msg=f"{height}x{width}")
+
+
+def test_min_max_pixels_overrides_equal_the_hf_processor(tmp_path):
+    # The checkpoint's bounds replaced by media_kwargs on our side and by the same kwargs on theirs.
+    processor, vision, media_kwargs = _checkpoint("qwen2_vl", tmp_path)
+    override = {"min_pixels": 28 * 28 * 9, "max_pixels": 28 * 28 * 20}
+    theirs_processor = Qwen2VLImageProcessorPil(**{**FAMILIES["qwen2_vl"], **override})
+    mine = {**media_kwargs, **override}
+    for i, (height, width) in enumerate(SIZES):
+        image = _image(height, width, 10 + i)
+        theirs = theirs_processor(images=[image], return_tensors="np")
+        ours = process_frames([image], vision, mine)
+        assert ours.grid == tuple(theirs["image_grid_thw"][0])
+        np.testing.assert_allclose(ours.patches, theirs["pixel_values"], rtol=0, atol=1e-6)
+    # The override really changed the grid of the big image.
+    big = _image(1200, 1600, 0)
+    assert process_frames([big], vision, mine).grid != process_frames([big], vision, media_kwargs).grid
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_short_video_equals_hf_per_frame_numerics_in_hf_temporal_layout(family, tmp_path):
+    """Five frames → three temporal patches, the last padded with the last frame (HF's video patchify).
+
+    The video processors need torchvision, absent here, so the reference is assembled from HF's
+    image processor: each frame processed alone gives its (C, t, p, p) patches with the frame
+    repeated over t; the clip's patch takes frame 2k at t=0 and frame 2k+1 at t=1, exactly the
+    `view(gt, tp, C, …).permute(…)` of `Qwen2VLVideoProcessor.patchify`."""
+    processor, vision, media_kwargs = _checkpoint(family, tmp_path)
+    frames = [_image(90, 160, 100 + i) for i in range(5)]
+    ours = process_frames(frames, vision, media_kwargs)
+    per_frame = [processor(images=[f], return_tensors="np") for f in frames + frames[-1:]]
+    tp, p = vision.temporal_patch_size, vision.patch_size
+    grid = tuple(per_frame[0]["image_grid_thw"][0])
+    slots = [r["pixel_values"].reshape(-1, 3, tp, p, p)[:, :, 0] for r in per_frame]  # [N, C, p, p] per frame
+    clip = np.stack([np.stack(slots[k * tp:(k + 1) * tp], axis=2) for k in range(len(slots) // tp)])
+    expected = clip.reshape(-1, 3 * tp * p * p)
+    assert ours.grid == (3, grid[1], grid[2])
+    np.testing.assert_allclose(ours.patches, expected, rtol=0, atol=1e-6)
+
+
+def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
+    _checkpoint("qwen2_vl", tmp_path / "ok")
+    Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], resample=2).save_pretrained(tmp_path / "bilinear")
+    with pytest.raises(ProcessorError, match="preprocessor_config.json: resample=2 is not supported"):
+        processor_media_kwargs(tmp_path / "bilinear")
+    Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], do_normalize=False).save_pretrained(tmp_path / "raw")
+    with pytest.raises(ProcessorError, match="do_normalize=False is not supported"):
+        processor_media_kwargs(tmp_path / "raw")
+    wrong = VisionConfig(patch_size=16, merge_size=2, temporal_patch_size=2, dim=8, num_layers=1, num_heads=1,
+                         mlp_dim=8)
+    with pytest.raises(ProcessorError, match="patch_size=14 but the model's vision config has patch_size=16"):
+        check_processor_geometry(wrong, tmp_path / "ok")
