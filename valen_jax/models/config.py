@@ -29,6 +29,10 @@ class VisionConfig:
     num_heads: int
     mlp_dim: int
     rope_theta: float = 10000.0
+    # "valen": our own RMSNorm/SwiGLU ViT (from-scratch models); "qwen2_vl": Qwen2-VL's tower
+    # (LayerNorm blocks, fused-bias QKV, `hidden_act` MLP, 2-D rotary, ln_q → Linear → GELU → Linear merger).
+    family: str = "valen"
+    hidden_act: str = "quick_gelu"
 
     @property
     def patch_dim(self) -> int:
@@ -37,6 +41,13 @@ class VisionConfig:
     def __post_init__(self):
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
             raise ValueError(f"vision dim {self.dim} must split into {self.num_heads} heads of even size")
+        if self.family not in VISION_FAMILIES:
+            raise ValueError(f"vision family {self.family!r}; choose one of {VISION_FAMILIES}")
+        if self.family == "qwen2_vl" and (self.dim // self.num_heads) % 4:
+            raise ValueError(f"qwen2_vl vision head size {self.dim // self.num_heads} must be a multiple of 4 (h, w rotary)")
+
+
+VISION_FAMILIES = ("valen", "qwen2_vl")
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     image_pad_id: int = -1
+    video_pad_id: int = -1  # a second media-slot token (Qwen-VL's <|video_pad|>); -1: none
+    # Qwen2-VL M-RoPE: frequency pairs per (t, h, w) position axis; positions are then [B, T, 3].
+    mrope_section: tuple[int, ...] | None = None
     score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
 
@@ -85,6 +99,8 @@ class ModelConfig:
         data = dict(data)
         vision = data.pop("vision", None)
         scaling = data.pop("rope_scaling", None)
+        if data.get("mrope_section") is not None:  # JSON gives a list; the frozen config keeps a tuple
+            data["mrope_section"] = tuple(data["mrope_section"])
         return cls(**data, vision=VisionConfig(**vision) if vision else None,
                    rope_scaling=RopeScaling(**scaling) if scaling else None)
 

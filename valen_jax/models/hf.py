@@ -209,15 +209,15 @@ def _host_param(tensors: CheckpointTensors, cfg: ModelConfig, path: tuple, dtype
 
 
 def load_params(directory: str | Path, cfg: ModelConfig, shardings, added_pieces: dict[int, list[int]] | None = None,
-                fresh: dict | None = None) -> dict:
+                fresh: dict | None = None, tensors: CheckpointTensors | None = None) -> dict:
     """Sharded parameters of `cfg` from an HF checkpoint; each device receives only its slice.
 
     `added_pieces` maps token ids beyond the checkpoint's vocabulary to their base-tokenizer
     pieces (see `extend_rows`). Parameters the checkpoint has no counterpart for (a vision
     tower, a score head) are taken from `fresh`, a freshly initialised parameter tree;
-    without it they are an error.
+    without it they are an error. `tensors`: the checkpoint reader (default: `directory`'s).
     """
-    tensors = CheckpointTensors(directory)
+    tensors = tensors if tensors is not None else CheckpointTensors(directory)
     _, abstract = abstract_model(cfg)
     shapes = nnx.to_pure_dict(abstract)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
@@ -255,6 +255,10 @@ def from_pretrained(path_or_name: str | Path, dtype="float32", param_dtype="floa
     if not (directory / "config.json").is_file():
         raise HFImportError(f"{path_or_name}: no config.json in {directory}; not a transformers checkpoint")
     hf = json.loads((directory / "config.json").read_text())
+    from valen_jax.models import hf_vl  # imports this module
+
+    if hf_vl.is_vl(hf):
+        return hf_vl.from_pretrained(directory, hf, dtype_name(dtype), dtype_name(param_dtype), mesh, **overrides)
     cfg = config_from_hf(hf, dtype=dtype_name(dtype), param_dtype=dtype_name(param_dtype), **overrides)
     graphdef, abstract = abstract_model(cfg)
     if mesh is None:
@@ -267,10 +271,21 @@ def from_pretrained(path_or_name: str | Path, dtype="float32", param_dtype="floa
 def save_pretrained(model: Transformer, path: str | Path, family: str | None = None) -> Path:
     """Write config.json + model.safetensors that `transformers` loads as the same model."""
     cfg: ModelConfig = model.cfg
+    if cfg.mrope_section is not None:  # a Qwen2-VL model: decoder and vision tower
+        from valen_jax.models import hf_vl
+
+        return hf_vl.save_pretrained(model, path)
     family = family or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    save_file(decoder_tensors(cfg, params), path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, family), indent=2) + "\n")
+    return path
+
+
+def decoder_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """The decoder's tensors under their HF names, from host parameters."""
     tensors = {}
     for ours, name, _, back in _top_tensors(cfg):
         value = _get(params, ours)
@@ -279,6 +294,4 @@ def save_pretrained(model: Transformer, path: str | Path, family: str | None = N
         for ours, name, _, back in _layer_tensors(cfg, i):
             value = _get(params["layers"], ours)[i] if cfg.scan_layers else _get(params["layers"][i], ours)
             tensors[name] = np.ascontiguousarray(back(value) if back else value)
-    save_file(tensors, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg, family), indent=2) + "\n")
-    return path
+    return tensors

@@ -100,6 +100,29 @@ def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def mrope(x, positions, theta: float, section: tuple[int, ...]):
+    """Qwen2-VL's multimodal rotary embedding. x: [B, T, N, H]; positions: [B, T, 3] (t, h, w) or [B, T].
+
+    Unlike `rope` with three position axes, the frequencies are those of the whole head
+    (`inverse_frequencies(H)`), and consecutive runs of `section` frequency pairs take their
+    angle from the t, h, w coordinate in turn (HF `recomposition_frequencies`); text tokens
+    carry equal coordinates, so for them this is plain 1-D RoPE.
+    """
+    if sum(section) != x.shape[-1] // 2:
+        raise ValueError(f"mrope_section {section} must sum to half the head dim {x.shape[-1]}")
+    if positions.ndim == 2:
+        positions = jnp.repeat(positions[..., None], 3, axis=-1)
+    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, None))
+    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])  # position axis of each pair
+    chosen = jnp.take(positions.astype(jnp.float32), jnp.asarray(axis), axis=-1)  # [B, T, H/2]
+    angles = chosen * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
 # Query positions per block in `causal_attention`: blocks of 64 measured best on CPU (against
 # 128 and 256) at 512 tokens; longer rows get at most 8 blocks, each a multiple of 64, so the
 # unrolled graph (and compile time) stays small while about 44% of the work is still skipped.
@@ -193,7 +216,7 @@ class Attention(nnx.Module):
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
                  dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6,
-                 causal: bool = True):
+                 causal: bool = True, mrope_section: tuple[int, ...] | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} key/value heads")
         self.q = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -213,6 +236,7 @@ class Attention(nnx.Module):
         self.rope_scaling = rope_scaling
         self.dtype = dtype
         self.causal = causal
+        self.mrope_section = tuple(mrope_section) if mrope_section else None
 
     def __call__(self, x, positions, mask):
         """x: [B, T, D]; positions: [B, T]; mask: bool [B, 1, T, T], True where attention is allowed."""
@@ -226,7 +250,10 @@ class Attention(nnx.Module):
             v = v + self.v_bias[...].astype(self.dtype)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
+        if self.mrope_section is not None:
+            q = mrope(q, positions, self.rope_theta, self.mrope_section)
+            k = mrope(k, positions, self.rope_theta, self.mrope_section)
+        elif self.rope_theta is not None:
             q = rope(q, positions, self.rope_theta, self.rope_scaling)
             k = rope(k, positions, self.rope_theta, self.rope_scaling)
         q = constrain(q, ("batch", "length", "act_heads", None))
@@ -276,11 +303,11 @@ class Block(nnx.Module):
     """Pre-norm transformer block."""
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
-                 dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True):
+                 dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
-                              rope_scaling=rope_scaling, eps=eps, causal=causal)
+                              rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
 

@@ -9,6 +9,7 @@ from flax import nnx
 from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.models.heads import ScoreHead
 from valen_jax.models.layers import Block, RMSNorm, param
+from valen_jax.models.qwen_vision import QwenVisionEncoder
 from valen_jax.models.vision import VisionEncoder
 from valen_jax.sharding import constrain
 
@@ -36,7 +37,13 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
                  param_dtype=dtype_of(cfg.param_dtype), rngs=rngs, qk_norm=cfg.qk_norm,
-                 rope_scaling=cfg.rope_scaling)
+                 rope_scaling=cfg.rope_scaling, mrope_section=cfg.mrope_section)
+
+
+def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
+    if cfg.vision.family == "qwen2_vl":
+        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
+    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -67,7 +74,7 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt)
-        self.vision = VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs) if cfg.vision else None
+        self.vision = _vision(cfg, rngs) if cfg.vision else None
         self.score_head = ScoreHead(cfg.dim, pdt, rngs) if cfg.score_head else None
 
     def _run_layers(self, x, positions, mask):
@@ -91,7 +98,8 @@ class Transformer(nnx.Module):
         """Token embeddings, with media slots filled by vision tokens.
 
         vision_inputs: (patches [B, P, patch_dim], patch positions [B, P, 3], patch segments [B, P]).
-        The k-th media-slot token of a row takes the row's k-th merged vision token, in order.
+        The k-th media-slot token of a row (image_pad_id, or video_pad_id when set) takes the row's
+        k-th merged vision token, in order.
         """
         # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
         # full rematerialisation to reach the batch-sharded activation layout.
@@ -103,6 +111,8 @@ class Transformer(nnx.Module):
         # Keep vision tokens batch-sharded like the text so the gather below stays local.
         features = constrain(features, ("batch", None, "act_embed"))
         is_slot = tokens == self.cfg.image_pad_id
+        if self.cfg.video_pad_id >= 0:
+            is_slot |= tokens == self.cfg.video_pad_id
         index = jnp.clip(jnp.cumsum(is_slot, axis=1) - 1, 0, features.shape[1] - 1)
         gathered = jnp.take_along_axis(features, index[..., None], axis=1)
         return jnp.where(is_slot[..., None], gathered, x)
@@ -123,7 +133,7 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "act_vocab"))
 
     def __call__(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
-        """tokens, positions, segment_ids: int32 [B, T]; vision_inputs as in `embed_tokens` → f32 logits [B, T, V]."""
+        """tokens, positions, segment_ids: int32 [B, T] (positions [B, T, 3] with M-RoPE); vision_inputs as in `embed_tokens` → f32 logits [B, T, V]."""
         return self.logits(self.hidden(tokens, positions, segment_ids, vision_inputs, branch_ids))
 
 

@@ -1,0 +1,205 @@
+"""Import and export Hugging Face Qwen2-VL checkpoints (`Qwen2VLForConditionalGeneration`).
+
+The decoder is a Qwen2 decoder with M-RoPE (`ModelConfig.mrope_section`); the vision tower is
+`qwen_vision.QwenVisionEncoder`. Tensor names: transformers 5 `save_pretrained` writes the
+legacy layout (`model.layers.*`, `visual.*`, `lm_head.weight`); checkpoints in the new layout
+(`model.language_model.*`, `model.visual.*`) are read too. Export writes the legacy layout,
+which the family class loads.
+
+Not expressible yet, refused by name: Qwen2.5-VL (window attention, RMSNorm/SwiGLU tower),
+Qwen3-VL (deepstack), sliding-window decoders, rope types other than default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from valen_jax import sharding
+from valen_jax.models import hf
+from valen_jax.models.config import ModelConfig, VisionConfig
+from valen_jax.models.qwen_vision import activation
+from valen_jax.models.safetensors_io import CheckpointTensors, save_file
+from valen_jax.models.transformer import Transformer, abstract_model
+
+VL_FAMILIES = ("qwen2_vl",)
+_REFUSED = {
+    "qwen2_5_vl": "Qwen2.5-VL's window attention and RMSNorm/SwiGLU vision tower are not implemented",
+    "qwen3_vl": "Qwen3-VL's deepstack vision features and interleaved M-RoPE are not implemented",
+    "qwen3_vl_moe": "Qwen3-VL-MoE (mixture-of-experts decoder, deepstack) is not implemented",
+}
+
+
+def is_vl(hf_config: dict) -> bool:
+    return hf_config.get("model_type") in VL_FAMILIES or hf_config.get("model_type") in _REFUSED
+
+
+def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
+    family = hf_config.get("model_type")
+    if family in _REFUSED:
+        raise hf.HFImportError(f"model_type {family!r}: {_REFUSED[family]}")
+    if family not in VL_FAMILIES:
+        raise hf.HFImportError(f"model_type {family!r} is not a supported vision-language family; supported: "
+                               f"{', '.join(VL_FAMILIES)}")
+    text = dict(hf_config["text_config"])
+    rope = dict(text.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default":
+        raise hf.HFImportError(f"text_config.rope_parameters.rope_type {rope['rope_type']!r}: only default M-RoPE "
+                               "is implemented")
+    section = rope.get("mrope_section")
+    if not section:
+        raise hf.HFImportError("text_config.rope_parameters.mrope_section is missing")
+    vis = hf_config["vision_config"]
+    if vis.get("in_channels", 3) != 3:
+        raise hf.HFImportError(f"vision_config.in_channels {vis['in_channels']}: only 3 (RGB) is implemented")
+    try:
+        activation(vis.get("hidden_act", "quick_gelu"))
+    except ValueError as error:
+        raise hf.HFImportError(f"vision_config: {error}") from None
+    vision_rope = vis.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 10000.0}
+    if vision_rope.get("rope_type", "axial") != "axial":
+        raise hf.HFImportError(f"vision_config.rope_parameters.rope_type {vision_rope['rope_type']!r}: only axial")
+    if vis["hidden_size"] != text["hidden_size"]:
+        raise hf.HFImportError(f"vision_config.hidden_size {vis['hidden_size']} differs from the decoder's "
+                               f"{text['hidden_size']}")
+    for key in ("patch_size", "temporal_patch_size"):
+        if not isinstance(vis.get(key, 1), int):
+            raise hf.HFImportError(f"vision_config.{key} {vis[key]!r}: only a single int is implemented")
+    vision = VisionConfig(
+        patch_size=vis.get("patch_size", 14), merge_size=vis.get("spatial_merge_size", 2),
+        temporal_patch_size=vis.get("temporal_patch_size", 2), dim=vis["embed_dim"], num_layers=vis["depth"],
+        num_heads=vis["num_heads"], mlp_dim=int(vis["embed_dim"] * vis.get("mlp_ratio", 4)),
+        rope_theta=float(vision_rope.get("rope_theta", 10000.0)), family="qwen2_vl",
+        hidden_act=vis.get("hidden_act", "quick_gelu"))
+    tie = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    settings = dict(image_pad_id=hf_config["image_token_id"], video_pad_id=hf_config["video_token_id"],
+                    mrope_section=tuple(section), vision=vision)
+    settings.update(overrides)
+    return hf.config_from_hf({**text, "model_type": "qwen2", "tie_word_embeddings": tie}, **settings)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    text = hf.config_to_hf(cfg, "qwen2")
+    text.pop("architectures")
+    text.update(model_type="qwen2_vl_text", use_sliding_window=False,
+                rope_parameters={**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)})
+    v = cfg.vision
+    if v.mlp_dim % v.dim:
+        raise hf.HFImportError(f"vision mlp_dim {v.mlp_dim} is not a whole multiple of dim {v.dim}: Qwen2-VL's "
+                               "mlp_ratio is an int")
+    return {
+        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+        "image_token_id": cfg.image_pad_id, "video_token_id": cfg.video_pad_id,
+        "tie_word_embeddings": cfg.tie_embeddings, "dtype": cfg.param_dtype, "text_config": text,
+        "vision_config": {
+            "model_type": "qwen2_vl_vision", "depth": v.num_layers, "embed_dim": v.dim, "hidden_size": cfg.dim,
+            "hidden_act": v.hidden_act, "mlp_ratio": v.mlp_dim // v.dim, "num_heads": v.num_heads, "in_channels": 3,
+            "patch_size": v.patch_size, "spatial_merge_size": v.merge_size,
+            "temporal_patch_size": v.temporal_patch_size,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+        },
+    }
+
+
+def _vision_tensors(cfg: ModelConfig) -> Iterator[tuple[tuple, str, callable, callable]]:
+    """(our path under `vision`, HF name, to ours, to HF) for every vision tensor."""
+    v = cfg.vision
+    d, n = v.dim, v.num_heads
+    h = d // n
+    embed_shape = (d, 3, v.temporal_patch_size, v.patch_size, v.patch_size)
+    yield ("patch_embed",), "visual.patch_embed.proj.weight", lambda w: w.reshape(d, -1).T, \
+        lambda w: w.T.reshape(embed_shape)
+    for i in range(v.num_layers):
+        p = f"visual.blocks.{i}."
+        for norm in ("norm1", "norm2"):
+            yield ("blocks", i, norm, "scale"), f"{p}{norm}.weight", None, None
+            yield ("blocks", i, norm, "bias"), f"{p}{norm}.bias", None, None
+        yield ("blocks", i, "qkv"), p + "attn.qkv.weight", lambda w: w.T.reshape(d, 3, n, h), \
+            lambda w: w.reshape(d, 3 * d).T
+        yield ("blocks", i, "qkv_bias"), p + "attn.qkv.bias", lambda b: b.reshape(3, n, h), lambda b: b.reshape(-1)
+        yield ("blocks", i, "proj"), p + "attn.proj.weight", lambda w: w.T.reshape(n, h, d), \
+            lambda w: w.reshape(d, d).T
+        yield ("blocks", i, "proj_bias"), p + "attn.proj.bias", None, None
+        for fc in ("fc1", "fc2"):
+            yield ("blocks", i, fc), f"{p}mlp.{fc}.weight", np.transpose, np.transpose
+            yield ("blocks", i, fc + "_bias"), f"{p}mlp.{fc}.bias", None, None
+    yield ("ln_q", "scale"), "visual.merger.ln_q.weight", None, None
+    yield ("ln_q", "bias"), "visual.merger.ln_q.bias", None, None
+    for ours, index in (("merge_in", 0), ("merge_out", 2)):
+        yield (ours,), f"visual.merger.mlp.{index}.weight", np.transpose, np.transpose
+        yield (ours + "_bias",), f"visual.merger.mlp.{index}.bias", None, None
+
+
+class _Tensors(CheckpointTensors):
+    """Reads legacy names from a checkpoint in either layout (`model.layers.*` or `model.language_model.layers.*`)."""
+
+    _NEW = (("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head."))
+
+    def _name(self, name: str) -> str:
+        if name in self._files:
+            return name
+        for old, new in self._NEW:
+            if name.startswith(old) and new + name[len(old):] in self._files:
+                return new + name[len(old):]
+        return name  # missing: CheckpointTensors.get names it
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self._files
+
+    def get(self, name: str) -> np.ndarray:
+        return super().get(self._name(name))
+
+
+def load_params(directory: str | Path, cfg: ModelConfig, shardings, added_pieces=None, fresh: dict | None = None) -> dict:
+    """Sharded parameters of a Qwen2-VL `cfg` from its checkpoint, vision tower included."""
+    tensors = _Tensors(directory)
+    _, abstract = abstract_model(cfg)
+    shapes = nnx.to_pure_dict(abstract)
+    dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.dtype(np.float32)
+    vision: dict = jax.tree.map(lambda _: None, shapes["vision"])
+    for ours, name, convert, _ in _vision_tensors(cfg):
+        host = np.asarray(tensors.get(name))
+        host = (convert(host) if convert else host).astype(dtype)
+        want = hf._get(shapes["vision"], ours).shape
+        if host.shape != want:
+            raise hf.HFImportError(f"{name}: checkpoint gives {host.shape} after conversion, model wants {want}")
+        target = hf._get(shardings["vision"], ours)
+        hf._set(vision, ours, jax.make_array_from_callback(host.shape, target, lambda index, host=host: host[index]))
+    known = {name for _, name, _, _ in _vision_tensors(cfg)}
+    extra = sorted(n for n in tensors.names() if "visual." in n and n.replace("model.visual.", "visual.") not in known)
+    if extra:
+        raise hf.HFImportError(f"{directory}: vision tensors this importer does not model: {', '.join(extra[:5])}")
+    return hf.load_params(directory, cfg, shardings, added_pieces, fresh={**(fresh or {}), "vision": vision},
+                          tensors=tensors)
+
+
+def from_pretrained(directory: Path, hf_config: dict, dtype: str, param_dtype: str, mesh=None, **overrides):
+    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, **overrides)
+    graphdef, abstract = abstract_model(cfg)
+    if mesh is None:
+        mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+    return nnx.merge(graphdef, load_params(directory, cfg, shardings)), cfg
+
+
+def save_pretrained(model: Transformer, path: str | Path) -> Path:
+    """config.json + model.safetensors that `Qwen2VLForConditionalGeneration` loads as the same model."""
+    cfg: ModelConfig = model.cfg
+    if cfg.vision is None or cfg.vision.family != "qwen2_vl" or cfg.mrope_section is None:
+        raise hf.HFImportError("only a model with a qwen2_vl vision tower and M-RoPE exports as Qwen2-VL")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors = hf.decoder_tensors(cfg, params)
+    for ours, name, _, back in _vision_tensors(cfg):
+        value = hf._get(params["vision"], ours)
+        tensors[name] = np.ascontiguousarray(back(value) if back else value)
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    return path

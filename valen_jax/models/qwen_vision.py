@@ -1,0 +1,134 @@
+"""Qwen2-VL's vision tower, numerically as transformers defines it (`modeling_qwen2_vl.py`).
+
+patches [B, P, C·T·p·p] (the processor's order: each run of merge² patches is one merge
+window) → one matmul (the Conv3d with stride = kernel) → LayerNorm blocks with fused-bias QKV,
+2-D rotary over (h, w) and a `hidden_act` MLP → PatchMerger (ln_q per patch, merge² patches
+concatenated, Linear → GELU → Linear into the decoder width).
+
+Attention stays within one frame of one media item: HF's `cu_seqlens` split a video per
+temporal patch, so the mask here is "same segment and same t".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from valen_jax.models.config import VisionConfig, dtype_of
+from valen_jax.models.layers import dense, param
+
+_ACTIVATIONS = {
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+}
+
+
+def activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"vision hidden_act {name!r} is not implemented; implemented: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm (scale and bias), normalised in f32."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+        self.bias = param(rngs, (dim,), ("norm",), param_dtype, init="zeros")
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def vision_rope(x, positions, theta: float):
+    """HF's axial vision rotary: frequencies of head_dim/2, h then w, repeated for the two halves.
+    x: [B, P, N, H]; positions: [B, P, 3] (t, h, w)."""
+    head_dim = x.shape[-1]
+    spatial = head_dim // 2
+    inv_freq = jnp.asarray(1.0 / (theta ** (np.arange(0, spatial, 2, dtype=np.int64).astype(np.float32) / spatial)))
+    pos = positions.astype(jnp.float32)
+    freqs = jnp.concatenate([pos[..., 1:2] * inv_freq, pos[..., 2:3] * inv_freq], axis=-1)  # [B, P, H/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+def frame_mask(positions, segments):
+    """Patches attend within their own media item and frame; padding (0) only to itself."""
+    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
+    same &= positions[:, :, None, 0] == positions[:, None, :, 0]
+    diagonal = jnp.eye(segments.shape[1], dtype=bool)
+    return (same | diagonal)[:, None, :, :]
+
+
+class QwenVisionBlock(nnx.Module):
+    def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs):
+        d, n = cfg.dim, cfg.num_heads
+        h = d // n
+        self.norm1 = LayerNorm(d, 1e-6, param_dtype, rngs)
+        self.norm2 = LayerNorm(d, 1e-6, param_dtype, rngs)
+        # HF fuses q, k, v into one [3·D, D] Linear; kept fused (axis 1 = q/k/v) so the import is a reshape.
+        self.qkv = param(rngs, (d, 3, n, h), ("embed", None, "heads", "head_dim"), param_dtype)
+        self.qkv_bias = param(rngs, (3, n, h), (None, "heads", "head_dim"), param_dtype, "zeros")
+        self.proj = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.proj_bias = param(rngs, (d,), ("norm",), param_dtype, "zeros")
+        self.fc1 = param(rngs, (d, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
+        self.fc1_bias = param(rngs, (cfg.mlp_dim,), ("mlp",), param_dtype, "zeros")
+        self.fc2 = param(rngs, (cfg.mlp_dim, d), ("mlp", "embed"), param_dtype)
+        self.fc2_bias = param(rngs, (d,), ("norm",), param_dtype, "zeros")
+        self.act = activation(cfg.hidden_act)
+        self.theta = cfg.rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x, positions, mask):
+        cdt = self.dtype
+        y = self.norm1(x).astype(cdt)
+        qkv = jnp.einsum("bpd,dsnh->bpsnh", y, self.qkv[...].astype(cdt)) + self.qkv_bias[...].astype(cdt)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k = vision_rope(q, positions, self.theta), vision_rope(k, positions, self.theta)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        x = x + (dense(out, self.proj[...].astype(cdt), in_dims=2) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
+        y = self.norm2(x).astype(cdt)
+        hidden = self.act(dense(y, self.fc1[...].astype(cdt)) + self.fc1_bias[...].astype(cdt))
+        return x + (dense(hidden, self.fc2[...].astype(cdt)) + self.fc2_bias[...].astype(cdt)).astype(x.dtype)
+
+
+class QwenVisionEncoder(nnx.Module):
+    """Same call as `vision.VisionEncoder`: (patches, positions, segments) → [B, P / merge², text_dim]."""
+
+    def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs):
+        pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
+        self.cfg = cfg
+        self.dtype = cdt
+        self.patch_embed = param(rngs, (cfg.patch_dim, cfg.dim), ("patch", "embed"), pdt)
+        self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs) for _ in range(cfg.num_layers)])
+        merged = cfg.dim * cfg.merge_size * cfg.merge_size
+        self.ln_q = LayerNorm(cfg.dim, 1e-6, pdt, rngs)
+        self.merge_in = param(rngs, (merged, merged), ("embed", "mlp"), pdt)
+        self.merge_in_bias = param(rngs, (merged,), ("mlp",), pdt, "zeros")
+        self.merge_out = param(rngs, (merged, text_dim), ("mlp", "embed"), pdt)
+        self.merge_out_bias = param(rngs, (text_dim,), ("norm",), pdt, "zeros")
+
+    def __call__(self, patches, positions, segments):
+        cfg, cdt = self.cfg, self.dtype
+        batch, count = patches.shape[:2]
+        group = cfg.merge_size * cfg.merge_size
+        x = jnp.einsum("bpc,cd->bpd", patches.astype(cdt), self.patch_embed[...].astype(cdt))
+        mask = frame_mask(positions, segments)
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)
+        hidden = jax.nn.gelu(dense(x, self.merge_in[...].astype(cdt)) + self.merge_in_bias[...].astype(cdt),
+                             approximate=False)
+        return dense(hidden, self.merge_out[...].astype(cdt)) + self.merge_out_bias[...].astype(cdt)
