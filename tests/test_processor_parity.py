@@ -106,6 +106,18 @@ def test_a_short_video_equals_hf_per_frame_numerics_in_hf_temporal_layout(family
     np.testing.assert_allclose(ours.patches, expected, rtol=0, atol=1e-6)
 
 
+def test_transparency_is_composited_on_white_like_hf(tmp_path):
+    processor, vision, media_kwargs = _checkpoint("qwen2_vl", tmp_path)
+    rgba = np.random.default_rng(7).integers(0, 256, (60, 80, 4), np.uint8)
+    rgba[:20, :, 3] = 0  # fully transparent band over coloured pixels
+    palette = Image.fromarray(rgba[..., :3]).convert("P", palette=Image.Palette.ADAPTIVE)
+    palette.info["transparency"] = 0
+    for image in (Image.fromarray(rgba, "RGBA"), palette, Image.fromarray(rgba[..., 0], "L")):
+        theirs = processor(images=[image], return_tensors="np")
+        ours = process_frames([image], vision, media_kwargs)
+        np.testing.assert_allclose(ours.patches, theirs["pixel_values"], rtol=0, atol=1e-6, err_msg=image.mode)
+
+
 def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
     _checkpoint("qwen2_vl", tmp_path / "ok")
     Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], resample=2).save_pretrained(tmp_path / "bilinear")

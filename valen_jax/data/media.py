@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from valen_jax.data.augment import EntryMedia, SampleAug, augment_frames, draw_sample_aug
-from valen_jax.data.vision_processor import media_settings
+from valen_jax.data.vision_processor import media_settings, to_rgb
 
 IMAGE_KINDS = ("path", "file", "image", "lmdb")
 VIDEO_KINDS = ("video_frame", "video")
@@ -253,7 +253,7 @@ def load_frames(data: bytes, header: Mapping, media_kwargs: Mapping, where: str,
         raise
     except (OSError, ValueError) as err:
         raise MediaError(f"{where}: cannot decode {header.get('path')}: {err}") from err
-    frames = [frame.convert("RGB") for frame in loaded.frames]
+    frames = [to_rgb(frame) for frame in loaded.frames]  # before `resize`/augmentation, as HF converts first
     if header.get("resize"):
         width, height = (int(v) for v in header["resize"])
         frames = [frame.resize((width, height), Image.BICUBIC) for frame in frames]

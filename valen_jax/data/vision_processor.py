@@ -200,13 +200,22 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB as HF's `convert_to_rgb`: transparency is composited onto white (a plain convert("RGB")
+    would drop alpha and show whatever colour the transparent pixels hold)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def process_frames(frames: list[Image.Image], vision: VisionConfig, media_kwargs: Mapping) -> ProcessedMedia:
     settings = media_settings(media_kwargs)
     p, m, tp = vision.patch_size, vision.merge_size, vision.temporal_patch_size
     width, height = frames[0].size
     h, w = smart_resize(height, width, p * m, int(settings["min_pixels"]), int(settings["max_pixels"]))
     # Exactly HF's PIL backend: uint8 resize, rescale in float64 → float32, normalise in float32.
-    pixels = np.stack([np.asarray(f.convert("RGB").resize((w, h), Image.BICUBIC)) for f in frames])
+    pixels = np.stack([np.asarray(to_rgb(f).resize((w, h), Image.BICUBIC)) for f in frames])
     pixels = (pixels.astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
     pixels = (pixels - np.asarray(settings["image_mean"], np.float32)) / np.asarray(settings["image_std"], np.float32)
     # An image is repeated to fill one temporal patch; a video's last frame pads its final one.
