@@ -31,9 +31,10 @@ The last line is `convert_ratio_vs_datasets=X worker_scaling=Y`: X = our records
 Wall time is what the figures are; on a shared machine they move with the load, so each line also
 gives the CPU seconds the command and its waited-for children used (the load average is printed).
 
-Measured on the 2-core development machine (shared, load average 1.4-4), 20k rows: ours 634-673
-records/s with 1 worker, 565-1141 with 2; `datasets` 510-592; X = 1.14-1.24 (per CPU-second
-1.08-1.12), Y = 0.89-1.70 (the low figure when other work took the second core). X >= 3 is out of
+Measured on the 2-core development machine (shared with other work, load average 1.4-4.9), three
+runs of 20k rows: ours 473-673 records/s with 1 worker, 337-1141 with 2; `datasets` 510-592;
+X = 0.86-1.24 (per CPU-second 1.02-1.12), Y = 0.71-1.70 (the high figure in the quietest run, the
+low ones when other work took the second core). X >= 3 is out of
 reach for one process: after the schema-check cache and the turn cache, a row costs about 0.9 ms of
 CPU, of which tokenizing the text only this row has (~0.45 ms) and the Jinja render (~0.2 ms) are
 work `apply_chat_template` does too; `datasets` spends about 1.3 ms. Before this benchmark existed
