@@ -1,5 +1,5 @@
-"""Logits parity with transformers (torch, CPU, f32) for a tiny random Qwen2-VL: text, two images of
-different sizes and a two-frame video in one prompt; import, then export → transformers load."""
+"""Logits parity with transformers (torch, CPU, f32) for tiny random Qwen2-VL and Qwen2.5-VL models: text,
+two images of different sizes and a two-frame video in one prompt; import, then export → transformers load."""
 
 from __future__ import annotations
 
@@ -18,34 +18,45 @@ from valen_jax.models import hf, hf_vl, mrope  # noqa: E402
 
 VOCAB, IMAGE, VIDEO, START, END = 320, 310, 311, 312, 313
 MERGE = 2
-# (t, h, w) in patches: two images of different aspect ratios, then a two-frame clip.
+# (t, h, w) in patches: two images of different aspect ratios, then a two-frame clip. With Qwen2.5-VL's
+# window of 16 pixels (2 × 2 merged cells) the 16 × 10 image has partial windows at its edge.
 IMAGE_GRIDS = [(1, 8, 12), (1, 16, 10)]
 VIDEO_GRIDS = [(2, 8, 8)]
+SECONDS_PER_GRID = 1.25  # Qwen2.5-VL: with tokens_per_second 2, frames at time positions 0 and 2
+VISION = dict(num_heads=2, patch_size=4, spatial_merge_size=MERGE, temporal_patch_size=2, initializer_range=0.1)
+FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2)),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=16,
+                        fullatt_block_indexes=[1], tokens_per_second=2)),
+}
 
 
-def _config():
-    return transformers.Qwen2VLConfig(
+def _config(family):
+    config_cls, _, vision = FAMILIES[family]
+    return getattr(transformers, config_cls)(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
                          bos_token_id=300, eos_token_id=301,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=MERGE,
-                           temporal_patch_size=2, mlp_ratio=2, initializer_range=0.1),
+        vision_config={**VISION, **vision},
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
         attn_implementation="eager")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def reference(request, tmp_path_factory):
     """(HF model, its saved directory): norms and biases moved off their initial one/zero."""
     torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(_config()).float().eval()
+    model_cls = getattr(transformers, FAMILIES[request.param][1])
+    model = model_cls(_config(request.param)).float().eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.ndim == 1:
                 base = 1.0 if ("norm" in name or "ln_q" in name) and name.endswith("weight") else 0.0
                 parameter.copy_(base + 0.3 * torch.randn_like(parameter))
-    directory = tmp_path_factory.mktemp("qwen2_vl")
+    directory = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(directory)
     return model, directory
 
@@ -65,14 +76,26 @@ def _pixels(grids, seed):
     return [rng.normal(size=(t * h * w, 3 * 2 * 4 * 4)).astype(np.float32) for t, h, w in grids]
 
 
+def _is_2_5(model_or_cfg):
+    return getattr(model_or_cfg, "config", model_or_cfg).model_type == "qwen2_5_vl"
+
+
 def _hf_logits(model, ids, images, videos):
     kind = np.where(ids == IMAGE, 1, np.where(ids == VIDEO, 2, 0))
+    extra = {"second_per_grid_ts": torch.tensor([SECONDS_PER_GRID])} if _is_2_5(model) else {}
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids[None]), mm_token_type_ids=torch.tensor(kind[None]),
                     pixel_values=torch.tensor(np.concatenate(images)), image_grid_thw=torch.tensor(IMAGE_GRIDS),
                     pixel_values_videos=torch.tensor(np.concatenate(videos)),
-                    video_grid_thw=torch.tensor(VIDEO_GRIDS))
+                    video_grid_thw=torch.tensor(VIDEO_GRIDS), **extra)
     return out.logits[0].numpy()
+
+
+def _time_intervals(cfg):
+    """Per media item in prompt order (image, video, image): Qwen2.5-VL spaces video frames in time."""
+    if cfg.vision.family != "qwen2_5_vl":
+        return None
+    return [1.0, cfg.vision.tokens_per_second * SECONDS_PER_GRID, 1.0]
 
 
 def _our_logits(model, ids, images, videos):
@@ -80,7 +103,7 @@ def _our_logits(model, ids, images, videos):
     grids = [IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]]
     patches = np.concatenate([images[0], videos[0], images[1]])
     patch_positions, segments = mrope.vision_inputs(grids, MERGE)
-    positions = mrope.rope_index(ids, grids, IMAGE, VIDEO, MERGE)
+    positions = mrope.rope_index(ids, grids, IMAGE, VIDEO, MERGE, _time_intervals(model.cfg))
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))
     tokens = jnp.asarray(ids[None], jnp.int32)
@@ -88,7 +111,7 @@ def _our_logits(model, ids, images, videos):
     return np.asarray(forward(state, tokens, jnp.asarray(positions[None]), jnp.ones_like(tokens), vision))[0]
 
 
-def test_qwen2_vl_import_and_export_match_transformers_logits(reference, tmp_path):
+def test_import_and_export_match_transformers_logits(reference, tmp_path):
     hf_model, directory = reference
     ids = _prompt()
     assert len(ids) >= 600
@@ -96,29 +119,30 @@ def test_qwen2_vl_import_and_export_match_transformers_logits(reference, tmp_pat
     expected = _hf_logits(hf_model, ids, images, videos)
 
     model, cfg = hf.from_pretrained(directory)
-    assert cfg.vision.family == "qwen2_vl" and cfg.mrope_section == (2, 3, 3)
+    assert cfg.vision.family == hf_model.config.model_type and cfg.mrope_section == (2, 3, 3)
     ours = _our_logits(model, ids, images, videos)
     assert ours.shape == expected.shape
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
     hf.save_pretrained(model, tmp_path / "export")
-    reloaded = transformers.Qwen2VLForConditionalGeneration.from_pretrained(
-        tmp_path / "export", attn_implementation="eager").float().eval()
+    reloaded = type(hf_model).from_pretrained(tmp_path / "export", attn_implementation="eager").float().eval()
     np.testing.assert_allclose(_hf_logits(reloaded, ids, images, videos), expected, atol=1e-4, rtol=0)
 
 
-def test_qwen2_vl_rope_index_matches_transformers(reference):
-    hf_model, _ = reference
+def test_rope_index_matches_transformers(reference):
+    hf_model, directory = reference
     ids = _prompt()
     kind = np.where(ids == IMAGE, 1, np.where(ids == VIDEO, 2, 0))
+    extra = {"second_per_grid_ts": torch.tensor([SECONDS_PER_GRID])} if _is_2_5(hf_model) else {}
     expected, _ = hf_model.model.get_rope_index(torch.tensor(ids[None]), torch.tensor(kind[None]),
-                                                torch.tensor(IMAGE_GRIDS), torch.tensor(VIDEO_GRIDS))
-    ours = mrope.rope_index(ids, [IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]], IMAGE, VIDEO, MERGE)
+                                                torch.tensor(IMAGE_GRIDS), torch.tensor(VIDEO_GRIDS), **extra)
+    cfg = hf_vl.config_from_hf(json.loads((directory / "config.json").read_text()))
+    ours = mrope.rope_index(ids, [IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]], IMAGE, VIDEO, MERGE,
+                            _time_intervals(cfg))
     np.testing.assert_array_equal(ours, expected[:, 0].numpy().T)
 
 
 @pytest.mark.parametrize("change, feature", [
-    (lambda c: c.update(model_type="qwen2_5_vl"), "window attention"),
     (lambda c: c.update(model_type="qwen3_vl"), "deepstack"),
     (lambda c: c["text_config"].update(use_sliding_window=True), "sliding-window"),
     (lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn"), "rope_type 'yarn'"),

@@ -30,9 +30,13 @@ class VisionConfig:
     mlp_dim: int
     rope_theta: float = 10000.0
     # "valen": our own RMSNorm/SwiGLU ViT (from-scratch models); "qwen2_vl": Qwen2-VL's tower
-    # (LayerNorm blocks, fused-bias QKV, `hidden_act` MLP, 2-D rotary, ln_q → Linear → GELU → Linear merger).
+    # (LayerNorm blocks, fused-bias QKV, `hidden_act` MLP, 2-D rotary, ln_q → Linear → GELU → Linear merger);
+    # "qwen2_5_vl": the same with RMSNorm, a biased SwiGLU MLP and window attention.
     family: str = "valen"
     hidden_act: str = "quick_gelu"
+    window_size: int = 0  # qwen2_5_vl: attention window side in pixels, except in `fullatt_blocks`
+    fullatt_blocks: tuple[int, ...] = ()
+    tokens_per_second: int = 0  # qwen2_5_vl: video time positions per second (decoder M-RoPE), kept for export
 
     @property
     def patch_dim(self) -> int:
@@ -43,11 +47,11 @@ class VisionConfig:
             raise ValueError(f"vision dim {self.dim} must split into {self.num_heads} heads of even size")
         if self.family not in VISION_FAMILIES:
             raise ValueError(f"vision family {self.family!r}; choose one of {VISION_FAMILIES}")
-        if self.family == "qwen2_vl" and (self.dim // self.num_heads) % 4:
-            raise ValueError(f"qwen2_vl vision head size {self.dim // self.num_heads} must be a multiple of 4 (h, w rotary)")
+        if self.family != "valen" and (self.dim // self.num_heads) % 4:
+            raise ValueError(f"{self.family} vision head size {self.dim // self.num_heads} must be a multiple of 4 (h, w rotary)")
 
 
-VISION_FAMILIES = ("valen", "qwen2_vl")
+VISION_FAMILIES = ("valen", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class ModelConfig:
         scaling = data.pop("rope_scaling", None)
         if data.get("mrope_section") is not None:  # JSON gives a list; the frozen config keeps a tuple
             data["mrope_section"] = tuple(data["mrope_section"])
+        if vision and "fullatt_blocks" in vision:
+            vision = {**vision, "fullatt_blocks": tuple(vision["fullatt_blocks"])}
         return cls(**data, vision=VisionConfig(**vision) if vision else None,
                    rope_scaling=RopeScaling(**scaling) if scaling else None)
 

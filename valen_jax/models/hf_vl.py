@@ -1,13 +1,14 @@
-"""Import and export Hugging Face Qwen2-VL checkpoints (`Qwen2VLForConditionalGeneration`).
+"""Import and export Hugging Face Qwen2-VL and Qwen2.5-VL checkpoints (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`).
 
 The decoder is a Qwen2 decoder with M-RoPE (`ModelConfig.mrope_section`); the vision tower is
-`qwen_vision.QwenVisionEncoder`. Tensor names: transformers 5 `save_pretrained` writes the
+`qwen_vision.QwenVisionEncoder` (`VisionConfig.family` = the checkpoint's model_type). Tensor names: transformers 5 `save_pretrained` writes the
 legacy layout (`model.layers.*`, `visual.*`, `lm_head.weight`); checkpoints in the new layout
 (`model.language_model.*`, `model.visual.*`) are read too. Export writes the legacy layout,
 which the family class loads.
 
-Not expressible yet, refused by name: Qwen2.5-VL (window attention, RMSNorm/SwiGLU tower),
-Qwen3-VL (deepstack), sliding-window decoders, rope types other than default.
+Not expressible yet, refused by name: Qwen3-VL (deepstack, interleaved M-RoPE), sliding-window
+decoders, rope types other than default.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from valen_jax.models.qwen_vision import activation
 from valen_jax.models.safetensors_io import CheckpointTensors, save_file
 from valen_jax.models.transformer import Transformer, abstract_model
 
-VL_FAMILIES = ("qwen2_vl",)
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+_ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 _REFUSED = {
-    "qwen2_5_vl": "Qwen2.5-VL's window attention and RMSNorm/SwiGLU vision tower are not implemented",
     "qwen3_vl": "Qwen3-VL's deepstack vision features and interleaved M-RoPE are not implemented",
     "qwen3_vl_moe": "Qwen3-VL-MoE (mixture-of-experts decoder, deepstack) is not implemented",
 }
@@ -65,18 +66,29 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     vision_rope = vis.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 10000.0}
     if vision_rope.get("rope_type", "axial") != "axial":
         raise hf.HFImportError(f"vision_config.rope_parameters.rope_type {vision_rope['rope_type']!r}: only axial")
-    if vis["hidden_size"] != text["hidden_size"]:
-        raise hf.HFImportError(f"vision_config.hidden_size {vis['hidden_size']} differs from the decoder's "
+    # The merger's output width: Qwen2-VL calls it hidden_size (and the tower's width embed_dim),
+    # Qwen2.5-VL out_hidden_size (and the tower's width hidden_size).
+    out_key = "hidden_size" if family == "qwen2_vl" else "out_hidden_size"
+    if vis[out_key] != text["hidden_size"]:
+        raise hf.HFImportError(f"vision_config.{out_key} {vis[out_key]} differs from the decoder's hidden_size "
                                f"{text['hidden_size']}")
     for key in ("patch_size", "temporal_patch_size"):
         if not isinstance(vis.get(key, 1), int):
             raise hf.HFImportError(f"vision_config.{key} {vis[key]!r}: only a single int is implemented")
-    vision = VisionConfig(
-        patch_size=vis.get("patch_size", 14), merge_size=vis.get("spatial_merge_size", 2),
-        temporal_patch_size=vis.get("temporal_patch_size", 2), dim=vis["embed_dim"], num_layers=vis["depth"],
-        num_heads=vis["num_heads"], mlp_dim=int(vis["embed_dim"] * vis.get("mlp_ratio", 4)),
-        rope_theta=float(vision_rope.get("rope_theta", 10000.0)), family="qwen2_vl",
-        hidden_act=vis.get("hidden_act", "quick_gelu"))
+    common = dict(patch_size=vis.get("patch_size", 14), merge_size=vis.get("spatial_merge_size", 2),
+                  temporal_patch_size=vis.get("temporal_patch_size", 2), num_layers=vis["depth"],
+                  num_heads=vis["num_heads"], rope_theta=float(vision_rope.get("rope_theta", 10000.0)), family=family)
+    if family == "qwen2_vl":
+        vision = VisionConfig(dim=vis["embed_dim"], mlp_dim=int(vis["embed_dim"] * vis.get("mlp_ratio", 4)),
+                              hidden_act=vis.get("hidden_act", "quick_gelu"), **common)
+    else:
+        window = vis.get("window_size", 112)
+        if window // common["merge_size"] // common["patch_size"] < 1:
+            raise hf.HFImportError(f"vision_config.window_size {window} is smaller than one merged patch")
+        blocks = tuple(vis.get("fullatt_block_indexes", (7, 15, 23, 31)))
+        vision = VisionConfig(dim=vis["hidden_size"], mlp_dim=vis["intermediate_size"],
+                              hidden_act=vis.get("hidden_act", "silu"), window_size=window, fullatt_blocks=blocks,
+                              tokens_per_second=vis.get("tokens_per_second", 4), **common)
     tie = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     settings = dict(image_pad_id=hf_config["image_token_id"], video_pad_id=hf_config["video_token_id"],
                     mrope_section=tuple(section), vision=vision)
@@ -85,26 +97,28 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
+    v = cfg.vision
     text = hf.config_to_hf(cfg, "qwen2")
     text.pop("architectures")
-    text.update(model_type="qwen2_vl_text", use_sliding_window=False,
+    text.update(model_type=f"{v.family}_text", use_sliding_window=False,
                 rope_parameters={**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)})
-    v = cfg.vision
+    top = {"model_type": v.family, "architectures": [_ARCHITECTURES[v.family]], "image_token_id": cfg.image_pad_id,
+           "video_token_id": cfg.video_pad_id, "tie_word_embeddings": cfg.tie_embeddings, "dtype": cfg.param_dtype,
+           "text_config": text}
+    common = {"model_type": f"{v.family}_vision", "depth": v.num_layers, "hidden_act": v.hidden_act,
+              "num_heads": v.num_heads, "in_channels": 3, "patch_size": v.patch_size, "spatial_merge_size": v.merge_size,
+              "temporal_patch_size": v.temporal_patch_size,
+              "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+    if v.family == "qwen2_5_vl":
+        return {**top, "vision_config": {
+            **common, "hidden_size": v.dim, "intermediate_size": v.mlp_dim, "out_hidden_size": cfg.dim,
+            "window_size": v.window_size, "fullatt_block_indexes": list(v.fullatt_blocks),
+            "tokens_per_second": v.tokens_per_second}}
     if v.mlp_dim % v.dim:
         raise hf.HFImportError(f"vision mlp_dim {v.mlp_dim} is not a whole multiple of dim {v.dim}: Qwen2-VL's "
                                "mlp_ratio is an int")
-    return {
-        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
-        "image_token_id": cfg.image_pad_id, "video_token_id": cfg.video_pad_id,
-        "tie_word_embeddings": cfg.tie_embeddings, "dtype": cfg.param_dtype, "text_config": text,
-        "vision_config": {
-            "model_type": "qwen2_vl_vision", "depth": v.num_layers, "embed_dim": v.dim, "hidden_size": cfg.dim,
-            "hidden_act": v.hidden_act, "mlp_ratio": v.mlp_dim // v.dim, "num_heads": v.num_heads, "in_channels": 3,
-            "patch_size": v.patch_size, "spatial_merge_size": v.merge_size,
-            "temporal_patch_size": v.temporal_patch_size,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
-        },
-    }
+    return {**top, "vision_config": {**common, "embed_dim": v.dim, "hidden_size": cfg.dim,
+                                     "mlp_ratio": v.mlp_dim // v.dim}}
 
 
 def _vision_tensors(cfg: ModelConfig) -> Iterator[tuple[tuple, str, callable, callable]]:
@@ -115,22 +129,27 @@ def _vision_tensors(cfg: ModelConfig) -> Iterator[tuple[tuple, str, callable, ca
     embed_shape = (d, 3, v.temporal_patch_size, v.patch_size, v.patch_size)
     yield ("patch_embed",), "visual.patch_embed.proj.weight", lambda w: w.reshape(d, -1).T, \
         lambda w: w.T.reshape(embed_shape)
+    layer_norm = v.family == "qwen2_vl"  # Qwen2.5-VL's norms are RMSNorms: no bias
     for i in range(v.num_layers):
         p = f"visual.blocks.{i}."
         for norm in ("norm1", "norm2"):
             yield ("blocks", i, norm, "scale"), f"{p}{norm}.weight", None, None
-            yield ("blocks", i, norm, "bias"), f"{p}{norm}.bias", None, None
+            if layer_norm:
+                yield ("blocks", i, norm, "bias"), f"{p}{norm}.bias", None, None
         yield ("blocks", i, "qkv"), p + "attn.qkv.weight", lambda w: w.T.reshape(d, 3, n, h), \
             lambda w: w.reshape(d, 3 * d).T
         yield ("blocks", i, "qkv_bias"), p + "attn.qkv.bias", lambda b: b.reshape(3, n, h), lambda b: b.reshape(-1)
         yield ("blocks", i, "proj"), p + "attn.proj.weight", lambda w: w.T.reshape(n, h, d), \
             lambda w: w.reshape(d, d).T
         yield ("blocks", i, "proj_bias"), p + "attn.proj.bias", None, None
-        for fc in ("fc1", "fc2"):
-            yield ("blocks", i, fc), f"{p}mlp.{fc}.weight", np.transpose, np.transpose
-            yield ("blocks", i, fc + "_bias"), f"{p}mlp.{fc}.bias", None, None
+        linears = (("fc1", "fc1"), ("fc2", "fc2")) if layer_norm else \
+            (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+        for ours, theirs in linears:
+            yield ("blocks", i, ours), f"{p}mlp.{theirs}.weight", np.transpose, np.transpose
+            yield ("blocks", i, ours + "_bias"), f"{p}mlp.{theirs}.bias", None, None
     yield ("ln_q", "scale"), "visual.merger.ln_q.weight", None, None
-    yield ("ln_q", "bias"), "visual.merger.ln_q.bias", None, None
+    if layer_norm:
+        yield ("ln_q", "bias"), "visual.merger.ln_q.bias", None, None
     for ours, index in (("merge_in", 0), ("merge_out", 2)):
         yield (ours,), f"visual.merger.mlp.{index}.weight", np.transpose, np.transpose
         yield (ours + "_bias",), f"visual.merger.mlp.{index}.bias", None, None
@@ -189,10 +208,11 @@ def from_pretrained(directory: Path, hf_config: dict, dtype: str, param_dtype: s
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:
-    """config.json + model.safetensors that `Qwen2VLForConditionalGeneration` loads as the same model."""
+    """config.json + model.safetensors that the family class (Qwen2-VL or Qwen2.5-VL) loads as the same model."""
     cfg: ModelConfig = model.cfg
-    if cfg.vision is None or cfg.vision.family != "qwen2_vl" or cfg.mrope_section is None:
-        raise hf.HFImportError("only a model with a qwen2_vl vision tower and M-RoPE exports as Qwen2-VL")
+    if cfg.vision is None or cfg.vision.family not in VL_FAMILIES or cfg.mrope_section is None:
+        raise hf.HFImportError(f"only a model with a {' or '.join(VL_FAMILIES)} vision tower and M-RoPE exports as "
+                               "a Qwen-VL checkpoint")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(nnx.state(model, nnx.Param)))

@@ -4,7 +4,8 @@
 merge × merge windows, `vision_utils.get_vision_position_ids`); `rope_index` gives each token its
 decoder (t, h, w) position (`Qwen2VLModel.get_rope_index`): text advances all three by one; a run
 of media-slot tokens is one image or video laid out on its merged grid, starting at the current
-position, after which the position advances by max(h, w) / merge.
+position, after which the position advances by max(h, w) / merge. Qwen2.5-VL spaces a video's
+frames by tokens_per_second × second_per_grid_t (`time_intervals`), truncated to integers.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def vision_inputs(grids: Sequence[Sequence[int]], merge_size: int) -> tuple[np.n
 
 
 def rope_index(tokens: Sequence[int], grids: Sequence[Sequence[int]], image_pad_id: int, video_pad_id: int,
-               merge_size: int) -> np.ndarray:
+               merge_size: int, time_intervals: Sequence[float] | None = None) -> np.ndarray:
     """int32 [T, 3] decoder positions of one unpadded row; `grids` are the (t, h, w) of the row's images and
-    videos in the order their slot runs appear."""
+    videos in the order their slot runs appear; `time_intervals` (default 1 each) the temporal position step of
+    each (Qwen2.5-VL videos: tokens_per_second × second_per_grid_t; images: 1)."""
     tokens = np.asarray(tokens)
     kind = np.where(tokens == image_pad_id, 1, np.where(tokens == video_pad_id, 2, 0))
     edges = np.flatnonzero(np.diff(kind)) + 1
@@ -58,7 +60,10 @@ def rope_index(tokens: Sequence[int], grids: Sequence[Sequence[int]], image_pad_
         if end - start != t * gh * gw:
             raise ValueError(f"media slots at tokens {start}..{end - 1}: {end - start} tokens, grid {(t, h, w)} "
                              f"with merge {merge_size} needs {t * gh * gw}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        interval = 1.0 if time_intervals is None else time_intervals[used - 1]
+        # torch: (arange(t) * interval).long(), the product in float32
+        frames = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(frames, np.arange(gh), np.arange(gw), indexing="ij")
         pieces.append(np.stack([tt, hh, ww], axis=-1).reshape(-1, 3) + current)
         current += max(h, w) // merge_size
     if used != len(grids):

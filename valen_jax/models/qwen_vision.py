@@ -1,4 +1,5 @@
-"""Qwen2-VL's vision tower, numerically as transformers defines it (`modeling_qwen2_vl.py`).
+"""The Qwen2-VL and Qwen2.5-VL vision towers, numerically as transformers defines them
+(`modeling_qwen2_vl.py`, `modeling_qwen2_5_vl.py`).
 
 patches [B, P, C·T·p·p] (the processor's order: each run of merge² patches is one merge
 window) → one matmul (the Conv3d with stride = kernel) → LayerNorm blocks with fused-bias QKV,
@@ -6,7 +7,10 @@ window) → one matmul (the Conv3d with stride = kernel) → LayerNorm blocks wi
 concatenated, Linear → GELU → Linear into the decoder width).
 
 Attention stays within one frame of one media item: HF's `cu_seqlens` split a video per
-temporal patch, so the mask here is "same segment and same t".
+temporal patch, so the mask here is "same segment and same t". Qwen2.5-VL uses RMSNorm and a
+biased SwiGLU MLP, and all blocks but `fullatt_blocks` attend within windows of
+window_size / patch_size patches a side (HF permutes patches into windows and back; the same
+windows as a mask give the same result without moving anything).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.models.config import VisionConfig, dtype_of
-from valen_jax.models.layers import dense, param
+from valen_jax.models.layers import RMSNorm, dense, param
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -64,10 +68,14 @@ def vision_rope(x, positions, theta: float):
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def frame_mask(positions, segments):
-    """Patches attend within their own media item and frame; padding (0) only to itself."""
+def frame_mask(positions, segments, window: int = 0):
+    """Patches attend within their own media item and frame (and `window`² patch window when > 0);
+    padding (0) only to itself."""
     same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
     same &= positions[:, :, None, 0] == positions[:, None, :, 0]
+    if window:
+        cell = positions[..., 1:] // window  # windows start at row/column 0 (HF pads at the far edges)
+        same &= jnp.all(cell[:, :, None, :] == cell[:, None, :, :], axis=-1)
     diagonal = jnp.eye(segments.shape[1], dtype=bool)
     return (same | diagonal)[:, None, :, :]
 
@@ -76,17 +84,23 @@ class QwenVisionBlock(nnx.Module):
     def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs):
         d, n = cfg.dim, cfg.num_heads
         h = d // n
-        self.norm1 = LayerNorm(d, 1e-6, param_dtype, rngs)
-        self.norm2 = LayerNorm(d, 1e-6, param_dtype, rngs)
+        self.swiglu = cfg.family == "qwen2_5_vl"
+        norm = RMSNorm if self.swiglu else LayerNorm
+        self.norm1 = norm(d, 1e-6, param_dtype, rngs)
+        self.norm2 = norm(d, 1e-6, param_dtype, rngs)
         # HF fuses q, k, v into one [3·D, D] Linear; kept fused (axis 1 = q/k/v) so the import is a reshape.
         self.qkv = param(rngs, (d, 3, n, h), ("embed", None, "heads", "head_dim"), param_dtype)
         self.qkv_bias = param(rngs, (3, n, h), (None, "heads", "head_dim"), param_dtype, "zeros")
         self.proj = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype)
         self.proj_bias = param(rngs, (d,), ("norm",), param_dtype, "zeros")
-        self.fc1 = param(rngs, (d, cfg.mlp_dim), ("embed", "mlp"), param_dtype)
-        self.fc1_bias = param(rngs, (cfg.mlp_dim,), ("mlp",), param_dtype, "zeros")
-        self.fc2 = param(rngs, (cfg.mlp_dim, d), ("mlp", "embed"), param_dtype)
-        self.fc2_bias = param(rngs, (d,), ("norm",), param_dtype, "zeros")
+        # Qwen2-VL: fc1 → act → fc2. Qwen2.5-VL: act(gate) · up → down, all with biases.
+        ins = ("gate", "up") if self.swiglu else ("fc1",)
+        for name in ins:
+            setattr(self, name, param(rngs, (d, cfg.mlp_dim), ("embed", "mlp"), param_dtype))
+            setattr(self, name + "_bias", param(rngs, (cfg.mlp_dim,), ("mlp",), param_dtype, "zeros"))
+        out = "down" if self.swiglu else "fc2"
+        setattr(self, out, param(rngs, (cfg.mlp_dim, d), ("mlp", "embed"), param_dtype))
+        setattr(self, out + "_bias", param(rngs, (d,), ("norm",), param_dtype, "zeros"))
         self.act = activation(cfg.hidden_act)
         self.theta = cfg.rope_theta
         self.dtype = dtype
@@ -100,8 +114,13 @@ class QwenVisionBlock(nnx.Module):
         out = jax.nn.dot_product_attention(q, k, v, mask=mask)
         x = x + (dense(out, self.proj[...].astype(cdt), in_dims=2) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
         y = self.norm2(x).astype(cdt)
-        hidden = self.act(dense(y, self.fc1[...].astype(cdt)) + self.fc1_bias[...].astype(cdt))
-        return x + (dense(hidden, self.fc2[...].astype(cdt)) + self.fc2_bias[...].astype(cdt)).astype(x.dtype)
+
+        def linear(name, value):
+            return dense(value, getattr(self, name)[...].astype(cdt)) + getattr(self, name + "_bias")[...].astype(cdt)
+
+        if self.swiglu:
+            return x + linear("down", self.act(linear("gate", y)) * linear("up", y)).astype(x.dtype)
+        return x + linear("fc2", self.act(linear("fc1", y))).astype(x.dtype)
 
 
 class QwenVisionEncoder(nnx.Module):
@@ -114,7 +133,7 @@ class QwenVisionEncoder(nnx.Module):
         self.patch_embed = param(rngs, (cfg.patch_dim, cfg.dim), ("patch", "embed"), pdt)
         self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs) for _ in range(cfg.num_layers)])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
-        self.ln_q = LayerNorm(cfg.dim, 1e-6, pdt, rngs)
+        self.ln_q = (RMSNorm if cfg.family == "qwen2_5_vl" else LayerNorm)(cfg.dim, 1e-6, pdt, rngs)
         self.merge_in = param(rngs, (merged, merged), ("embed", "mlp"), pdt)
         self.merge_in_bias = param(rngs, (merged,), ("mlp",), pdt, "zeros")
         self.merge_out = param(rngs, (merged, text_dim), ("mlp", "embed"), pdt)
@@ -126,8 +145,10 @@ class QwenVisionEncoder(nnx.Module):
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(cdt), self.patch_embed[...].astype(cdt))
         mask = frame_mask(positions, segments)
-        for block in self.blocks:
-            x = block(x, positions, mask)
+        window = cfg.window_size // cfg.patch_size // cfg.merge_size * cfg.merge_size if cfg.window_size else 0
+        window_mask = frame_mask(positions, segments, window) if window else mask
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, mask if not window or i in cfg.fullatt_blocks else window_mask)
         x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)
         hidden = jax.nn.gelu(dense(x, self.merge_in[...].astype(cdt)) + self.merge_in_bias[...].astype(cdt),
                              approximate=False)

@@ -41,7 +41,7 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
-    if cfg.vision.family == "qwen2_vl":
+    if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl"):
         return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
     return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
 
