@@ -3,7 +3,10 @@ two images of different sizes and a two-frame video in one prompt; import, then 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +17,9 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.train_runs import ROOT, env_with_devices  # noqa: E402
 from valen_jax.models import hf, hf_vl, mrope  # noqa: E402
+from valen_jax.models.transformer import abstract_model  # noqa: E402
 
 VOCAB, IMAGE, VIDEO, START, END = 320, 310, 311, 312, 313
 MERGE = 2
@@ -123,6 +128,10 @@ def test_import_and_export_match_transformers_logits(reference, tmp_path):
     ours = _our_logits(model, ids, images, videos)
     assert ours.shape == expected.shape
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
+    if cfg.vision.window_size:  # the windows matter: the same weights without them are far off
+        unwindowed = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, window_size=0))
+        plain = nnx.merge(abstract_model(unwindowed)[0], nnx.state(model))
+        assert np.abs(_our_logits(plain, ids, images, videos) - expected).max() > 1e-2
 
     hf.save_pretrained(model, tmp_path / "export")
     reloaded = type(hf_model).from_pretrained(tmp_path / "export", attn_implementation="eager").float().eval()
@@ -153,3 +162,36 @@ def test_unsupported_vl_features_are_refused_by_name(reference, change, feature)
     change(config)
     with pytest.raises((hf.HFImportError, ValueError), match=feature):
         hf_vl.config_from_hf(config)
+
+
+SHARDED = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from valen_jax import sharding
+from valen_jax.models import hf
+from tests.test_hf_vl_parity import _our_logits, _pixels, _prompt, IMAGE_GRIDS, VIDEO_GRIDS
+
+mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+model, cfg = hf.from_pretrained(sys.argv[1], mesh=mesh)
+vision = nnx.to_pure_dict(nnx.state(model, nnx.Param))["vision"]
+replicated = ["/".join(map(str, (k.key for k in path))) for path, leaf in jax.tree_util.tree_leaves_with_path(vision)
+              if leaf.size >= 1024 and all(s is None for s in leaf.sharding.spec)]
+ids, images, videos = _prompt(), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+with jax.set_mesh(mesh):
+    sharded = _our_logits(model, ids, images, videos)
+local, _ = hf.from_pretrained(sys.argv[1])
+print(json.dumps({"replicated": replicated, "devices": len(vision["merge_in"].sharding.device_set),
+                  "max_diff": float(np.abs(sharded - _our_logits(local, ids, images, videos)).max())}))
+"""
+
+
+def test_vision_tower_is_sharded_on_8_devices_with_unchanged_logits(reference):
+    """Every vision parameter of 1024+ elements is split by the logical rules; logits equal one device's."""
+    result = subprocess.run([sys.executable, "-c", SHARDED, str(reference[1])], cwd=ROOT, env=env_with_devices(8),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["replicated"] == []
+    assert report["devices"] == 8
+    assert report["max_diff"] < 1e-4
