@@ -138,6 +138,17 @@ def test_import_and_export_match_transformers_logits(reference, tmp_path):
     np.testing.assert_allclose(_hf_logits(reloaded, ids, images, videos), expected, atol=1e-4, rtol=0)
 
 
+def test_media_with_one_dimensional_positions_is_refused(reference):
+    model, _ = hf.from_pretrained(reference[1])
+    ids = _prompt()
+    patches = np.concatenate([*_pixels(IMAGE_GRIDS, 2), *_pixels(VIDEO_GRIDS, 3)])[None]
+    positions, segments = mrope.vision_inputs([IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]], MERGE)
+    tokens = jnp.asarray(ids[None], jnp.int32)
+    with pytest.raises(ValueError, match=r"positions \[B, T, 3\]"):
+        jax.eval_shape(lambda: model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens),
+                                     (jnp.asarray(patches), jnp.asarray(positions[None]), jnp.asarray(segments[None]))))
+
+
 def test_rope_index_matches_transformers(reference):
     hf_model, directory = reference
     ids = _prompt()

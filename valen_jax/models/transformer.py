@@ -119,6 +119,11 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
         """Final-norm hidden states [B, T, D] (what heads read)."""
+        has_media = vision_inputs is not None and vision_inputs[0].shape[1] > 0
+        if self.cfg.mrope_section is not None and has_media and positions.ndim != 3:
+            # 1-D positions would give media tokens text positions: a different model, silently.
+            raise ValueError(f"an M-RoPE model fed media needs positions [B, T, 3] (models.mrope.rope_index), "
+                             f"got shape {positions.shape}")
         x = constrain(self.embed_tokens(tokens, vision_inputs), ("batch", "length", "act_embed"))
         x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids))
         return self.final_norm(x)
