@@ -138,6 +138,14 @@ def test_import_and_export_match_transformers_logits(reference, tmp_path):
     np.testing.assert_allclose(_hf_logits(reloaded, ids, images, videos), expected, atol=1e-4, rtol=0)
 
 
+def test_config_survives_checkpoint_meta_json(reference):
+    """Checkpoint meta stores ModelConfig as JSON: tuples come back as tuples, so configs compare equal."""
+    from valen_jax.models.config import ModelConfig
+
+    cfg = hf_vl.config_from_hf(json.loads((reference[1] / "config.json").read_text()))
+    assert ModelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
 def test_media_with_one_dimensional_positions_is_refused(reference):
     model, _ = hf.from_pretrained(reference[1])
     ids = _prompt()
