@@ -33,7 +33,7 @@ from valen_jax.data.media_log import MediaLog, merge_media_logs, read_media_log
 from valen_jax.data.visual_ops import OPS, apply_op
 from valen_jax.models.config import VisionConfig
 
-KWARGS = {"min_pixels": 16 * 16, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8}
+KWARGS = {"min_pixels": 16 * 16, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8, "min_frames": 1}
 RATE = 30
 VISION = VisionConfig(patch_size=4, merge_size=2, temporal_patch_size=2, dim=16, num_layers=1, num_heads=2,
                       mlp_dim=32)
@@ -162,7 +162,7 @@ def make_mkv(path: Path, pts_of) -> bytes:
     return path.read_bytes()
 
 
-def test_variable_frame_rate_indexes_by_count_and_samples_by_time(tmp_path):
+def test_variable_frame_rate_indexes_by_count_and_samples_like_hf(tmp_path):
     # 50 frames at 30 fps, then one frame every 0.1 s: indices are counts, times are not i / 30.
     data = make_mkv(tmp_path / "vfr.mkv", lambda i: i if i < 50 else 50 + 3 * (i - 50))
     for index in (10, 70, 120, 149):
@@ -171,10 +171,12 @@ def test_variable_frame_rate_indexes_by_count_and_samples_by_time(tmp_path):
         expected = index if index < 50 else 50 + 3 * (index - 50)
         assert loaded.timestamps == pytest.approx((expected / RATE,), abs=1e-3)
     whole = load_frames(data, {"kind": "video", "path": "v"}, {**KWARGS, "fps": 1.0, "max_frames": 20}, "w")
-    # t = 0, 1 s fall in the 30 fps part; from t = 2 s one frame per 0.1 s.
-    expected = [0, 30] + [50 + (30 * t - 50) // 3 for t in range(2, 12)]
+    # HF's rule: the stream's average rate (30 fps, as the container states) makes 150 frames 5 s,
+    # so 5 frames spread by count; the timestamps are the frames' real presentation times.
+    expected = [0, 37, 74, 112, 149]
     assert list(whole.frame_indices) == expected and [read_index(f) for f in whole.frames] == expected
-    assert whole.timestamps == pytest.approx([t for t in range(12)], abs=0.1)
+    times = [(i if i < 50 else 50 + 3 * (i - 50)) / RATE for i in expected]
+    assert whole.timestamps == pytest.approx(times, abs=1e-3)
 
 
 def test_frame_beyond_the_video_is_an_error(mp4):
@@ -187,24 +189,23 @@ def test_frame_beyond_the_video_is_an_error(mp4):
 
 
 def test_sample_video_indices_counts():
-    def at_30(frames):
-        return np.arange(frames) / 30.0
+    # 4 s at 30 fps sampled at 2 fps: 8 frames spread from the first to the last (HF's rule).
+    assert sample_video_indices(120, 30.0, 2.0, 1, 8).tolist() == [0, 17, 34, 51, 68, 85, 102, 119]
+    assert sample_video_indices(120, 30.0, 1.0, 1, 8).tolist() == [0, 40, 79, 119]
+    assert sample_video_indices(120, 30.0, 2.0, 1, 3).tolist() == [0, 60, 119]  # capped at max_frames
+    assert sample_video_indices(45, 30.0, 2.0, 1, 8).tolist() == [0, 22, 44]  # 1.5 s → 3
+    assert sample_video_indices(10, 30.0, 2.0, 1, 8).tolist() == [0]  # shorter than one interval
+    assert sample_video_indices(10, 30.0, 2.0, 4, 8).tolist() == [0, 3, 6, 9]  # raised to min_frames
+    assert sample_video_indices(1, 30.0, 2.0, 4, 8).tolist() == [0]  # never more than there are
+    assert sample_video_indices(3, 30.0, 1000.0, 1, 8).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="no frames"):
+        sample_video_indices(0, 30.0, 2.0, 1, 8)
+    with pytest.raises(ValueError, match="min_frames <= max_frames"):
+        sample_video_indices(10, 30.0, 2.0, 9, 8)
 
-    # 4 s at 30 fps sampled at 2 fps: one frame each 0.5 s.
-    assert sample_video_indices(at_30(120), 2.0, 8).tolist() == [0, 15, 30, 45, 60, 75, 90, 105]
-    assert sample_video_indices(at_30(120), 1.0, 8).tolist() == [0, 30, 60, 90]
-    # More samples than max_frames: max_frames spread over the whole clip.
-    assert sample_video_indices(at_30(120), 2.0, 3).tolist() == [0, 60, 119]
-    assert sample_video_indices(at_30(45), 2.0, 8).tolist() == [0, 15, 30]  # 1.5 s → 3
-    assert sample_video_indices(at_30(10), 2.0, 8).tolist() == [0]  # shorter than one interval
-    assert sample_video_indices(at_30(1), 2.0, 8).tolist() == [0]
-    assert sample_video_indices(at_30(3), 1000.0, 8).tolist() == [0, 1, 2]
-    with pytest.raises(ValueError):
-        sample_video_indices([], 2.0, 8)
 
-
-@pytest.mark.parametrize("fps,max_frames,expected", [(2.0, 8, [0, 15, 30, 45, 60, 75, 90, 105]),
-                                                      (1.0, 8, [0, 30, 60, 90]), (2.0, 3, [0, 60, 119])])
+@pytest.mark.parametrize("fps,max_frames,expected", [(2.0, 8, [0, 17, 34, 51, 68, 85, 102, 119]),
+                                                      (1.0, 8, [0, 40, 79, 119]), (2.0, 3, [0, 60, 119])])
 def test_whole_video_sampled_at_fps_capped_at_max_frames(mp4, fps, max_frames, expected):
     kwargs = {**KWARGS, "fps": fps, "max_frames": max_frames}
     loaded = load_frames(mp4, {"kind": "video", "path": "clip.mp4", "sha256": "x", "resize": None}, kwargs, "w")
@@ -394,7 +395,7 @@ def media_example(mp4: bytes) -> tuple[Example, RowSpec]:
 def test_expanded_media_carry_frame_info_and_augment_only_in_training(mp4):
     example, spec = media_example(mp4)
     evaluated = expand_media_slots(example, spec)
-    assert [i.frame_indices for i in evaluated.media_info] == [(), (0, 15, 30, 45, 60, 75, 90, 105)]
+    assert [i.frame_indices for i in evaluated.media_info] == [(), (0, 17, 34, 51, 68, 85, 102, 119)]
     entry = aug_entry(ops=["light"], views=[1])
     trained = expand_media_slots(example, spec, training=True, rng=example_rng(0, 0, 0), entry=entry)
     assert np.array_equal(trained.media[0].patches, evaluated.media[0].patches)  # view 0 not listed
@@ -416,7 +417,7 @@ def test_media_log_one_file_per_process(mp4, tmp_path, monkeypatch):
     assert lines[0]["example"] == "robot.jsonl:4" and lines[0]["entry"] == "robot3d_demo"
     assert lines[1]["grid"] == list(expanded.media[1].grid)
     assert lines[1]["vision_tokens"] == expanded.media[1].num_tokens // 4
-    assert lines[1]["frame_indices"] == [0, 15, 30, 45, 60, 75, 90, 105]
+    assert lines[1]["frame_indices"] == [0, 17, 34, 51, 68, 85, 102, 119]
     assert lines[1]["timestamps"] == pytest.approx([i / RATE for i in lines[1]["frame_indices"]])
     # A worker gets the log by pickling, without the descriptor, and writes its own file.
     worker = pickle.loads(pickle.dumps(log))

@@ -118,6 +118,28 @@ def test_transparency_is_composited_on_white_like_hf(tmp_path):
         np.testing.assert_allclose(ours.patches, theirs["pixel_values"], rtol=0, atol=1e-6, err_msg=image.mode)
 
 
+def test_frame_sampling_equals_qwen3_vl_video_processor():
+    """`sample_video_indices` against `Qwen3VLVideoProcessor.sample_frames` itself (numpy only: it
+    runs without torchvision), over clip lengths, source rates and settings, including clips too
+    short for fps (min_frames) and too long (max_frames)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from valen_jax.data.media import sample_video_indices
+
+    checked = 0
+    for min_frames, max_frames in ((4, 768), (1, 8), (2, 3)):
+        hf = Qwen3VLVideoProcessor(min_frames=min_frames, max_frames=max_frames)
+        for total in (1, 2, 3, 7, 45, 120, 301, 2000):
+            for video_fps in (23.976, 25.0, 30.0, 60.0):
+                for fps in (0.5, 1.0, 2.0, 4.0):
+                    theirs = hf.sample_frames(VideoMetadata(total_num_frames=total, fps=video_fps), fps=fps)
+                    ours = sample_video_indices(total, video_fps, fps, min_frames, max_frames)
+                    assert ours.tolist() == np.asarray(theirs).tolist(), (total, video_fps, fps, min_frames, max_frames)
+                    checked += 1
+    assert checked == 384
+
+
 def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
     _checkpoint("qwen2_vl", tmp_path / "ok")
     Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], resample=2).save_pretrained(tmp_path / "bilinear")

@@ -101,11 +101,11 @@ def test_base_model_processor_files_give_the_media_defaults(tmp_path):
                                            qwen3)
     # The image file's pixel bounds win over the video file's (one pixel budget); the config wins over both.
     # mean/std likewise: the video file fills what the image file does not state.
-    assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5,
+    assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5, "min_frames": 4,
                       "image_mean": (0.5, 0.5, 0.5), "image_std": (0.25, 0.5, 0.5)}
     assert sources == {"min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
                        "fps": "video_preprocessor_config.json", "max_frames": "config",
-                       "image_mean": "preprocessor_config.json", "image_std": "video_preprocessor_config.json"}
+                       "min_frames": "video_preprocessor_config.json", "image_mean": "preprocessor_config.json", "image_std": "video_preprocessor_config.json"}
     # What the base model does not state (Qwen2-VL has no video file) keeps the smoke default, said so.
     values, sources = resolve_media_kwargs({}, qwen2)
     assert (values["fps"], sources["fps"], values["max_frames"]) == (2.0, "smoke default", 8)
@@ -120,6 +120,8 @@ def test_from_scratch_the_smoke_defaults_and_refusals(tmp_path):
         resolve_media_kwargs({"pixels": 3}, None)
     with pytest.raises(ProcessorError, match="min_pixels=9000 .config. exceeds max_pixels=4096"):
         resolve_media_kwargs({"min_pixels": 9000}, None)
+    with pytest.raises(ProcessorError, match="min_frames=9 .config. exceeds max_frames=8 .smoke default."):
+        resolve_media_kwargs({"min_frames": 9}, None)
     bad = _write_processor(tmp_path / "bad", {"max_pixels": "many"})
     with pytest.raises(ProcessorError, match="preprocessor_config.json: max_pixels must be a positive number"):
         resolve_media_kwargs({}, bad)
@@ -141,7 +143,8 @@ def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
                                                   {"fps": 1.5, "max_frames": 6}))
     config.media_kwargs.max_frames = 3
     assert media_kwargs_of(config) == ({"min_pixels": 256, "max_pixels": 1024, "fps": 1.5, "max_frames": 3,
-                                        "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}, {
+                                        "min_frames": 1, "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}, {
         "min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
-        "fps": "video_preprocessor_config.json", "max_frames": "config", "image_mean": "smoke default",
+        "fps": "video_preprocessor_config.json", "max_frames": "config", "min_frames": "smoke default",
+        "image_mean": "smoke default",
         "image_std": "smoke default"})

@@ -10,8 +10,9 @@ original bytes plus a header (`kind`, `path`, `sha256`, `frame_index`, `resize`;
   the LMDB, so shards train anywhere: DESIGN, "Media travels inside shards").
 - `video_frame`: exactly the `frame_index`-th frame in presentation order; far frames are reached
   by seeking to the preceding keyframe instead of decoding from the start.
-- `video`: a whole clip (Valen `video_url`), sampled uniformly at `media_kwargs.fps`, at most
-  `media_kwargs.max_frames` frames (see `sample_video_indices`).
+- `video`: a whole clip (Valen `video_url`), `media_kwargs.fps` frames a second spread evenly over
+  it, between `media_kwargs.min_frames` and `max_frames`, as the Qwen-VL processors sample (see
+  `sample_video_indices`).
 
 Order of pixel operations: decode → the record's `resize` (an exact stretch, part of the data:
 seed 004 "Dictionary references accept resize") → training-only augmentation (`augment.py`) →
@@ -21,7 +22,6 @@ the processor's smart_resize.
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -82,27 +82,22 @@ def decode_lmdb_value(data: bytes, where: str, key: str | None = None) -> Image.
 
 # --- video ---------------------------------------------------------------------------------------
 
-def sample_video_indices(times: Sequence[float], fps: float, max_frames: int) -> np.ndarray:
-    """Indices of frames sampled uniformly at `fps`, at most `max_frames`, first frame included.
+def sample_video_indices(total: int, video_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
+    """Indices of the frames to keep, exactly as transformers' `Qwen3VLVideoProcessor.sample_frames`
+    (5.24; qwen-vl-utils samples Qwen2/2.5-VL videos the same way, up to rounding the count to 2):
+    int(duration × fps) frames, clamped to [min_frames, max_frames] and to the frames there are,
+    spread evenly from the first frame to the last (so the whole clip is covered).
 
-    `times` are the frames' presentation times in seconds from the first frame. One sample every
-    1/fps seconds over the clip (the frame on screen at that time, so a variable frame rate is
-    sampled by time, not by count). When that is more than `max_frames`, `max_frames` indices
-    spread evenly from the first to the last frame instead, so the whole clip is still covered
-    (Qwen2-VL's processor does the same).
+    `video_fps` is the stream's average frame rate (what HF's PyAV reader reports), so the
+    duration is `total / video_fps`, also for a variable frame rate: samples are spread by count.
     """
-    times = np.asarray(times, np.float64)
-    if len(times) == 0:
+    if total <= 0:
         raise ValueError("the video has no frames")
-    if fps <= 0 or max_frames <= 0:
-        raise ValueError(f"need fps > 0 and max_frames > 0; got {fps}, {max_frames}")
-    # The last frame stays on screen for one (typical) frame interval.
-    duration = times[-1] + (float(np.median(np.diff(times))) if len(times) > 1 else 0.0)
-    count = max(1, math.ceil(duration * fps - 1e-9))
-    if count > max_frames:
-        return np.unique(np.round(np.linspace(0, len(times) - 1, max_frames)).astype(np.int64))
-    on_screen = np.searchsorted(times, np.arange(count) / fps + 1e-9, side="right") - 1
-    return np.maximum(on_screen, 0).astype(np.int64)
+    if not (video_fps > 0 and fps > 0 and 0 < min_frames <= max_frames):
+        raise ValueError(f"need video fps > 0, fps > 0 and 0 < min_frames <= max_frames; got {video_fps}, {fps}, "
+                         f"{min_frames}, {max_frames}")
+    count = min(max(int(total / video_fps * fps), min_frames), max_frames, total)
+    return np.linspace(0, total - 1, count).round().astype(np.int64)
 
 
 class VideoReader:
@@ -146,6 +141,18 @@ class VideoReader:
         if not rate:
             raise MediaError(f"{self.where}: the video states neither frame timestamps nor a frame rate")
         return np.arange(self.count) / float(rate)
+
+    def rate(self) -> float:
+        """Average frame rate as HF's PyAV video reader reports it (`stream.average_rate`). Where the
+        container states none (HF would then sample nothing), FFmpeg's guessed rate, else the rate
+        the frame times give."""
+        rate = self.stream.average_rate or self.stream.guessed_rate
+        if rate:
+            return float(rate)
+        times = self.times()
+        if len(times) < 2 or times[-1] <= 0:
+            raise MediaError(f"{self.where}: the video states no frame rate and its frames no duration")
+        return (len(times) - 1) / float(times[-1])
 
     def frames_at(self, indices: Sequence[int]) -> list:
         """The frames at these indices, in ascending index order (duplicates once)."""
@@ -201,7 +208,8 @@ def decode_video(data: bytes, media_kwargs: Mapping, where: str) -> LoadedMedia:
         if video.count == 0:
             raise MediaError(f"{where}: the video has no frames")
         times = video.times()
-        indices = sample_video_indices(times, float(settings["fps"]), int(settings["max_frames"]))
+        indices = sample_video_indices(video.count, video.rate(), float(settings["fps"]), int(settings["min_frames"]),
+                                       int(settings["max_frames"]))
         frames = video.frames_at(indices.tolist())
         return LoadedMedia([f.to_image() for f in frames], tuple(int(i) for i in indices),
                            tuple(float(times[i]) for i in indices))

@@ -30,8 +30,9 @@ from valen_jax.models.config import VisionConfig
 # ViTs of configs/*.py, CPU runs on 64-pixel smoke images). A run from an HF base model takes
 # each key from the base model's own processor files instead (`resolve_media_kwargs`, seed 000:
 # "the defaults are the base model's processor settings"); a key the config sets wins over both.
-# image_mean/std 0.5 map pixels to [-1, 1] (what the smoke models have always been trained on).
-MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8,
+# image_mean/std 0.5 map pixels to [-1, 1] (what the smoke models have always been trained on);
+# min_frames 1 keeps one frame of a clip shorter than 1/fps (Qwen3-VL's processor file states 4).
+MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8, "min_frames": 1,
                   "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
 RESCALE_FACTOR = 1 / 255
 PIL_BICUBIC = 3  # PILImageResampling.BICUBIC, the `resample` the Qwen-VL processors use
@@ -90,8 +91,8 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
 
     `preprocessor_config.json` (images) gives the pixel bounds: `min_pixels`/`max_pixels`, or
     `size.shortest_edge`/`size.longest_edge`, which Qwen2-VL-family processors define as the same
-    pixel AREAS, and `image_mean`/`image_std`. `video_preprocessor_config.json` gives `fps` and
-    `max_frames` (and the pixel bounds and mean/std when the image file has none: this processor
+    pixel AREAS, and `image_mean`/`image_std`. `video_preprocessor_config.json` gives `fps`,
+    `min_frames` and `max_frames` (and the pixel bounds and mean/std when the image file has none: this processor
     has one pixel budget and one normalisation for both). Keys neither file states are absent from
     the result. A setting we cannot honour (no resize, another resampling filter or rescale factor,
     no normalisation) is refused, naming the file and the field."""
@@ -110,7 +111,7 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
         stated = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
                   "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
         if name == VIDEO_PROCESSOR_FILE:
-            stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"))
+            stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"), min_frames=data.get("min_frames"))
         for key in ("image_mean", "image_std"):
             if data.get(key) is not None and key not in found:
                 found[key] = (_check_channels(key, data[key], str(path)), name)
@@ -140,9 +141,10 @@ def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | No
             values[key], sources[key] = stated[key]
         else:
             values[key], sources[key] = default, SMOKE_DEFAULT
-    if values["min_pixels"] > values["max_pixels"]:
-        raise ProcessorError(f"media_kwargs: min_pixels={values['min_pixels']} ({sources['min_pixels']}) exceeds "
-                             f"max_pixels={values['max_pixels']} ({sources['max_pixels']})")
+    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+        if values[low] > values[high]:
+            raise ProcessorError(f"media_kwargs: {low}={values[low]} ({sources[low]}) exceeds "
+                                 f"{high}={values[high]} ({sources[high]})")
     return values, sources
 
 
