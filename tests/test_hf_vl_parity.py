@@ -146,6 +146,11 @@ def test_config_survives_checkpoint_meta_json(reference):
     assert ModelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
 
 
+def test_the_text_importer_refuses_a_vision_language_checkpoint(reference):
+    with pytest.raises(hf.HFImportError, match="vision-language checkpoint"):
+        hf.config_from_hf(json.loads((reference[1] / "config.json").read_text()))
+
+
 def test_media_with_one_dimensional_positions_is_refused(reference):
     model, _ = hf.from_pretrained(reference[1])
     ids = _prompt()
