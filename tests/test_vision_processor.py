@@ -148,3 +148,11 @@ def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
         "fps": "video_preprocessor_config.json", "max_frames": "config", "min_frames": "smoke default",
         "image_mean": "smoke default",
         "image_std": "smoke default"})
+    # The run's vision tower must read patches as the base model's processor cuts them.
+    from valen_jax.models.config import VisionConfig
+
+    vision = VisionConfig(**{**config.model.vision.to_dict(), "patch_size": 14})
+    config.model.init_from = str(_write_processor(tmp_path / "p16", {"patch_size": 16}))
+    with pytest.raises(ProcessorError, match="p16/preprocessor_config.json: patch_size=16 but the model's vision"):
+        media_kwargs_of(config, vision)
+    assert media_kwargs_of(config)[1]["min_pixels"] == "smoke default"  # without a vision config: not checked

@@ -104,7 +104,7 @@ def run(config, workdir: str | Path) -> dict:
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     model_cfg = model_config(config, tokenizer)
     # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
-    media_kwargs, media_sources = media_kwargs_of(config)
+    media_kwargs, media_sources = media_kwargs_of(config, model_cfg.vision)
     log.info("media_kwargs: %s", ", ".join(f"{k}={v} ({media_sources[k]})" for k, v in media_kwargs.items()))
     train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
                               config.data.tokenizer, fingerprint, config.data.train_options.to_dict())

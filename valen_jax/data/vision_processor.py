@@ -239,12 +239,15 @@ def tokens_of(media: ProcessedMedia, vision: VisionConfig) -> int:
     return media.num_tokens // (vision.merge_size ** 2)
 
 
-def media_kwargs_of(config) -> tuple[dict, dict[str, str]]:
+def media_kwargs_of(config, vision: VisionConfig | None = None) -> tuple[dict, dict[str, str]]:
     """`resolve_media_kwargs` for a training config: `config.media_kwargs` over the processor
-    settings of `config.model.init_from` (a directory or hub name), when the run starts from one."""
+    settings of `config.model.init_from` (a directory or hub name), when the run starts from one.
+    With the run's `vision` config, the base model's processor must also cut patches as it reads them."""
     base = None
     if config.model.init_from:
         from valen_jax.models import hf  # only runs from a base model need the checkpoint resolver
 
         base = hf.resolve(config.model.init_from)
+        if vision is not None:
+            check_processor_geometry(vision, base)
     return resolve_media_kwargs(config.media_kwargs.to_dict(), base)
