@@ -140,6 +140,32 @@ def test_frame_sampling_equals_qwen3_vl_video_processor():
     assert checked == 384
 
 
+def test_transformers_5_nested_processor_config_is_read_first(tmp_path):
+    """transformers 5 saves a processor's settings nested in processor_config.json and reads them
+    before the legacy files; so do we (a stale legacy file beside it is ignored, as there)."""
+    import json
+
+    processor = Qwen2VLImageProcessorPil(**FAMILIES["qwen3_vl"])
+    nested = {"image_processor": processor.to_dict(),
+              "video_processor": {"fps": 1.0, "min_frames": 2, "max_frames": 6, "patch_size": 16, "resample": 3}}
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 1, "max_pixels": 2, "patch_size": 14}))
+    values, sources = resolve_media_kwargs({}, tmp_path)
+    assert values == {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "fps": 1.0, "max_frames": 6, "min_frames": 2,
+                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+    assert sources["min_pixels"] == "processor_config.json (image_processor)"
+    assert sources["fps"] == "processor_config.json (video_processor)"
+    vision = VisionConfig(patch_size=16, merge_size=2, temporal_patch_size=2, dim=8, num_layers=1, num_heads=1, mlp_dim=8)
+    check_processor_geometry(vision, tmp_path)
+    image = _image(300, 200, 5)
+    ours = process_frames([image], vision, values)
+    np.testing.assert_array_equal(ours.patches, processor(images=[image], return_tensors="np")["pixel_values"])
+    nested["video_processor"]["do_rescale"] = False
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    with pytest.raises(ProcessorError, match=r"processor_config.json \(video_processor\): do_rescale=False is not"):
+        resolve_media_kwargs({}, tmp_path)
+
+
 def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
     _checkpoint("qwen2_vl", tmp_path / "ok")
     Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], resample=2).save_pretrained(tmp_path / "bilinear")

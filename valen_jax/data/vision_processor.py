@@ -42,6 +42,7 @@ FIXED_SETTINGS = {"do_resize": True, "do_rescale": True, "do_normalize": True, "
 GEOMETRY_KEYS = ("patch_size", "temporal_patch_size", "merge_size")
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+PROCESSOR_FILE = "processor_config.json"  # transformers 5 nests both processors' settings here
 SMOKE_DEFAULT = "smoke default"
 
 
@@ -87,34 +88,27 @@ def _check_channels(key: str, value, where: str) -> tuple[float, float, float]:
 
 
 def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str]]:
-    """The media_kwargs an HF checkpoint's processor files state, each with the file it came from.
+    """The media_kwargs an HF checkpoint's processor files state, each with the file it came from
+    (`processor_configs`: transformers 5's nested `processor_config.json`, else the legacy files).
 
-    `preprocessor_config.json` (images) gives the pixel bounds: `min_pixels`/`max_pixels`, or
+    The image processor (`preprocessor_config.json`) gives the pixel bounds: `min_pixels`/`max_pixels`, or
     `size.shortest_edge`/`size.longest_edge`, which Qwen2-VL-family processors define as the same
-    pixel AREAS, and `image_mean`/`image_std`. `video_preprocessor_config.json` gives `fps`,
-    `min_frames` and `max_frames` (and the pixel bounds and mean/std when the image file has none: this processor
-    has one pixel budget and one normalisation for both). Keys neither file states are absent from
+    pixel AREAS, and `image_mean`/`image_std`. The video processor gives `fps`, `min_frames` and
+    `max_frames` (and the pixel bounds and mean/std when the image processor has none: this
+    processor has one pixel budget and one normalisation for both). Keys neither file states are absent from
     the result. A setting we cannot honour (no resize, another resampling filter or rescale factor,
     no normalisation) is refused, naming the file and the field."""
-    directory = Path(directory)
     found: dict[str, tuple[object, str]] = {}
-    for name in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
-        path = directory / name
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ProcessorError(f"{path}: not a JSON processor config ({error})") from None
+    for role, data, name, path in processor_configs(directory):
         _refuse_unhonoured(data, path)
         size = data.get("size") if isinstance(data.get("size"), dict) else {}
         stated = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
                   "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
-        if name == VIDEO_PROCESSOR_FILE:
+        if role == "video":
             stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"), min_frames=data.get("min_frames"))
         for key in ("image_mean", "image_std"):
             if data.get(key) is not None and key not in found:
-                found[key] = (_check_channels(key, data[key], str(path)), name)
+                found[key] = (_check_channels(key, data[key], path), name)
         for key, value in stated.items():
             if value is None or key in found:
                 continue
@@ -122,6 +116,33 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
                 raise ProcessorError(f"{path}: {key} must be a positive number, got {value!r}")
             found[key] = (float(value) if key == "fps" else int(value), name)
     return found
+
+
+def processor_configs(directory: str | Path) -> list[tuple[str, dict, str, str]]:
+    """(role, settings, source name, path for messages) of the checkpoint's image then video processor,
+    found where transformers looks: the `image_processor`/`video_processor` entry of
+    `processor_config.json` (what transformers 5 saves), else the legacy `preprocessor_config.json`
+    / `video_preprocessor_config.json` (what hub checkpoints ship)."""
+    directory = Path(directory)
+    nested = _read_json(directory / PROCESSOR_FILE) if (directory / PROCESSOR_FILE).is_file() else {}
+    found = []
+    for role, legacy in (("image", IMAGE_PROCESSOR_FILE), ("video", VIDEO_PROCESSOR_FILE)):
+        entry = f"{role}_processor"
+        if isinstance(nested.get(entry), dict):
+            found.append((role, nested[entry], f"{PROCESSOR_FILE} ({entry})", f"{directory / PROCESSOR_FILE} ({entry})"))
+        elif (directory / legacy).is_file():
+            found.append((role, _read_json(directory / legacy), legacy, str(directory / legacy)))
+    return found
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProcessorError(f"{path}: not a JSON processor config ({error})") from None
+    if not isinstance(data, dict):
+        raise ProcessorError(f"{path}: a processor config is a JSON object, got {type(data).__name__}")
+    return data
 
 
 def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | None) -> tuple[dict, dict[str, str]]:
@@ -148,7 +169,7 @@ def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | No
     return values, sources
 
 
-def _refuse_unhonoured(data: Mapping, path: Path) -> None:
+def _refuse_unhonoured(data: Mapping, path: str) -> None:
     for key, wanted in FIXED_SETTINGS.items():
         if data.get(key) is not None and data[key] != wanted:  # null: the class default, which is this
             raise ProcessorError(f"{path}: {key}={data[key]!r} is not supported (this processor always uses "
@@ -161,13 +182,8 @@ def _refuse_unhonoured(data: Mapping, path: Path) -> None:
 def processor_geometry(directory: str | Path) -> dict[str, tuple[int, str]]:
     """patch_size, temporal_patch_size and merge_size as the checkpoint's processor files state them
     (image file first), each with its file. They belong to the model, not to media_kwargs."""
-    directory = Path(directory)
     found: dict[str, tuple[int, str]] = {}
-    for name in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE):
-        path = directory / name
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text(encoding="utf-8"))
+    for _, data, name, path in processor_configs(directory):
         for key in GEOMETRY_KEYS:
             value = data.get(key)
             if value is None or key in found:
