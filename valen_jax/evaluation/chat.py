@@ -17,6 +17,7 @@ import json
 import re
 from typing import TYPE_CHECKING
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
@@ -59,13 +60,13 @@ def parse_tool_calls(text: str, family: str | None = "chatml") -> list:
 
 
 def breakdown_of(example: Example) -> dict[str, str | None]:
-    meta = example.meta
-    return {"locale": meta.get("locale"), "source": meta.get("data_source")}
+    meta = contract.meta_of(example)
+    return {"locale": meta.locale, "source": meta.data_source}
 
 
 def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dict]]:
     """(reference calls, prompt) for each trained assistant message with tool calls."""
-    per_message = example.meta.get("tool_calls", [])
+    per_message = contract.meta_of(example).tool_calls or []
     expanded = expand_media_slots(example, spec)
     spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
     if len(spans) == len(per_message):
@@ -74,7 +75,7 @@ def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dic
         pairs = [(per_message[-1], spans[-1])]
     else:
         pairs = []
-    vision = vision_arrays(expanded.media, spec, f"{example.meta.get('source')}:{example.meta.get('line')}")
+    vision = vision_arrays(expanded.media, spec, contract.where(example))
     return [(calls, {"ids": expanded.ids[:start], "vision": vision}) for calls, (start, _) in pairs if calls]
 
 
@@ -106,7 +107,7 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
         predicted = parse_tool_calls(text, family)
         stats.add_tool_calls(calls, predicted, breakdown_of(example))
         if samples is None or len(listed) < samples:
-            listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
+            listed.append({"index": i, "source": contract.where(example),
                            "reference": calls, "answer": text})
     metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]

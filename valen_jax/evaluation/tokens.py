@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
@@ -28,7 +29,7 @@ from valen_jax.step import vision_inputs
 
 
 def _where(example: Example) -> str:
-    return f"{example.meta.get('source', '?')}:{example.meta.get('line', '?')}"
+    return contract.where(example)
 
 
 @functools.cache

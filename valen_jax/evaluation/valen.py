@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, valen_row
@@ -36,7 +37,7 @@ from valen_jax.step import vision_inputs
 if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options
 
-BREAKDOWN = ("domain", "modality", "language_bucket")
+BREAKDOWN = contract.VALEN_BREAKDOWNS
 
 
 def question_spec(config, mode: str | None, examples: list[Example]) -> QuestionSpec:
@@ -48,8 +49,8 @@ def question_spec(config, mode: str | None, examples: list[Example]) -> Question
     mode = mode or config.data.valen_mode
     if mode not in MODES:
         raise ValueError(f"--mode={mode!r}; choose one of {', '.join(MODES)}")
-    questions = max([len(e.meta["questions"]) for e in examples], default=1)
-    candidates = max([len(keys) for e in examples for keys in e.meta["candidate_keys"]], default=2)
+    questions = max([len(contract.meta_of(e).questions) for e in examples], default=1)
+    candidates = max([len(keys) for e in examples for keys in contract.meta_of(e).candidate_keys], default=2)
     return QuestionSpec(mode, max(int(config.data.max_questions), questions),
                         max(int(config.data.max_candidates), candidates), training=False)
 
@@ -69,7 +70,7 @@ def _question_probs(example: Example, log_probs: np.ndarray, row: dict) -> list[
     """float64 probabilities of each question's candidates, in the record's candidate order."""
     owner = example.arrays["candidate_question"]
     out = []
-    for q in range(len(example.meta["questions"])):
+    for q in range(len(contract.meta_of(example).questions)):
         members = np.flatnonzero(owner == q)
         mask = row["branch_mask"][q]
         if int(mask.sum()) != len(members):
@@ -105,33 +106,33 @@ def score_records(restored: Restored, examples: list[Example], qspec: QuestionSp
 
 def add_record(stats: ValenStats, example: Example, probs: list[np.ndarray]) -> None:
     """Every question of one record into `stats`, labeled or not (unlabeled ones only count)."""
-    meta, arrays = example.meta, example.arrays
+    meta, arrays = contract.meta_of(example), example.arrays
     owner = arrays["candidate_question"]
-    breakdown = {key: meta.get(key) for key in BREAKDOWN}
-    for q, qtype in enumerate(meta["question_types"]):
+    breakdown = {key: getattr(meta, key) for key in BREAKDOWN}
+    for q, qtype in enumerate(meta.question_types):
         label = arrays["labels"][owner == q].astype(np.float64) if arrays["labeled"][q] else None
-        stats.add(qtype, probs[q], label, bool(meta["hard_labels"][q]), breakdown)
+        stats.add(qtype, probs[q], label, bool(meta.hard_labels[q]), breakdown)
 
 
 def answer_line(example: Example, probs: list[np.ndarray]) -> dict:
-    meta = example.meta
+    meta = contract.meta_of(example)
     answers = {}
-    for qid, qtype, keys, q in zip(meta["questions"], meta["question_types"], meta["candidate_keys"], probs,
+    for qid, qtype, keys, q in zip(meta.questions, meta.question_types, meta.candidate_keys, probs,
                                    strict=True):
         answer = {"type": qtype, "probabilities": {key: float(p) for key, p in zip(keys, q, strict=True)},
                   "argmax": keys[int(np.argmax(q))]}
         if qtype == "score":
             answer["expected"] = float(np.dot(np.arange(len(q)), q))
         answers[qid] = answer
-    return {"group_id": meta["group_id"], "record_id": meta.get("record_id"), "answers": answers}
+    return {"group_id": meta.group_id, "record_id": meta.record_id, "answers": answers}
 
 
 def add_unlabeled_record(stats: ValenStats, example: Example) -> None:
     """A record without any label: its questions count as unlabeled, and it is never scored, so its
     media is never read (seed 000: "If a record has no labels at all, its media is never read")."""
-    meta, owner = example.meta, example.arrays["candidate_question"]
-    breakdown = {key: meta.get(key) for key in BREAKDOWN}
-    for q, qtype in enumerate(meta["question_types"]):
+    meta, owner = contract.meta_of(example), example.arrays["candidate_question"]
+    breakdown = {key: getattr(meta, key) for key in BREAKDOWN}
+    for q, qtype in enumerate(meta.question_types):
         k = int((owner == q).sum())
         # ValenStats reads no probabilities of an unlabeled question; uniform ones pass its checks.
         stats.add(qtype, np.full(k, 1.0 / k), None, False, breakdown)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
@@ -52,11 +53,11 @@ def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> lis
 def dense_scale(example: Example) -> float:
     """The dataset's dense-motion scale `s` (m) that conversion carried into the Example (seed 004:
     "a per-dataset scale"); only a reference with dense motion needs one, and then it must be there."""
-    scale = example.meta.get("dense_scale")
+    scale = contract.meta_of(example).dense_scale
     if scale is not None:
         return float(scale)
-    if "<dense>" in example.meta["answers"][-1]:
-        raise ValueError(f"{example.meta['source']}:{example.meta['line']}: a dense-motion reference in shards "
+    if "<dense>" in contract.meta_of(example).answers[-1]:
+        raise ValueError(f"{contract.where(example)}: a dense-motion reference in shards "
                          "without dense_scale (made before it was recorded); convert the data again")
     return DENSE_SCALE  # never read: neither the reference nor a matched prediction has dense motion
 
@@ -72,7 +73,7 @@ def parses(text: str) -> bool:
 
 def _first_image(example: Example) -> str | None:
     """The path of the example's first media item when it is an image file (for drawing)."""
-    for header in example.meta.get("media", []):
+    for header in contract.media_headers(example):
         return header["path"] if header.get("kind") in ("path", "file") else None
     return None
 
@@ -97,14 +98,14 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     counts = np.zeros(3)  # answers, parsed, exact
     listed = []
     for i, example, text in zip(mine, local, texts, strict=True):
-        reference = example.meta["answers"][-1]
+        reference = contract.meta_of(example).answers[-1]
         ok = parses(text)
         counts += (1, ok, text == reference)
-        stats.add(reference, text, entry=example.meta.get("entry"), masks=answer_masks(example, eot, numbers),
+        stats.add(reference, text, entry=contract.meta_of(example).entry, masks=answer_masks(example, eot, numbers),
                   dense_scale=dense_scale(example))
         if samples is None or i < samples:
-            listed.append({"index": i, "source": f"{example.meta['source']}:{example.meta['line']}",
-                           "entry": example.meta.get("entry"), "image": _first_image(example),
+            listed.append({"index": i, "source": contract.where(example),
+                           "entry": contract.meta_of(example).entry, "image": _first_image(example),
                            "reference": reference, "answer": text, "parses": ok})
     answers, parsed, exact = hosts.sum_array(counts)
     listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])

@@ -43,10 +43,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+# Question types, noul order (true first, seed 000) and breakdowns: the Example contract's.
+from data_pipeline.examples import NOUL_KEYS, QUESTION_TYPES, VALEN_BREAKDOWNS
 from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
 
-QUESTION_TYPES = ("choice", "noul", "score")
-BREAKDOWN_KEYS = ("domain", "modality", "language_bucket")
+BREAKDOWN_KEYS = VALEN_BREAKDOWNS
 MISSING = "(missing)"
 CLIP = 1e-12  # floor on q_k inside the logarithm of the cross-entropy
 BINS = 10  # equal-width confidence bins of the calibration error
@@ -125,7 +126,7 @@ class ValenStats(GroupedSums):
         sums.update(hard=1, correct=correct, **{f"bin{b}_count": 1, f"bin{b}_conf": float(q.max()),
                                                  f"bin{b}_correct": correct})
         if question_type == "noul":
-            names = ("true", "false")  # seed 000: fixed order, true first
+            names = NOUL_KEYS
             sums[f"noul_{names[truth]}_{names[predicted]}"] = 1
         self._add(keys, **sums)
 
@@ -176,7 +177,7 @@ def _metrics(s: dict[str, float]) -> dict:
         "rps": ratio(s["rps_sum"], s["score_labeled"]),
         "ece": ece,
         "noul_confusion": {
-            truth: {pred: int(s[f"noul_{truth}_{pred}"]) for pred in ("true", "false")}
-            for truth in ("true", "false")
+            truth: {pred: int(s[f"noul_{truth}_{pred}"]) for pred in NOUL_KEYS}
+            for truth in NOUL_KEYS
         },
     }
