@@ -1,5 +1,5 @@
-"""Logits parity with transformers (torch, CPU, f32) for tiny random Qwen2-VL and Qwen2.5-VL models: text,
-two images of different sizes and a two-frame video in one prompt; import, then export → transformers load."""
+"""Logits parity with transformers (torch, CPU, f32) for tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models:
+text, two images of different sizes and a two-frame video in one prompt; import, then export → transformers load."""
 
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ FAMILIES = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
                    dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=16,
                         fullatt_block_indexes=[1], tokens_per_second=2)),
+    # A 6 × 6 position table resampled to every grid; deepstack features from vision blocks 0 and 2.
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_position_embeddings=36,
+                      deepstack_visual_indexes=[0, 2])),
 }
+TEXT = {"qwen3_vl": dict(head_dim=16, attention_bias=False)}
+ROPE = {"qwen3_vl": dict(mrope_interleaved=True)}
 
 
 def _config(family):
@@ -43,8 +49,9 @@ def _config(family):
     return getattr(transformers, config_cls)(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
-                         bos_token_id=300, eos_token_id=301,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+                         bos_token_id=300, eos_token_id=301, **TEXT.get(family, {}),
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          **ROPE.get(family, {})}),
         vision_config={**VISION, **vision},
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
         attn_implementation="eager")
@@ -66,13 +73,22 @@ def reference(request, tmp_path_factory):
     return model, directory
 
 
-def _prompt():
+def _slot_runs(family):
+    """(pad token, grid) of each run of media slots in prompt order: image, video, image. Qwen3-VL's
+    processor gives every video frame its own run after a timestamp, and its rope index follows that."""
+    t, h, w = VIDEO_GRIDS[0]
+    video = [(VIDEO, (1, h, w))] * t if family == "qwen3_vl" else [(VIDEO, VIDEO_GRIDS[0])]
+    return [(IMAGE, IMAGE_GRIDS[0]), *video, (IMAGE, IMAGE_GRIDS[1])]
+
+
+def _prompt(family):
     """Token ids (≥ 600) with text around <|vision_start|> slots <|vision_end|> for image, video, image."""
     rng = np.random.default_rng(1)
-    text = lambda n: list(rng.integers(0, 300, n))  # noqa: E731
-    slots = lambda grid, pad: [START] + [pad] * (grid[0] * grid[1] * grid[2] // MERGE**2) + [END]  # noqa: E731
-    ids = text(180) + slots(IMAGE_GRIDS[0], IMAGE) + text(150) + slots(VIDEO_GRIDS[0], VIDEO) + text(120) \
-        + slots(IMAGE_GRIDS[1], IMAGE) + text(100)
+    ids = []
+    texts = [180, 150, 4, 120] if family == "qwen3_vl" else [180, 150, 120]  # 4: a frame's timestamp
+    for (pad, (t, h, w)), before in zip(_slot_runs(family), texts, strict=True):
+        ids += list(rng.integers(0, 300, before)) + [START] + [pad] * (t * h * w // MERGE**2) + [END]
+    ids += list(rng.integers(0, 300, 100))
     return np.asarray(ids, np.int64)
 
 
@@ -97,15 +113,19 @@ def _hf_logits(model, ids, images, videos):
 
 
 def _time_intervals(cfg):
-    """Per media item in prompt order (image, video, image): Qwen2.5-VL spaces video frames in time."""
+    """Per slot run in prompt order (image, video, image): Qwen2.5-VL spaces video frames in time."""
     if cfg.vision.family != "qwen2_5_vl":
         return None
     return [1.0, cfg.vision.tokens_per_second * SECONDS_PER_GRID, 1.0]
 
 
+def _family(reference):
+    return reference[0].config.model_type
+
+
 def _our_logits(model, ids, images, videos):
     # Media in the order their slots appear in the prompt: image 0, the video, image 1.
-    grids = [IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]]
+    grids = [grid for _, grid in _slot_runs(model.cfg.vision.family)]
     patches = np.concatenate([images[0], videos[0], images[1]])
     patch_positions, segments = mrope.vision_inputs(grids, MERGE)
     positions = mrope.rope_index(ids, grids, IMAGE, VIDEO, MERGE, _time_intervals(model.cfg))
@@ -118,7 +138,7 @@ def _our_logits(model, ids, images, videos):
 
 def test_import_and_export_match_transformers_logits(reference, tmp_path):
     hf_model, directory = reference
-    ids = _prompt()
+    ids = _prompt(_family(reference))
     assert len(ids) >= 600
     images, videos = _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
     expected = _hf_logits(hf_model, ids, images, videos)
@@ -153,9 +173,9 @@ def test_the_text_importer_refuses_a_vision_language_checkpoint(reference):
 
 def test_media_with_one_dimensional_positions_is_refused(reference):
     model, _ = hf.from_pretrained(reference[1])
-    ids = _prompt()
+    ids = _prompt(_family(reference))
     patches = np.concatenate([*_pixels(IMAGE_GRIDS, 2), *_pixels(VIDEO_GRIDS, 3)])[None]
-    positions, segments = mrope.vision_inputs([IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]], MERGE)
+    positions, segments = mrope.vision_inputs([grid for _, grid in _slot_runs(_family(reference))], MERGE)
     tokens = jnp.asarray(ids[None], jnp.int32)
     with pytest.raises(ValueError, match=r"positions \[B, T, 3\]"):
         jax.eval_shape(lambda: model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens),
@@ -164,19 +184,19 @@ def test_media_with_one_dimensional_positions_is_refused(reference):
 
 def test_rope_index_matches_transformers(reference):
     hf_model, directory = reference
-    ids = _prompt()
+    ids = _prompt(_family(reference))
     kind = np.where(ids == IMAGE, 1, np.where(ids == VIDEO, 2, 0))
     extra = {"second_per_grid_ts": torch.tensor([SECONDS_PER_GRID])} if _is_2_5(hf_model) else {}
     expected, _ = hf_model.model.get_rope_index(torch.tensor(ids[None]), torch.tensor(kind[None]),
                                                 torch.tensor(IMAGE_GRIDS), torch.tensor(VIDEO_GRIDS), **extra)
     cfg = hf_vl.config_from_hf(json.loads((directory / "config.json").read_text()))
-    ours = mrope.rope_index(ids, [IMAGE_GRIDS[0], VIDEO_GRIDS[0], IMAGE_GRIDS[1]], IMAGE, VIDEO, MERGE,
+    ours = mrope.rope_index(ids, [grid for _, grid in _slot_runs(_family(reference))], IMAGE, VIDEO, MERGE,
                             _time_intervals(cfg))
     np.testing.assert_array_equal(ours, expected[:, 0].numpy().T)
 
 
 @pytest.mark.parametrize("change, feature", [
-    (lambda c: c.update(model_type="qwen3_vl"), "deepstack"),
+    (lambda c: c.update(model_type="qwen3_vl_moe"), "mixture-of-experts"),
     (lambda c: c["text_config"].update(use_sliding_window=True), "sliding-window"),
     (lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn"), "rope_type 'yarn'"),
     (lambda c: c["vision_config"].update(hidden_act="relu"), "hidden_act 'relu'"),
@@ -201,7 +221,7 @@ model, cfg = hf.from_pretrained(sys.argv[1], mesh=mesh)
 vision = nnx.to_pure_dict(nnx.state(model, nnx.Param))["vision"]
 replicated = ["/".join(map(str, (k.key for k in path))) for path, leaf in jax.tree_util.tree_leaves_with_path(vision)
               if leaf.size >= 1024 and all(s is None for s in leaf.sharding.spec)]
-ids, images, videos = _prompt(), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+ids, images, videos = _prompt(cfg.vision.family), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
 with jax.set_mesh(mesh):
     sharded = _our_logits(model, ids, images, videos)
 local, _ = hf.from_pretrained(sys.argv[1])
@@ -219,3 +239,10 @@ def test_vision_tower_is_sharded_on_8_devices_with_unchanged_logits(reference):
     assert report["replicated"] == []
     assert report["devices"] == 8
     assert report["max_diff"] < 1e-4
+
+
+def test_deepstack_with_scanned_layers_is_refused(reference):
+    if _family(reference) != "qwen3_vl":
+        pytest.skip("deepstack is Qwen3-VL's")
+    with pytest.raises(hf.HFImportError, match="deepstack"):
+        hf.from_pretrained(reference[1], scan_layers=True)

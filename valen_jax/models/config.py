@@ -37,6 +37,10 @@ class VisionConfig:
     window_size: int = 0  # qwen2_5_vl: attention window side in pixels, except in `fullatt_blocks`
     fullatt_blocks: tuple[int, ...] = ()
     tokens_per_second: int = 0  # qwen2_5_vl: video time positions per second (decoder M-RoPE), kept for export
+    # "qwen3_vl": a learned square position table resampled to each grid, and features of these
+    # blocks merged and added to the decoder's hidden states at the media slots after layers 0, 1, ...
+    num_position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
@@ -51,7 +55,7 @@ class VisionConfig:
             raise ValueError(f"{self.family} vision head size {self.dim // self.num_heads} must be a multiple of 4 (h, w rotary)")
 
 
-VISION_FAMILIES = ("valen", "qwen2_vl", "qwen2_5_vl")
+VISION_FAMILIES = ("valen", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class ModelConfig:
     video_pad_id: int = -1  # a second media-slot token (Qwen-VL's <|video_pad|>); -1: none
     # Qwen2-VL M-RoPE: frequency pairs per (t, h, w) position axis; positions are then [B, T, 3].
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: pairs cycle t, h, w instead of running in sections
     score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
 
@@ -105,8 +110,8 @@ class ModelConfig:
         scaling = data.pop("rope_scaling", None)
         if data.get("mrope_section") is not None:  # JSON gives a list; the frozen config keeps a tuple
             data["mrope_section"] = tuple(data["mrope_section"])
-        if vision and "fullatt_blocks" in vision:
-            vision = {**vision, "fullatt_blocks": tuple(vision["fullatt_blocks"])}
+        if vision:
+            vision = {**vision, **{k: tuple(vision[k]) for k in ("fullatt_blocks", "deepstack_layers") if k in vision}}
         return cls(**data, vision=VisionConfig(**vision) if vision else None,
                    rope_scaling=RopeScaling(**scaling) if scaling else None)
 

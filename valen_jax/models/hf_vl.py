@@ -1,14 +1,14 @@
-"""Import and export Hugging Face Qwen2-VL and Qwen2.5-VL checkpoints (`Qwen2VLForConditionalGeneration`,
-`Qwen2_5_VLForConditionalGeneration`).
+"""Import and export Hugging Face Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`, `Qwen3VLForConditionalGeneration`).
 
 The decoder is a Qwen2 decoder with M-RoPE (`ModelConfig.mrope_section`); the vision tower is
 `qwen_vision.QwenVisionEncoder` (`VisionConfig.family` = the checkpoint's model_type). Tensor names: transformers 5 `save_pretrained` writes the
 legacy layout (`model.layers.*`, `visual.*`, `lm_head.weight`); checkpoints in the new layout
-(`model.language_model.*`, `model.visual.*`) are read too. Export writes the legacy layout,
-which the family class loads.
+(`model.language_model.*`, `model.visual.*`, which Qwen3-VL's `save_pretrained` writes) are read
+too. Export writes the layout the family's own `save_pretrained` writes.
 
-Not expressible yet, refused by name: Qwen3-VL (deepstack, interleaved M-RoPE), sliding-window
-decoders, rope types other than default.
+Not expressible yet, refused by name: Qwen3-VL-MoE, sliding-window decoders, rope types other
+than default, deepstack with scan_layers.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from valen_jax.models.qwen_vision import activation
 from valen_jax.models.safetensors_io import CheckpointTensors, save_file
 from valen_jax.models.transformer import Transformer, abstract_model
 
-VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-_ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 _REFUSED = {
-    "qwen3_vl": "Qwen3-VL's deepstack vision features and interleaved M-RoPE are not implemented",
     "qwen3_vl_moe": "Qwen3-VL-MoE (mixture-of-experts decoder, deepstack) is not implemented",
 }
 
@@ -81,6 +81,17 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     if family == "qwen2_vl":
         vision = VisionConfig(dim=vis["embed_dim"], mlp_dim=int(vis["embed_dim"] * vis.get("mlp_ratio", 4)),
                               hidden_act=vis.get("hidden_act", "quick_gelu"), **common)
+    elif family == "qwen3_vl":
+        count = vis.get("num_position_embeddings", 2304)
+        if int(round(count ** 0.5)) ** 2 != count:
+            raise hf.HFImportError(f"vision_config.num_position_embeddings {count} is not a square grid")
+        deep = tuple(vis.get("deepstack_visual_indexes", (8, 16, 24)))
+        if len(deep) > text["num_hidden_layers"] or any(not 0 <= i < vis["depth"] for i in deep):
+            raise hf.HFImportError(f"vision_config.deepstack_visual_indexes {list(deep)} do not fit depth {vis['depth']} "
+                                   f"and {text['num_hidden_layers']} decoder layers")
+        vision = VisionConfig(dim=vis["hidden_size"], mlp_dim=vis["intermediate_size"],
+                              hidden_act=vis.get("hidden_act", "gelu_pytorch_tanh"), num_position_embeddings=count,
+                              deepstack_layers=deep, **common)
     else:
         window = vis.get("window_size", 112)
         if window // common["merge_size"] // common["patch_size"] < 1:
@@ -91,17 +102,24 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
                               tokens_per_second=vis.get("tokens_per_second", 4), **common)
     tie = hf_config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     settings = dict(image_pad_id=hf_config["image_token_id"], video_pad_id=hf_config["video_token_id"],
-                    mrope_section=tuple(section), vision=vision)
+                    mrope_section=tuple(section), mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+                    vision=vision)
     settings.update(overrides)
-    return hf.config_from_hf({**text, "model_type": "qwen2", "tie_word_embeddings": tie}, **settings)
+    if vision.deepstack_layers and settings.get("scan_layers"):
+        raise hf.HFImportError("Qwen3-VL deepstack features are added between decoder layers: scan_layers=True "
+                               "is not implemented for them")
+    decoder = "qwen3" if family == "qwen3_vl" else "qwen2"  # Qwen3: q/k RMSNorm, biases per attention_bias
+    return hf.config_from_hf({**text, "model_type": decoder, "tie_word_embeddings": tie}, **settings)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     v = cfg.vision
-    text = hf.config_to_hf(cfg, "qwen2")
+    text = hf.config_to_hf(cfg, "qwen3" if v.family == "qwen3_vl" else "qwen2")
     text.pop("architectures")
-    text.update(model_type=f"{v.family}_text", use_sliding_window=False,
-                rope_parameters={**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)})
+    rope = {**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
+    if cfg.mrope_interleaved:
+        rope["mrope_interleaved"] = True
+    text.update(model_type=f"{v.family}_text", use_sliding_window=False, rope_parameters=rope)
     top = {"model_type": v.family, "architectures": [_ARCHITECTURES[v.family]], "image_token_id": cfg.image_pad_id,
            "video_token_id": cfg.video_pad_id, "tie_word_embeddings": cfg.tie_embeddings, "dtype": cfg.param_dtype,
            "text_config": text}
@@ -109,6 +127,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
               "num_heads": v.num_heads, "in_channels": 3, "patch_size": v.patch_size, "spatial_merge_size": v.merge_size,
               "temporal_patch_size": v.temporal_patch_size,
               "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta}}
+    if v.family == "qwen3_vl":
+        return {**top, "vision_config": {
+            **common, "hidden_size": v.dim, "intermediate_size": v.mlp_dim, "out_hidden_size": cfg.dim,
+            "num_position_embeddings": v.num_position_embeddings, "deepstack_visual_indexes": list(v.deepstack_layers)}}
     if v.family == "qwen2_5_vl":
         return {**top, "vision_config": {
             **common, "hidden_size": v.dim, "intermediate_size": v.mlp_dim, "out_hidden_size": cfg.dim,
@@ -129,7 +151,12 @@ def _vision_tensors(cfg: ModelConfig) -> Iterator[tuple[tuple, str, callable, ca
     embed_shape = (d, 3, v.temporal_patch_size, v.patch_size, v.patch_size)
     yield ("patch_embed",), "visual.patch_embed.proj.weight", lambda w: w.reshape(d, -1).T, \
         lambda w: w.T.reshape(embed_shape)
-    layer_norm = v.family == "qwen2_vl"  # Qwen2.5-VL's norms are RMSNorms: no bias
+    qwen3 = v.family == "qwen3_vl"
+    if qwen3:
+        yield ("patch_bias",), "visual.patch_embed.proj.bias", None, None
+        yield ("pos_embed",), "visual.pos_embed.weight", None, None
+    layer_norm = v.family != "qwen2_5_vl"  # Qwen2.5-VL's norms are RMSNorms: no bias
+    fc = "linear_fc" if qwen3 else "fc"
     for i in range(v.num_layers):
         p = f"visual.blocks.{i}."
         for norm in ("norm1", "norm2"):
@@ -142,23 +169,38 @@ def _vision_tensors(cfg: ModelConfig) -> Iterator[tuple[tuple, str, callable, ca
         yield ("blocks", i, "proj"), p + "attn.proj.weight", lambda w: w.T.reshape(n, h, d), \
             lambda w: w.reshape(d, d).T
         yield ("blocks", i, "proj_bias"), p + "attn.proj.bias", None, None
-        linears = (("fc1", "fc1"), ("fc2", "fc2")) if layer_norm else \
+        linears = (("fc1", fc + "1"), ("fc2", fc + "2")) if layer_norm else \
             (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
         for ours, theirs in linears:
             yield ("blocks", i, ours), f"{p}mlp.{theirs}.weight", np.transpose, np.transpose
             yield ("blocks", i, ours + "_bias"), f"{p}mlp.{theirs}.bias", None, None
-    yield ("ln_q", "scale"), "visual.merger.ln_q.weight", None, None
+    norm, linears = ("norm", ("linear_fc1", "linear_fc2")) if qwen3 else ("ln_q", ("mlp.0", "mlp.2"))
+    yield ("ln_q", "scale"), f"visual.merger.{norm}.weight", None, None
     if layer_norm:
-        yield ("ln_q", "bias"), "visual.merger.ln_q.bias", None, None
-    for ours, index in (("merge_in", 0), ("merge_out", 2)):
-        yield (ours,), f"visual.merger.mlp.{index}.weight", np.transpose, np.transpose
-        yield (ours + "_bias",), f"visual.merger.mlp.{index}.bias", None, None
+        yield ("ln_q", "bias"), f"visual.merger.{norm}.bias", None, None
+    for ours, theirs in zip(("merge_in", "merge_out"), linears, strict=True):
+        yield (ours,), f"visual.merger.{theirs}.weight", np.transpose, np.transpose
+        yield (ours + "_bias",), f"visual.merger.{theirs}.bias", None, None
+    for k in range(len(v.deepstack_layers)):
+        p = f"visual.deepstack_merger_list.{k}."
+        yield ("deepstack", k, "norm", "scale"), p + "norm.weight", None, None
+        yield ("deepstack", k, "norm", "bias"), p + "norm.bias", None, None
+        for ours in ("fc1", "fc2"):
+            yield ("deepstack", k, ours), f"{p}linear_{ours}.weight", np.transpose, np.transpose
+            yield ("deepstack", k, ours + "_bias"), f"{p}linear_{ours}.bias", None, None
 
 
 class _Tensors(CheckpointTensors):
     """Reads legacy names from a checkpoint in either layout (`model.layers.*` or `model.language_model.layers.*`)."""
 
     _NEW = (("model.", "model.language_model."), ("visual.", "model.visual."), ("lm_head.", "lm_head."))
+
+    @classmethod
+    def new_name(cls, name: str) -> str:
+        for old, new in cls._NEW:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
 
     def _name(self, name: str) -> str:
         if name in self._files:
@@ -208,7 +250,7 @@ def from_pretrained(directory: Path, hf_config: dict, dtype: str, param_dtype: s
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:
-    """config.json + model.safetensors that the family class (Qwen2-VL or Qwen2.5-VL) loads as the same model."""
+    """config.json + model.safetensors that the family class (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) loads as the same model."""
     cfg: ModelConfig = model.cfg
     if cfg.vision is None or cfg.vision.family not in VL_FAMILIES or cfg.mrope_section is None:
         raise hf.HFImportError(f"only a model with a {' or '.join(VL_FAMILIES)} vision tower and M-RoPE exports as "
@@ -220,6 +262,8 @@ def save_pretrained(model: Transformer, path: str | Path) -> Path:
     for ours, name, _, back in _vision_tensors(cfg):
         value = hf._get(params["vision"], ours)
         tensors[name] = np.ascontiguousarray(back(value) if back else value)
+    if cfg.vision.family == "qwen3_vl":  # what Qwen3-VL's save_pretrained writes: the transformers 5 layout
+        tensors = {_Tensors.new_name(name): value for name, value in tensors.items()}
     save_file(tensors, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
     return path

@@ -100,13 +100,14 @@ def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
     return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-def mrope(x, positions, theta: float, section: tuple[int, ...]):
+def mrope(x, positions, theta: float, section: tuple[int, ...], interleaved: bool = False):
     """Qwen2-VL's multimodal rotary embedding. x: [B, T, N, H]; positions: [B, T, 3] (t, h, w) or [B, T].
 
     Unlike `rope` with three position axes, the frequencies are those of the whole head
     (`inverse_frequencies(H)`), and consecutive runs of `section` frequency pairs take their
     angle from the t, h, w coordinate in turn (HF `recomposition_frequencies`); text tokens
-    carry equal coordinates, so for them this is plain 1-D RoPE.
+    carry equal coordinates, so for them this is plain 1-D RoPE. `interleaved` (Qwen3-VL): pair j
+    takes h when j % 3 == 1 and j < 3·section[1], w when j % 3 == 2 and j < 3·section[2], else t.
     """
     if sum(section) != x.shape[-1] // 2:
         raise ValueError(f"mrope_section {section} must sum to half the head dim {x.shape[-1]}")
@@ -114,6 +115,9 @@ def mrope(x, positions, theta: float, section: tuple[int, ...]):
         positions = jnp.repeat(positions[..., None], 3, axis=-1)
     inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta, None))
     axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(section)])  # position axis of each pair
+    if interleaved:
+        j = np.arange(len(axis))
+        axis = np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
     chosen = jnp.take(positions.astype(jnp.float32), jnp.asarray(axis), axis=-1)  # [B, T, H/2]
     angles = chosen * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
@@ -216,7 +220,7 @@ class Attention(nnx.Module):
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
                  dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6,
-                 causal: bool = True, mrope_section: tuple[int, ...] | None = None):
+                 causal: bool = True, mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} key/value heads")
         self.q = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -237,6 +241,7 @@ class Attention(nnx.Module):
         self.dtype = dtype
         self.causal = causal
         self.mrope_section = tuple(mrope_section) if mrope_section else None
+        self.mrope_interleaved = mrope_interleaved
 
     def __call__(self, x, positions, mask):
         """x: [B, T, D]; positions: [B, T]; mask: bool [B, 1, T, T], True where attention is allowed."""
@@ -251,8 +256,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.mrope_section is not None:
-            q = mrope(q, positions, self.rope_theta, self.mrope_section)
-            k = mrope(k, positions, self.rope_theta, self.mrope_section)
+            q = mrope(q, positions, self.rope_theta, self.mrope_section, self.mrope_interleaved)
+            k = mrope(k, positions, self.rope_theta, self.mrope_section, self.mrope_interleaved)
         elif self.rope_theta is not None:
             q = rope(q, positions, self.rope_theta, self.rope_scaling)
             k = rope(k, positions, self.rope_theta, self.rope_scaling)
@@ -303,11 +308,13 @@ class Block(nnx.Module):
     """Pre-norm transformer block."""
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
-                 dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None):
+                 dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None,
+                 mrope_interleaved=False):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
-                              rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section)
+                              rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section,
+                              mrope_interleaved=mrope_interleaved)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
 

@@ -10,7 +10,9 @@ Attention stays within one frame of one media item: HF's `cu_seqlens` split a vi
 temporal patch, so the mask here is "same segment and same t". Qwen2.5-VL uses RMSNorm and a
 biased SwiGLU MLP, and all blocks but `fullatt_blocks` attend within windows of
 window_size / patch_size patches a side (HF permutes patches into windows and back; the same
-windows as a mask give the same result without moving anything).
+windows as a mask give the same result without moving anything). Qwen3-VL's tower is Qwen2-VL's
+with a patch-embedding bias, a learned square position table resampled bilinearly to each grid,
+and "deepstack" mergers whose outputs the decoder adds after its first layers.
 """
 
 from __future__ import annotations
@@ -80,6 +82,50 @@ def frame_mask(positions, segments, window: int = 0):
     return (same | diagonal)[:, None, :, :]
 
 
+def resampled_positions(table, positions, segments, side: int):
+    """HF `get_vision_interpolation_indices_and_weights` (bilinear, align_corners): each patch's entry of the
+    side × side table resampled to its item's (h, w) grid, read off the largest row/column in its segment."""
+    same = segments[:, :, None] == segments[:, None, :]
+    rows, cols = positions[..., 1], positions[..., 2]
+    heights = jnp.max(jnp.where(same, rows[:, None, :], 0), axis=-1) + 1
+    widths = jnp.max(jnp.where(same, cols[:, None, :], 0), axis=-1) + 1
+    offsets = jnp.arange(2)
+
+    def taps(index, size):
+        src = index.astype(jnp.float32) * (side - 1) / jnp.maximum(size - 1, 1).astype(jnp.float32)
+        floor = jnp.floor(src)
+        where = jnp.clip(floor.astype(jnp.int32)[..., None] + offsets, 0, side - 1)
+        return where, jnp.clip(1 - jnp.abs(src[..., None] - floor[..., None] - offsets), 0)
+
+    (h_taps, h_weights), (w_taps, w_weights) = taps(rows, heights), taps(cols, widths)
+    index = (h_taps[..., :, None] * side + w_taps[..., None, :]).reshape(*rows.shape, 4)
+    weights = (h_weights[..., :, None] * w_weights[..., None, :]).reshape(*rows.shape, 4)
+    return jnp.sum(jnp.take(table, index, axis=0) * weights[..., None], axis=-2)
+
+
+class Merger(nnx.Module):
+    """norm → merge² patches concatenated → Linear → GELU → Linear. `post_shuffle` (Qwen3-VL deepstack)
+    normalises the concatenation instead of each patch."""
+
+    def __init__(self, cfg: VisionConfig, text_dim: int, norm, post_shuffle: bool, param_dtype, rngs: nnx.Rngs):
+        merged = cfg.dim * cfg.merge_size * cfg.merge_size
+        self.norm = norm(merged if post_shuffle else cfg.dim, 1e-6, param_dtype, rngs)
+        self.fc1 = param(rngs, (merged, merged), ("embed", "mlp"), param_dtype)
+        self.fc1_bias = param(rngs, (merged,), ("mlp",), param_dtype, "zeros")
+        self.fc2 = param(rngs, (merged, text_dim), ("mlp", "embed"), param_dtype)
+        self.fc2_bias = param(rngs, (text_dim,), ("norm",), param_dtype, "zeros")
+        self.post_shuffle = post_shuffle
+        self.merged = merged
+
+    def __call__(self, x, cdt):
+        batch, count = x.shape[:2]
+        group = self.merged // x.shape[-1]
+        x = x.reshape(batch, count // group, self.merged) if self.post_shuffle else x
+        x = self.norm(x).reshape(batch, count // group, self.merged)
+        hidden = jax.nn.gelu(dense(x, self.fc1[...].astype(cdt)) + self.fc1_bias[...].astype(cdt), approximate=False)
+        return dense(hidden, self.fc2[...].astype(cdt)) + self.fc2_bias[...].astype(cdt)
+
+
 class QwenVisionBlock(nnx.Module):
     def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs):
         d, n = cfg.dim, cfg.num_heads
@@ -124,13 +170,18 @@ class QwenVisionBlock(nnx.Module):
 
 
 class QwenVisionEncoder(nnx.Module):
-    """Same call as `vision.VisionEncoder`: (patches, positions, segments) → [B, P / merge², text_dim]."""
+    """Same call as `vision.VisionEncoder`: (patches, positions, segments) → [B, P / merge², text_dim]; with
+    deepstack layers (Qwen3-VL) → (that, [one such array per deepstack layer])."""
 
     def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
         self.patch_embed = param(rngs, (cfg.patch_dim, cfg.dim), ("patch", "embed"), pdt)
+        if cfg.family == "qwen3_vl":
+            self.patch_bias = param(rngs, (cfg.dim,), ("norm",), pdt, "zeros")
+            self.pos_embed = param(rngs, (cfg.num_position_embeddings, cfg.dim), ("patch", "embed"), pdt)
+            self.deepstack = nnx.List([Merger(cfg, text_dim, LayerNorm, True, pdt, rngs) for _ in cfg.deepstack_layers])
         self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs) for _ in range(cfg.num_layers)])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
         self.ln_q = (RMSNorm if cfg.family == "qwen2_5_vl" else LayerNorm)(cfg.dim, 1e-6, pdt, rngs)
@@ -144,12 +195,21 @@ class QwenVisionEncoder(nnx.Module):
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(cdt), self.patch_embed[...].astype(cdt))
+        qwen3 = cfg.family == "qwen3_vl"
+        if qwen3:
+            side = int(round(cfg.num_position_embeddings ** 0.5))
+            x = x + self.patch_bias[...].astype(cdt)
+            x = x + resampled_positions(self.pos_embed[...], positions, segments, side).astype(cdt)
+        deep = []
         mask = frame_mask(positions, segments)
         window = cfg.window_size // cfg.patch_size // cfg.merge_size * cfg.merge_size if cfg.window_size else 0
         window_mask = frame_mask(positions, segments, window) if window else mask
         for i, block in enumerate(self.blocks):
             x = block(x, positions, mask if not window or i in cfg.fullatt_blocks else window_mask)
+            if qwen3 and i in cfg.deepstack_layers:
+                deep.append(self.deepstack[cfg.deepstack_layers.index(i)](x, cdt))
         x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)
         hidden = jax.nn.gelu(dense(x, self.merge_in[...].astype(cdt)) + self.merge_in_bias[...].astype(cdt),
                              approximate=False)
-        return dense(hidden, self.merge_out[...].astype(cdt)) + self.merge_out_bias[...].astype(cdt)
+        out = dense(hidden, self.merge_out[...].astype(cdt)) + self.merge_out_bias[...].astype(cdt)
+        return (out, deep) if qwen3 else out

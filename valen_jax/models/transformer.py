@@ -37,11 +37,12 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
                  param_dtype=dtype_of(cfg.param_dtype), rngs=rngs, qk_norm=cfg.qk_norm,
-                 rope_scaling=cfg.rope_scaling, mrope_section=cfg.mrope_section)
+                 rope_scaling=cfg.rope_scaling, mrope_section=cfg.mrope_section,
+                 mrope_interleaved=cfg.mrope_interleaved)
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
-    if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl"):
+    if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
     return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
 
@@ -75,17 +76,23 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.dim, cfg.vocab_size), ("embed", "vocab"), pdt)
         self.vision = _vision(cfg, rngs) if cfg.vision else None
+        if cfg.vision and cfg.vision.deepstack_layers and cfg.scan_layers:
+            raise ValueError("deepstack vision features (Qwen3-VL) are added between decoder layers; "
+                             "scan_layers=True is not implemented for them")
         self.score_head = ScoreHead(cfg.dim, pdt, rngs) if cfg.score_head else None
 
-    def _run_layers(self, x, positions, mask):
+    def _run_layers(self, x, positions, mask, deepstack=()):
+        """`deepstack`: [B, T, D] additions after layers 0, 1, ... (Qwen3-VL; zero outside media slots)."""
         def run(block, h):
             return block(h, positions, mask)
 
         if self.cfg.remat:
             run = nnx.remat(run)
         if not self.cfg.scan_layers:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 x = run(layer, x)
+                if i < len(deepstack):
+                    x = x + deepstack[i]
             return x
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -101,21 +108,31 @@ class Transformer(nnx.Module):
         The k-th media-slot token of a row (image_pad_id, or video_pad_id when set) takes the row's
         k-th merged vision token, in order.
         """
+        return self._embed(tokens, vision_inputs)[0]
+
+    def _embed(self, tokens, vision_inputs):
+        """(embeddings, deepstack additions: a list of [B, T, D], empty unless the tower is Qwen3-VL's)."""
         # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
         # full rematerialisation to reach the batch-sharded activation layout.
         table = constrain(self.embed[...], ("act_vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         if self.vision is None or vision_inputs is None or vision_inputs[0].shape[1] == 0:
-            return x
-        features = self.vision(*vision_inputs).astype(self.dtype)
-        # Keep vision tokens batch-sharded like the text so the gather below stays local.
-        features = constrain(features, ("batch", None, "act_embed"))
+            return x, []
+        features = self.vision(*vision_inputs)
+        deep = []
+        if isinstance(features, tuple):
+            features, deep = features
         is_slot = tokens == self.cfg.image_pad_id
         if self.cfg.video_pad_id >= 0:
             is_slot |= tokens == self.cfg.video_pad_id
         index = jnp.clip(jnp.cumsum(is_slot, axis=1) - 1, 0, features.shape[1] - 1)
-        gathered = jnp.take_along_axis(features, index[..., None], axis=1)
-        return jnp.where(is_slot[..., None], gathered, x)
+
+        def place(merged, fill):
+            # Keep vision tokens batch-sharded like the text so the gather stays local.
+            merged = constrain(merged.astype(self.dtype), ("batch", None, "act_embed"))
+            return jnp.where(is_slot[..., None], jnp.take_along_axis(merged, index[..., None], axis=1), fill)
+
+        return place(features, x), [place(d, jnp.zeros((), self.dtype)) for d in deep]
 
     def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
         """Final-norm hidden states [B, T, D] (what heads read)."""
@@ -124,8 +141,9 @@ class Transformer(nnx.Module):
             # 1-D positions would give media tokens text positions: a different model, silently.
             raise ValueError(f"an M-RoPE model fed media needs positions [B, T, 3] (models.mrope.rope_index), "
                              f"got shape {positions.shape}")
-        x = constrain(self.embed_tokens(tokens, vision_inputs), ("batch", "length", "act_embed"))
-        x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids))
+        x, deepstack = self._embed(tokens, vision_inputs)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids), deepstack)
         return self.final_norm(x)
 
     def head_matrix(self):
