@@ -1,4 +1,5 @@
-"""Import and export Hugging Face Qwen2, Qwen3 and Llama checkpoints.
+"""Import and export Hugging Face Qwen2, Qwen3 and Llama checkpoints; `from_pretrained`/`save_pretrained`
+hand Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints (decoder + vision tower) to `hf_vl`.
 
     model, cfg = from_pretrained("Qwen/Qwen2.5-0.5B", dtype="bfloat16", mesh=mesh)
     save_pretrained(model, "/tmp/export")   # transformers.AutoModelForCausalLM loads it
