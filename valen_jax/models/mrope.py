@@ -6,6 +6,8 @@ decoder (t, h, w) position (`Qwen2VLModel.get_rope_index`): text advances all th
 of media-slot tokens is one image or video laid out on its merged grid, starting at the current
 position, after which the position advances by max(h, w) / merge. Qwen2.5-VL spaces a video's
 frames by tokens_per_second × second_per_grid_t (`time_intervals`), truncated to integers.
+Qwen3-VL's processor puts every video frame in its own slot run after a timestamp; pass one
+(1, h, w) grid per frame then, as transformers' Qwen3-VL rope index does.
 """
 
 from __future__ import annotations
