@@ -95,7 +95,9 @@ def test_a_short_video_equals_hf_per_frame_numerics_in_hf_temporal_layout(family
     `view(gt, tp, C, …).permute(…)` of `Qwen2VLVideoProcessor.patchify`."""
     processor, vision, media_kwargs = _checkpoint(family, tmp_path)
     frames = [_image(90, 160, 100 + i) for i in range(5)]
-    ours = process_frames(frames, vision, media_kwargs)
+    # No video processor saved: video bounds are the image ones, per frame (Qwen2-VL's video rule).
+    assert media_kwargs["video_pixels_per"] == "frame"
+    ours = process_frames(frames, vision, media_kwargs, video=True)
     per_frame = [processor(images=[f], return_tensors="np") for f in frames + frames[-1:]]
     tp, p = vision.temporal_patch_size, vision.patch_size
     grid = tuple(per_frame[0]["image_grid_thw"][0])
@@ -116,6 +118,35 @@ def test_transparency_is_composited_on_white_like_hf(tmp_path):
         theirs = processor(images=[image], return_tensors="np")
         ours = process_frames([image], vision, media_kwargs)
         np.testing.assert_allclose(ours.patches, theirs["pixel_values"], rtol=0, atol=1e-6, err_msg=image.mode)
+
+
+@pytest.mark.parametrize("frames,height,width", [(6, 90, 160), (4, 12, 300), (9, 720, 1280), (2, 33, 33)])
+def test_qwen3_vl_clip_bounds_equal_its_video_processor(frames, height, width, tmp_path):
+    """Qwen3-VL bounds frames × height × width: the grid equals `Qwen3VLVideoProcessor`'s own
+    `get_num_of_video_patches` and its `smart_resize`; pixels are HF's PIL resize, rescale and
+    normalise at that size, stacked over t as its patchify does (its torch resize needs torchvision)."""
+    import json
+
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
+
+    hf = Qwen3VLVideoProcessor(size={"shortest_edge": 4 * 32 * 32, "longest_edge": 32 * 32 * 40})
+    processor, vision, _ = _checkpoint("qwen3_vl", tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(hf.to_dict()))
+    media_kwargs, sources = resolve_media_kwargs({}, tmp_path)
+    assert (media_kwargs["video_pixels_per"], media_kwargs["video_max_pixels"]) == ("clip", 32 * 32 * 40)
+    clip = [_image(height, width, 200 + i) for i in range(frames)]
+    ours = process_frames(clip, vision, media_kwargs, video=True)
+    h, w = smart_resize(frames, height, width, temporal_factor=2, factor=32, min_pixels=4 * 32 * 32,
+                        max_pixels=32 * 32 * 40)
+    assert ours.grid == (-(-frames // 2), h // 16, w // 16)
+    assert len(ours.patches) == hf.get_num_of_video_patches(frames, height, width)
+    mean, std = hf.image_mean, hf.image_std
+    planes = [normalize(rescale(resize(np.asarray(f).transpose(2, 0, 1), (h, w), resample=3), 1 / 255), mean, std)
+              for f in clip + clip[-1:] * (frames % 2)]  # [C, h, w] per frame, the last repeated to fill t
+    video = np.stack(planes).reshape(-1, 2, 3, h // 32, 2, 16, w // 32, 2, 16)
+    expected = video.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(len(ours.patches), -1)  # HF's permute
+    np.testing.assert_allclose(ours.patches, expected, rtol=0, atol=1e-6)
 
 
 def test_frame_sampling_equals_qwen3_vl_video_processor():
@@ -152,7 +183,8 @@ def test_transformers_5_nested_processor_config_is_read_first(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 1, "max_pixels": 2, "patch_size": 14}))
     values, sources = resolve_media_kwargs({}, tmp_path)
     assert values == {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "fps": 1.0, "max_frames": 6, "min_frames": 2,
-                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5), "video_min_pixels": 32 * 32,
+                      "video_max_pixels": 64 * 64, "video_pixels_per": "frame"}  # the video entry states no bounds
     assert sources["min_pixels"] == "processor_config.json (image_processor)"
     assert sources["fps"] == "processor_config.json (video_processor)"
     vision = VisionConfig(patch_size=16, merge_size=2, temporal_patch_size=2, dim=8, num_layers=1, num_heads=1, mlp_dim=8)

@@ -50,7 +50,8 @@ def test_default_config_on_8_devices_checkpoints_meta_and_evaluates(tmp_path):
     restored = json.loads(check.stdout.strip().splitlines()[-1])
     assert restored["step"] == 4 and restored["report_step"] == 4
     assert restored["media_kwargs"] == {"min_pixels": 1024, "max_pixels": 4096, "fps": 2.0, "max_frames": 8,
-                                        "min_frames": 1, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+                                        "min_frames": 1, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                                        "video_min_pixels": 1024, "video_max_pixels": 4096, "video_pixels_per": "frame"}
     assert restored["config_steps"] == 4 and restored["manifest_records"] == 96
 
     from transformers import AutoTokenizer

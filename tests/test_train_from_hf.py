@@ -60,12 +60,15 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     assert meta["model"]["dim"] == 64 and meta["model"]["attention_bias"] and meta["model"]["scan_layers"]
     assert meta["model"]["vocab_size"] >= base_vocab + 1028
     assert meta["media_kwargs"] == {"min_pixels": 512, "max_pixels": 2048, "fps": 1.0, "max_frames": 3,
-                                    "min_frames": 1, "image_mean": [0.25, 0.5, 0.75], "image_std": [0.5, 0.5, 0.5]}
+                                    "min_frames": 1, "image_mean": [0.25, 0.5, 0.75], "image_std": [0.5, 0.5, 0.5],
+                                    "video_min_pixels": 1024, "video_max_pixels": 4096, "video_pixels_per": "frame"}
     assert meta["media_kwargs_sources"] == {"min_pixels": "preprocessor_config.json", "max_pixels":
                                             "preprocessor_config.json", "fps": "video_preprocessor_config.json",
                                             "max_frames": "config", "min_frames": "smoke default",
                                             "image_mean": "preprocessor_config.json",
-                                            "image_std": "smoke default"}
+                                            "image_std": "smoke default", "video_min_pixels": "smoke default",
+                                            "video_max_pixels": "smoke default",
+                                            "video_pixels_per": "smoke default"}
 
 
 def test_architecture_fields_next_to_init_from_are_refused(tmp_path):

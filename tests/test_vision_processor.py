@@ -95,17 +95,24 @@ def test_base_model_processor_files_give_the_media_defaults(tmp_path):
                                                   "image_mean": [0.5, 0.5, 0.5]},
                              {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "fps": 2,
                               "max_frames": 768, "min_frames": 4, "image_std": [0.25, 0.5, 0.5]})
+    # No video processor file: transformers builds the video processor from the image one, bounds included.
     assert processor_media_kwargs(qwen2) == {"min_pixels": (3136, "preprocessor_config.json"),
-                                             "max_pixels": (12845056, "preprocessor_config.json")}
+                                             "max_pixels": (12845056, "preprocessor_config.json"),
+                                             "video_min_pixels": (3136, "preprocessor_config.json"),
+                                             "video_max_pixels": (12845056, "preprocessor_config.json")}
     values, sources = resolve_media_kwargs({"min_pixels": None, "max_pixels": None, "fps": None, "max_frames": 5},
                                            qwen3)
-    # The image file's pixel bounds win over the video file's (one pixel budget); the config wins over both.
+    # Images take the image file's pixel bounds, whole clips the video file's; the config wins over both.
     # mean/std likewise: the video file fills what the image file does not state.
     assert values == {"min_pixels": 65536, "max_pixels": 16777216, "fps": 2.0, "max_frames": 5, "min_frames": 4,
-                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.25, 0.5, 0.5)}
+                      "image_mean": (0.5, 0.5, 0.5), "image_std": (0.25, 0.5, 0.5), "video_min_pixels": 4096,
+                      "video_max_pixels": 25165824, "video_pixels_per": "frame"}
     assert sources == {"min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
                        "fps": "video_preprocessor_config.json", "max_frames": "config",
-                       "min_frames": "video_preprocessor_config.json", "image_mean": "preprocessor_config.json", "image_std": "video_preprocessor_config.json"}
+                       "min_frames": "video_preprocessor_config.json", "image_mean": "preprocessor_config.json",
+                       "video_min_pixels": "video_preprocessor_config.json",
+                       "video_max_pixels": "video_preprocessor_config.json", "video_pixels_per": "smoke default",
+                       "image_std": "video_preprocessor_config.json"}
     # What the base model does not state (Qwen2-VL has no video file) keeps the smoke default, said so.
     values, sources = resolve_media_kwargs({}, qwen2)
     assert (values["fps"], sources["fps"], values["max_frames"]) == (2.0, "smoke default", 8)
@@ -143,11 +150,13 @@ def test_training_config_media_kwargs_resolve_against_init_from(tmp_path):
                                                   {"fps": 1.5, "max_frames": 6}))
     config.media_kwargs.max_frames = 3
     assert media_kwargs_of(config) == ({"min_pixels": 256, "max_pixels": 1024, "fps": 1.5, "max_frames": 3,
-                                        "min_frames": 1, "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}, {
+                                        "min_frames": 1, "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5),
+                                        "video_min_pixels": 1024, "video_max_pixels": 4096,
+                                        "video_pixels_per": "frame"}, {
         "min_pixels": "preprocessor_config.json", "max_pixels": "preprocessor_config.json",
         "fps": "video_preprocessor_config.json", "max_frames": "config", "min_frames": "smoke default",
-        "image_mean": "smoke default",
-        "image_std": "smoke default"})
+        "image_mean": "smoke default", "image_std": "smoke default", "video_min_pixels": "smoke default",
+        "video_max_pixels": "smoke default", "video_pixels_per": "smoke default"})
     # The run's vision tower must read patches as the base model's processor cuts them.
     from valen_jax.models.config import VisionConfig
 

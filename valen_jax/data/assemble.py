@@ -88,7 +88,8 @@ def load_media(example: Example, spec: RowSpec, *, training: bool = False, rng: 
     loaded = [load_frames(contract.media_bytes(example, i), header, spec.media_kwargs, _where(example),
                           training=training, rng=rng, entry=entry, view=i, sample_aug=sample_aug)
               for i, header in enumerate(headers)]
-    return ([process_frames(item.frames, spec.vision, spec.media_kwargs) for item in loaded],
+    return ([process_frames(item.frames, spec.vision, spec.media_kwargs, video=header.get("kind") == "video")
+             for item, header in zip(loaded, headers, strict=True)],
             tuple(item.info for item in loaded))
 
 

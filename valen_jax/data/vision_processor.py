@@ -32,8 +32,12 @@ from valen_jax.models.config import VisionConfig
 # "the defaults are the base model's processor settings"); a key the config sets wins over both.
 # image_mean/std 0.5 map pixels to [-1, 1] (what the smoke models have always been trained on);
 # min_frames 1 keeps one frame of a clip shorter than 1/fps (Qwen3-VL's processor file states 4).
+# video_* are the pixel bounds of a whole-clip `video` item, per frame ("frame": Qwen2/2.5-VL) or
+# over frames × height × width ("clip": Qwen3-VL), as the checkpoint's video processor sets them.
 MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8, "min_frames": 1,
-                  "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+                  "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5),
+                  "video_min_pixels": 32 * 32, "video_max_pixels": 64 * 64, "video_pixels_per": "frame"}
+VIDEO_PIXELS_PER = {"Qwen2VLVideoProcessor": "frame", "Qwen3VLVideoProcessor": "clip"}
 RESCALE_FACTOR = 1 / 255
 PIL_BICUBIC = 3  # PILImageResampling.BICUBIC, the `resample` the Qwen-VL processors use
 # Processor settings we do not honour in any other value than this: a checkpoint stating another is refused.
@@ -72,6 +76,8 @@ def media_settings(media_kwargs: Mapping) -> dict:
     settings = {**MEDIA_DEFAULTS, **dict(media_kwargs)}
     for key in ("image_mean", "image_std"):
         _check_channels(key, settings[key], "media_kwargs")
+    if settings["video_pixels_per"] not in ("frame", "clip"):
+        raise ProcessorError(f"media_kwargs: video_pixels_per must be 'frame' or 'clip', got {settings['video_pixels_per']!r}")
     return settings
 
 
@@ -93,19 +99,29 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
 
     The image processor (`preprocessor_config.json`) gives the pixel bounds: `min_pixels`/`max_pixels`, or
     `size.shortest_edge`/`size.longest_edge`, which Qwen2-VL-family processors define as the same
-    pixel AREAS, and `image_mean`/`image_std`. The video processor gives `fps`, `min_frames` and
-    `max_frames` (and the pixel bounds and mean/std when the image processor has none: this
-    processor has one pixel budget and one normalisation for both). Keys neither file states are absent from
+    pixel AREAS, and `image_mean`/`image_std`. The video processor gives `fps`, `min_frames`,
+    `max_frames`, its own pixel bounds as `video_min_pixels`/`video_max_pixels` (the image ones
+    where there is no video processor, as transformers then builds it from the image file), whether
+    they bound each frame or the whole clip (`video_pixels_per`, by `video_processor_type`), and
+    mean/std where the image processor states none. Keys neither file states are absent from
     the result. A setting we cannot honour (no resize, another resampling filter or rescale factor,
     no normalisation) is refused, naming the file and the field."""
     found: dict[str, tuple[object, str]] = {}
-    for role, data, name, path in processor_configs(directory):
+    configs = processor_configs(directory)
+    for role, data, name, path in configs:
         _refuse_unhonoured(data, path)
         size = data.get("size") if isinstance(data.get("size"), dict) else {}
         stated = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
                   "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
         if role == "video":
-            stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"), min_frames=data.get("min_frames"))
+            stated.update(fps=data.get("fps"), max_frames=data.get("max_frames"), min_frames=data.get("min_frames"),
+                          video_min_pixels=stated["min_pixels"], video_max_pixels=stated["max_pixels"])
+            kind = data.get("video_processor_type")
+            if kind is not None:
+                if kind not in VIDEO_PIXELS_PER:
+                    raise ProcessorError(f"{path}: video_processor_type {kind!r} is not supported; known: "
+                                         f"{', '.join(VIDEO_PIXELS_PER)}")
+                found["video_pixels_per"] = (VIDEO_PIXELS_PER[kind], name)
         for key in ("image_mean", "image_std"):
             if data.get(key) is not None and key not in found:
                 found[key] = (_check_channels(key, data[key], path), name)
@@ -115,6 +131,11 @@ def processor_media_kwargs(directory: str | Path) -> dict[str, tuple[object, str
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ProcessorError(f"{path}: {key} must be a positive number, got {value!r}")
             found[key] = (float(value) if key == "fps" else int(value), name)
+    if not any(role == "video" for role, *_ in configs):
+        # No video processor: transformers builds it from the image processor's file, bounds included.
+        for key in ("min_pixels", "max_pixels"):
+            if key in found:
+                found[f"video_{key}"] = found[key]
     return found
 
 
@@ -162,7 +183,8 @@ def resolve_media_kwargs(config_values: Mapping, base_model_dir: str | Path | No
             values[key], sources[key] = stated[key]
         else:
             values[key], sources[key] = default, SMOKE_DEFAULT
-    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+    for low, high in (("min_pixels", "max_pixels"), ("min_frames", "max_frames"),
+                      ("video_min_pixels", "video_max_pixels")):
         if values[low] > values[high]:
             raise ProcessorError(f"media_kwargs: {low}={values[low]} ({sources[low]}) exceeds "
                                  f"{high}={values[high]} ({sources[high]})")
@@ -218,6 +240,31 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
+def smart_resize_clip(frames: int, height: int, width: int, factor: int, temporal_factor: int, min_pixels: int,
+                      max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's video smart_resize: the bounds hold frames × height × width (frames rounded to
+    temporal_factor), and a side shorter than `factor` is first scaled up to it."""
+    if frames < temporal_factor:
+        raise ProcessorError(f"a clip of {frames} frame(s) is shorter than temporal_patch_size {temporal_factor} "
+                             "(Qwen3-VL's video processor refuses it too): raise media_kwargs.min_frames")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ProcessorError(f"video {width}x{height}: aspect ratio beyond 200")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    t = round(frames / temporal_factor) * temporal_factor
+    if t * h * w > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB as HF's `convert_to_rgb`: transparency is composited onto white (a plain convert("RGB")
     would drop alpha and show whatever colour the transparent pixels hold)."""
@@ -227,11 +274,20 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def process_frames(frames: list[Image.Image], vision: VisionConfig, media_kwargs: Mapping) -> ProcessedMedia:
+def process_frames(frames: list[Image.Image], vision: VisionConfig, media_kwargs: Mapping,
+                   video: bool = False) -> ProcessedMedia:
+    """`video`: the frames are a whole clip (a `video` item), sized by the video_* bounds, as HF's
+    video processor sizes them; otherwise an image (or one frame of a video) with the image bounds."""
     settings = media_settings(media_kwargs)
     p, m, tp = vision.patch_size, vision.merge_size, vision.temporal_patch_size
     width, height = frames[0].size
-    h, w = smart_resize(height, width, p * m, int(settings["min_pixels"]), int(settings["max_pixels"]))
+    if not video:
+        h, w = smart_resize(height, width, p * m, int(settings["min_pixels"]), int(settings["max_pixels"]))
+    elif settings["video_pixels_per"] == "clip":
+        h, w = smart_resize_clip(len(frames), height, width, p * m, tp, int(settings["video_min_pixels"]),
+                                 int(settings["video_max_pixels"]))
+    else:
+        h, w = smart_resize(height, width, p * m, int(settings["video_min_pixels"]), int(settings["video_max_pixels"]))
     # Exactly HF's PIL backend: uint8 resize, rescale in float64 → float32, normalise in float32.
     pixels = np.stack([np.asarray(to_rgb(f).resize((w, h), Image.BICUBIC)) for f in frames])
     pixels = (pixels.astype(np.float64) * RESCALE_FACTOR).astype(np.float32)
