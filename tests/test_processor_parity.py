@@ -56,6 +56,49 @@ def _checkpoint(family: str, tmp_path, **overrides):
     return processor, vision, media_kwargs
 
 
+def test_smart_resize_equals_hf_over_sizes_factors_and_bounds():
+    """Grid sizes equal HF's `smart_resize` on 1,512 cases: sides 1..3000 (aspect <= 200), factors
+    8, 28, 32, tiny and real pixel bounds (small images hit the min_pixels branch from a side that
+    rounds to 0)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    from valen_jax.data.vision_processor import smart_resize
+
+    checked = 0
+    sides = (1, 3, 7, 13, 20, 28, 50, 99, 224, 640, 1000, 3000)
+    for height in sides:
+        for width in sides:
+            if max(height, width) / min(height, width) > 200:
+                continue
+            for factor in (8, 28, 32):
+                for low, high in ((16, 256), (56 * 56, 28 * 28 * 1280), (1024, 4096), (factor ** 2, factor ** 2 * 4)):
+                    args = (height, width, factor, low, high)
+                    assert smart_resize(*args) == hf_smart_resize(*args), args
+                    checked += 1
+    assert checked == 1512
+
+
+def test_clip_smart_resize_equals_qwen3_vl_over_sizes_and_bounds():
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_clip_resize
+
+    from valen_jax.data.vision_processor import smart_resize_clip
+
+    checked = 0
+    sides = (1, 7, 20, 33, 99, 640, 3000)
+    for frames in (2, 3, 8, 31):
+        for height in sides:
+            for width in sides:
+                if max(height, width) / min(height, width) > 100:
+                    continue
+                for low, high in ((4 * 32 * 32, 32 * 32 * 40), (128 * 32 * 32, 32 * 32 * 768)):
+                    ours = smart_resize_clip(frames, height, width, 32, 2, low, high)
+                    theirs = hf_clip_resize(frames, height, width, temporal_factor=2, factor=32, min_pixels=low,
+                                            max_pixels=high)
+                    assert ours == theirs, (frames, height, width, low, high)
+                    checked += 1
+    assert checked > 300
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_images_equal_the_hf_processor(family, tmp_path):
     processor, vision, media_kwargs = _checkpoint(family, tmp_path)

@@ -227,8 +227,10 @@ def check_processor_geometry(vision: VisionConfig, directory: str | Path) -> Non
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     if min(height, width) <= 0 or max(height, width) / min(height, width) > 200:
         raise ProcessorError(f"image {width}x{height}: aspect ratio beyond 200 or empty")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    # No floor at `factor` here (HF has none): a side rounding to 0 sends the image to the min_pixels
+    # branch below, which sizes both sides from the original aspect.
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h = max(factor, math.floor(height / beta / factor) * factor)
