@@ -242,6 +242,8 @@ def test_transformers_5_nested_processor_config_is_read_first(tmp_path):
 
 
 def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
+    import json
+
     _checkpoint("qwen2_vl", tmp_path / "ok")
     Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], resample=2).save_pretrained(tmp_path / "bilinear")
     with pytest.raises(ProcessorError, match="preprocessor_config.json: resample=2 is not supported"):
@@ -249,6 +251,12 @@ def test_checkpoint_settings_we_cannot_honour_are_refused(tmp_path):
     Qwen2VLImageProcessorPil(**FAMILIES["qwen2_vl"], do_normalize=False).save_pretrained(tmp_path / "raw")
     with pytest.raises(ProcessorError, match="do_normalize=False is not supported"):
         processor_media_kwargs(tmp_path / "raw")
+    for name, setting, message in (("cap", {"cap_pixels_per_frame": True}, "cap_pixels_per_frame=true is not"),
+                                   ("fixed", {"size": {"height": 224, "width": 224}}, "size=.*is not supported")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "video_preprocessor_config.json").write_text(json.dumps(setting))
+        with pytest.raises(ProcessorError, match=f"{name}/video_preprocessor_config.json: {message}"):
+            processor_media_kwargs(tmp_path / name)
     wrong = VisionConfig(patch_size=16, merge_size=2, temporal_patch_size=2, dim=8, num_layers=1, num_heads=1,
                          mlp_dim=8)
     with pytest.raises(ProcessorError, match="patch_size=14 but the model's vision config has patch_size=16"):

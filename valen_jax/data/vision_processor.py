@@ -199,6 +199,14 @@ def _refuse_unhonoured(data: Mapping, path: str) -> None:
     factor = data.get("rescale_factor")
     if factor is not None and not math.isclose(factor, RESCALE_FACTOR, rel_tol=1e-9):
         raise ProcessorError(f"{path}: rescale_factor={factor!r} is not supported (only 1/255)")
+    if data.get("cap_pixels_per_frame"):
+        # transformers' per-frame cap (an even share of max_video_tokens) is not implemented here.
+        raise ProcessorError(f"{path}: cap_pixels_per_frame=true is not supported; set it false or remove it")
+    size = data.get("size")
+    if size is not None and (not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge", "min_pixels", "max_pixels"}):
+        # (size.min/max_pixels: older Qwen2-VL files; transformers drops them for the top-level keys)
+        raise ProcessorError(f"{path}: size={size!r} is not supported; the Qwen-VL processors state pixel areas "
+                             "as size.shortest_edge / size.longest_edge (or min_pixels / max_pixels)")
 
 
 def processor_geometry(directory: str | Path) -> dict[str, tuple[int, str]]:
