@@ -52,9 +52,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from data_pipeline import format_registry as registry
 from data_pipeline import shards
 from data_pipeline.conversion import BEAM_RUNNERS, prepare, write_output
-from data_pipeline.formats import registry
 from data_pipeline.formats.errors import FormatError, Problem
 from data_pipeline.render.common import RenderError
 from data_pipeline.tokenizer import load_tokenizer

@@ -2,7 +2,7 @@
 
 `python -m data_pipeline.convert` is the command line over it; `data_pipeline.beam_convert` renders
 on Apache Beam between the same `prepare` and `write_output`. What each format loads, renders and
-takes as options is `data_pipeline.formats.registry`.
+takes as options is `data_pipeline.format_registry`.
 
     from data_pipeline.conversion import convert
     convert("recipe", "data/smoke/vflash/recipe.json", "/tmp/vflash_shards", "data/tokenizer", workers=2)
@@ -28,8 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data_pipeline import examples, shards
-from data_pipeline.formats import registry
-from data_pipeline.formats.registry import SourceEntry
+from data_pipeline import format_registry as registry
+from data_pipeline.format_registry import SourceEntry
 from data_pipeline.tokenizer import fingerprint, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def prepare(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
 def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str | Path,
             workers: int = 1, overwrite: bool = False, progress: bool = True,
             options: Mapping[str, object] | None = None, template_family: str | None = None) -> shards.Manifest:
-    """`options`: the format's options (see formats.registry); None values mean "not given"."""
+    """`options`: the format's options (see format_registry); None values mean "not given"."""
     if workers <= 1:
         conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
         renderer = registry.get(fmt).make_renderer(conv.tok, **conv.render_options)  # the tokenizer prepare loaded

@@ -1,5 +1,5 @@
 """Convert validated records into ArrayRecord shards plus `manifest.json`: the command line over
-`data_pipeline.conversion` (the library; formats and their options: `data_pipeline.formats.registry`).
+`data_pipeline.conversion` (the library; formats and their options: `data_pipeline.format_registry`).
 
 Example (from the repository root):
 
@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from data_pipeline import shards
 from data_pipeline.chat_templates import TRAINING_TEMPLATES
 from data_pipeline.conversion import BEAM_RUNNERS, convert
+from data_pipeline.format_registry import CONVERT_OPTIONS, FORMATS, takers
 from data_pipeline.formats.errors import FormatError
-from data_pipeline.formats.registry import CONVERT_OPTIONS, FORMATS, takers
 from data_pipeline.render.common import RenderError
 
 
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--template-family", choices=sorted(TRAINING_TEMPLATES),
                         help="install this training chat template when the tokenizer's has no generation markers")
-    # Format options (formats.registry.CONVERT_OPTIONS): left unset (None) they take the format's
+    # Format options (format_registry.CONVERT_OPTIONS): left unset (None) they take the format's
     # default; set for a format that does not take them, they are refused.
     for name, option in CONVERT_OPTIONS.items():
         defaults = takers(name)

@@ -93,7 +93,7 @@ ARRAYS: dict[str, tuple[ArrayField, ...]] = {
 }
 
 _COMMON = (
-    MetaField("format", str, "the input format (formats.registry) the Example came from"),
+    MetaField("format", str, "the input format (format_registry) the Example came from"),
     MetaField("source", str, "the input file (prepared: ZIP/member)"),
     MetaField("line", int, "1-based line (prepared: row) of the record in `source`"),
     MetaField("entry", str, "the source entry (recipe entry, file stem or split) it belongs to"),

@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError, Problem
-from data_pipeline.formats.registry import FORMATS
 
 
 def validate(
@@ -31,7 +31,7 @@ def validate(
 ) -> tuple[list[str], list[Problem]]:
     """Summaries of the files that passed and the problems of those that did not.
 
-    `options` (the format's `validate_options` in formats.registry) go to its validator, e.g.
+    `options` (the format's `validate_options` in format_registry) go to its validator, e.g.
     allow_unconsented for vakforge; an option the format does not take is refused.
     """
     spec = FORMATS[fmt]

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from data_pipeline import format_registry as registry
 from data_pipeline.beam_convert import IndexedBytesSink, _read_gathered, convert_beam, pipeline_options
 from data_pipeline.conversion import convert
 from data_pipeline.convert import main
-from data_pipeline.formats import registry
 from data_pipeline.render.common import RenderError
 from data_pipeline.shards import Manifest, read_shard
 from tests.train_runs import ROOT
@@ -99,7 +99,7 @@ def test_importing_the_converters_leaves_the_root_logger_alone_and_has_no_cycle(
     # apache_beam logs a warning at import; our modules must not let that configure the root logger
     # (an application's logging is its own), and the library must not import its CLI.
     code = ("import logging, sys\n"
-            "import data_pipeline.beam_convert, data_pipeline.conversion, data_pipeline.formats.registry\n"
+            "import data_pipeline.beam_convert, data_pipeline.conversion, data_pipeline.format_registry\n"
             "assert logging.getLogger().handlers == [], logging.getLogger().handlers\n"
             "assert 'data_pipeline.convert' not in sys.modules, 'the library imported its CLI'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

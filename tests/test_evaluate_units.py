@@ -163,7 +163,7 @@ def test_evaluators_are_found_by_example_kind():
     with pytest.raises(ValueError, match=r"eval\.jsonl: no evaluation defined for 'prepared' data"):
         registry.evaluator_for("prepared", "eval.jsonl")
     # Found through the format registry's family: recipe shards are evaluated as VFlash.
-    from data_pipeline.formats.registry import FORMATS
+    from data_pipeline.format_registry import FORMATS
     assert {name for name, f in FORMATS.items() if f.family in registry.EVALUATORS} == set(FORMATS) - {"prepared"}
     assert registry.evaluator_for(FORMATS["recipe"].family) is registry.EVALUATORS["vflash"]
     line = registry.evaluator_for("chat").summary({"loss": 1.5, "accuracy": None, "tool_call_exact_match": 0.25})

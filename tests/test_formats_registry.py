@@ -1,4 +1,4 @@
-"""One format registry (data_pipeline/formats/registry.py): validate, convert and evaluation read it,
+"""One format registry (data_pipeline/format_registry.py): validate, convert and evaluation read it,
 so a format registered there is validated, converted and evaluated with nothing else to edit."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from data_pipeline import convert, examples, validate
-from data_pipeline.formats import registry
+from data_pipeline import format_registry as registry
 from data_pipeline.shards import Manifest
 from tests.train_runs import ROOT
 
@@ -47,3 +47,15 @@ def test_options_a_format_does_not_take_are_refused_by_both_clis(tmp_path, capsy
     assert convert.main(["--format=valen", f"--input={VALEN}", f"--output={tmp_path / 'out'}",
                          f"--tokenizer={ROOT / 'data/tokenizer'}", "--split=train"]) == 1
     assert "--split: not an option of --format=valen" in capsys.readouterr().err
+
+
+def test_the_flow_has_no_back_edges():
+    # DESIGN "one direction": formats → render → conversion; the registry sits above formats and
+    # render, so neither may import it, and data_pipeline never imports valen_jax.
+    back_edges = []
+    for path in sorted((ROOT / "data_pipeline").rglob("*.py")):
+        text = path.read_text()
+        lower = path.parent.name in ("formats", "render")
+        if (lower and "format_registry" in text) or "import valen_jax" in text or "from valen_jax" in text:
+            back_edges.append(str(path.relative_to(ROOT)))
+    assert back_edges == []

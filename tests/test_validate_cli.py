@@ -104,7 +104,7 @@ def test_missing_file(files):
 
 
 def test_every_format_of_the_contract_has_a_validator():
-    from data_pipeline.formats.registry import FORMATS
+    from data_pipeline.format_registry import FORMATS
 
     assert set(FORMATS) == {"valen", "vflash", "recipe", "chat", "vakforge", "prepared"}
     assert all(callable(spec.validate) for spec in FORMATS.values())

@@ -31,7 +31,7 @@ ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim
 def _data() -> dict[str, Any]:
     return {
         "format": NO_DEFAULT, "train": NO_DEFAULT, "eval": NO_DEFAULT, "eval_format": NO_DEFAULT,
-        # Converter options per set (data_pipeline.formats.registry), e.g. vakforge's {"split": "train"}.
+        # Converter options per set (data_pipeline.format_registry), e.g. vakforge's {"split": "train"}.
         "train_options": {}, "eval_options": {},
         "tokenizer": NO_DEFAULT, "template_family": "chatml",
         "seq_len": NO_DEFAULT,

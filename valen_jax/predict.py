@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from data_pipeline.formats.registry import FORMATS
+from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen

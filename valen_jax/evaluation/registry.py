@@ -1,5 +1,5 @@
 """The one table of evaluators, keyed by the family of records the data holds (the `family` of its
-format in `data_pipeline.formats.registry`: `vflash` for both vflash and recipe shards).
+format in `data_pipeline.format_registry`: `vflash` for both vflash and recipe shards).
 
 Each family's module defines `evaluate(restored, examples, options) -> dict` (its part of the
 report) and `summary(report) -> str` (the line the CLI prints); `evaluate.run` and

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from data_pipeline.formats.registry import FORMATS
+from data_pipeline.format_registry import FORMATS
 from data_pipeline.shards import Example
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import RowSpec
@@ -119,7 +119,7 @@ def load_examples(fmt: str, data: str | Path, workdir: Path, tokenizer_path: str
                   fingerprint: dict[str, str], options: dict | None, limit: int | None = None
                   ) -> tuple[list[Example], str, int]:
     """(the first `limit` Examples of `data` in data order, the family of records they hold, how many
-    the data holds). The family is the format registry's (`data_pipeline.formats.registry`: recipe
+    the data holds). The family is the format registry's (`data_pipeline.format_registry`: recipe
     shards hold VFlash records); evaluators are found by it.
 
     `data` is a JSONL/recipe file (converted once into `WORKDIR/eval_shards/`) or a shard directory.

@@ -5,8 +5,9 @@ loads it into entries of records and renders one record, the options each step t
 defaults), the Example kind its shards hold (`data_pipeline.examples`) and its family (the records
 it holds: a recipe holds VFlash records; evaluation reports by family). Adding a format touches
 this table and the format's own modules (its reader in `formats/`, its renderer in `render/`).
+It sits above both packages, so the flow stays one way: formats and render never import it.
 
-    from data_pipeline.formats.registry import FORMATS
+    from data_pipeline.format_registry import FORMATS
     FORMATS["recipe"].validate(Path("data/smoke/vflash/recipe.json"), check_media=True)
 """
 
