@@ -410,16 +410,22 @@ def test_convert_chat_is_byte_identical_whatever_the_worker_count(tmp_path, make
 
 
 def test_forked_and_served_workers_write_the_same_bytes(tmp_path, monkeypatch):
-    """Workers forked from a plain launching process, or from a forkserver (a process holding JAX)."""
+    """Workers forked from a plain launching process, or from a forkserver (a process holding JAX).
+
+    The forked path runs in a fresh interpreter, where `_can_fork` holds by itself: forcing it in
+    this process (which holds JAX's threads) is exactly what `_can_fork` exists to prevent."""
     from data_pipeline import conversion
 
     rows = write(tmp_path / "chat.jsonl", *([PLAIN, tool_row()] * 5))
-    outputs = {}
-    for forked in (True, False):
-        monkeypatch.setattr(conversion, "_can_fork", lambda forked=forked: forked)
-        outputs[forked] = convert("chat", rows, tmp_path / str(forked), TOKENIZER, workers=2, progress=False)
-    assert outputs[True].data == outputs[False].data
-    for name in outputs[True].shard_paths:
+    script = ("import sys\nfrom data_pipeline import conversion\nassert conversion._can_fork()\n"
+              "conversion.convert('chat', sys.argv[1], sys.argv[2], sys.argv[3], workers=2, progress=False)\n")
+    result = subprocess.run([sys.executable, "-c", script, str(rows), str(tmp_path / "True"), str(TOKENIZER)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setattr(conversion, "_can_fork", lambda: False)
+    served = convert("chat", rows, tmp_path / "False", TOKENIZER, workers=2, progress=False)
+    assert Manifest.read(tmp_path / "True").data == served.data
+    for name in served.shard_paths:
         assert (tmp_path / "True" / name).read_bytes() == (tmp_path / "False" / name).read_bytes()
 
 
