@@ -230,12 +230,11 @@ print(json.dumps({"replicated": replicated, "devices": len(vision["merge_in"].sh
 """
 
 
+# Qwen3-VL's tower holds every kind of vision parameter the others have (Qwen2.5-VL's gate/up carry
+# fc1's logical axes) plus its own; one 8-device run (~25 s here) covers them all.
+@pytest.mark.parametrize("reference", ["qwen3_vl"], indirect=True)
 def test_vision_tower_is_sharded_on_8_devices_with_unchanged_logits(reference):
     """Every vision parameter of 1024+ elements is split by the logical rules; logits equal one device's."""
-    if _family(reference) != "qwen3_vl":
-        # Qwen3-VL's tower holds every kind of vision parameter the others have (Qwen2.5-VL's gate/up
-        # carry fc1's logical axes) plus its own; one 8-device run (~25 s here) covers them all.
-        pytest.skip("covered by the qwen3_vl run")
     result = subprocess.run([sys.executable, "-c", SHARDED, str(reference[1])], cwd=ROOT, env=env_with_devices(8),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -245,8 +244,7 @@ def test_vision_tower_is_sharded_on_8_devices_with_unchanged_logits(reference):
     assert report["max_diff"] < 1e-4
 
 
+@pytest.mark.parametrize("reference", ["qwen3_vl"], indirect=True)  # deepstack is Qwen3-VL's
 def test_deepstack_with_scanned_layers_is_refused(reference):
-    if _family(reference) != "qwen3_vl":
-        pytest.skip("deepstack is Qwen3-VL's")
     with pytest.raises(hf.HFImportError, match="deepstack"):
         hf.from_pretrained(reference[1], scan_layers=True)
