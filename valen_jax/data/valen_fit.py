@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from valen_jax.config_schema import ConfigError
@@ -37,9 +37,7 @@ class FitReport:
 
     def add(self, where: str, needs: RowNeeds, spec: RowSpec, qspec: QuestionSpec) -> None:
         self.records += 1
-        self.needed = RowNeeds(*(max(a, b) for a, b in zip(
-            (self.needed.seq_len, self.needed.questions, self.needed.candidates, self.needed.patches),
-            (needs.seq_len, needs.questions, needs.candidates, needs.patches), strict=True)))
+        self.needed = RowNeeds(*map(max, astuple(self.needed), astuple(needs)))
         exceeded = needs.exceeded(spec, qspec)
         if exceeded:
             self.unfit.append((where, exceeded))
