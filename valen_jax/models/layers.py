@@ -76,6 +76,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rotate(x, angles):
+    """HF's "rotate half" with one angle per frequency pair: x [B, T, N, H]; angles [B, T, H/2] f32.
+    The one application every rotary variant here (1-D, multimodal, vision) shares."""
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
 def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
     """Rotary embedding, HF "rotate half" layout. x: [B, T, N, H]; positions: [B, T] or [B, T, A].
 
@@ -92,12 +102,7 @@ def rope(x, positions, theta: float, scaling: RopeScaling | None = None):
         return jnp.concatenate(parts, axis=-1)
     head_dim = x.shape[-1]
     inv_freq = jnp.asarray(inverse_frequencies(head_dim, theta, scaling))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    half = head_dim // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return rotate(x, positions.astype(jnp.float32)[..., None] * inv_freq)  # angles [B, T, H/2]
 
 
 def mrope(x, positions, theta: float, section: tuple[int, ...], interleaved: bool = False):
@@ -119,12 +124,7 @@ def mrope(x, positions, theta: float, section: tuple[int, ...], interleaved: boo
         j = np.arange(len(axis))
         axis = np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
     chosen = jnp.take(positions.astype(jnp.float32), jnp.asarray(axis), axis=-1)  # [B, T, H/2]
-    angles = chosen * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return rotate(x, chosen * inv_freq)
 
 
 # Query positions per block in `causal_attention`: blocks of 64 measured best on CPU (against

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from valen_jax.models.config import VisionConfig, dtype_of
-from valen_jax.models.layers import RMSNorm, dense, param
+from valen_jax.models.layers import RMSNorm, dense, inverse_frequencies, param, rotate
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -58,16 +57,9 @@ class LayerNorm(nnx.Module):
 def vision_rope(x, positions, theta: float):
     """HF's axial vision rotary: frequencies of head_dim/2, h then w, repeated for the two halves.
     x: [B, P, N, H]; positions: [B, P, 3] (t, h, w)."""
-    head_dim = x.shape[-1]
-    spatial = head_dim // 2
-    inv_freq = jnp.asarray(1.0 / (theta ** (np.arange(0, spatial, 2, dtype=np.int64).astype(np.float32) / spatial)))
+    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1] // 2, theta, None))  # head_dim/2: h and w halves
     pos = positions.astype(jnp.float32)
-    freqs = jnp.concatenate([pos[..., 1:2] * inv_freq, pos[..., 2:3] * inv_freq], axis=-1)  # [B, P, H/2]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    half = head_dim // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    return rotate(x, jnp.concatenate([pos[..., 1:2] * inv_freq, pos[..., 2:3] * inv_freq], axis=-1))  # [B, P, H/2]
 
 
 def frame_mask(positions, segments, window: int = 0):
