@@ -23,6 +23,7 @@ from flax import nnx
 
 from valen_jax.models.config import VisionConfig, dtype_of
 from valen_jax.models.layers import RMSNorm, dense, inverse_frequencies, param, rotate
+from valen_jax.models.vision import media_mask
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -65,13 +66,13 @@ def vision_rope(x, positions, theta: float):
 def frame_mask(positions, segments, window: int = 0):
     """Patches attend within their own media item and frame (and `window`² patch window when > 0);
     padding (0) only to itself."""
-    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
-    same &= positions[:, :, None, 0] == positions[:, None, :, 0]
+    # media_mask's pairs narrowed to one frame (and window); every patch keeps itself.
+    keep = positions[:, :, None, 0] == positions[:, None, :, 0]
     if window:
         cell = positions[..., 1:] // window  # windows start at row/column 0 (HF pads at the far edges)
-        same &= jnp.all(cell[:, :, None, :] == cell[:, None, :, :], axis=-1)
-    diagonal = jnp.eye(segments.shape[1], dtype=bool)
-    return (same | diagonal)[:, None, :, :]
+        keep &= jnp.all(cell[:, :, None, :] == cell[:, None, :, :], axis=-1)
+    keep |= jnp.eye(segments.shape[1], dtype=bool)
+    return media_mask(segments) & keep[:, None, :, :]
 
 
 def resampled_positions(table, positions, segments, side: int):
