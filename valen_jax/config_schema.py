@@ -80,7 +80,9 @@ def _train() -> dict[str, Any]:
         # Micro-batches per step, accumulated inside the compiled step: same update as one batch.
         "grad_accum_steps": 1,
         # [{"pattern": REGEX over the '/'-joined param path, "frozen": True | "lr_multiplier": x}], first match wins.
-        "param_groups": [],
+        # A tuple: ml_collections overrides tuples (not lists) from the command line,
+        # --config.train.param_groups='({"pattern": "vision/.*", "frozen": True},)'.
+        "param_groups": (),
         # Peak FLOP/s per device for MFU; None: from the device kind's datasheet, measured on CPU.
         # A fresh placeholder per config: a shared FieldReference would tie two configs together.
         "peak_flops": ml_collections.config_dict.placeholder(float),
