@@ -50,6 +50,8 @@ def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str |
     if not examples:
         raise ValueError(f"{data}: no examples to evaluate")
     evaluator = registry.evaluator_for(example_format, str(data))
+    if evaluator.needs_score_head:
+        eval_workdir.require_score_head(restored, str(data))
     chosen = registry.Options(batch_size=int(batch_size or eval_cfg.batch_size),
                               max_new_tokens=int(max_new_tokens or eval_cfg.max_new_tokens), mode=mode,
                               samples=samples)

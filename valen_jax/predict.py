@@ -38,6 +38,7 @@ def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = No
                     mode: str | None = None, batch_size: int | None = None) -> tuple[str, list[dict]]:
     """(the mode used, the answer lines in data order; complete on process 0)."""
     restored = eval_workdir.restore(workdir, step)
+    eval_workdir.require_score_head(restored, str(data))  # before the data is converted
     fmt, options = eval_workdir.data_format(restored, fmt)
     with jax.set_mesh(restored.mesh):
         examples, example_format, _ = eval_workdir.load_examples(

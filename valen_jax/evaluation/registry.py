@@ -30,10 +30,12 @@ class Options:
 class Evaluator:
     evaluate: Callable  # (Restored, list[Example], Options) -> dict, the report's kind-specific part
     summary: Callable[[dict], str]  # one line for the CLI, from the finished report
+    # Valen questions are scored by the model's scalar head, which only a Valen run trains.
+    needs_score_head: bool = False
 
 
 EVALUATORS: dict[str, Evaluator] = {
-    "valen": Evaluator(valen.evaluate, valen.summary),
+    "valen": Evaluator(valen.evaluate, valen.summary, needs_score_head=True),
     "vflash": Evaluator(vflash.evaluate, vflash.summary),
     "chat": Evaluator(chat.evaluate, chat.summary),
     "vakforge": Evaluator(chat.evaluate, chat.summary),  # chat rows with locale/source breakdowns

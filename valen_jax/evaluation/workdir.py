@@ -67,6 +67,15 @@ def restore(workdir: str | Path, step: int | None = None, devices=None) -> Resto
     return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
 
 
+def require_score_head(restored: Restored, where: str) -> None:
+    """Valen questions are scored by the scalar head, which only a run with `loss.weights.branches` > 0
+    builds; without it (e.g. a VFlash fine-tune of a VLM) there is nothing to score them with."""
+    if not restored.model_cfg.score_head:
+        raise ValueError(f"{where}: Valen questions are scored by the model's scalar head, and the checkpoint in "
+                         f"{restored.workdir} (task {restored.config.task!r}) has none (trained with "
+                         "loss.weights.branches=0); train with configs/valen.py, or evaluate data of its own format")
+
+
 def fitted_mesh_shape(saved: Mapping[str, int], num_devices: int) -> dict[str, int]:
     """The training run's mesh (`config.mesh`) on the `num_devices` here.
 
