@@ -159,3 +159,18 @@ def test_accumulated_micro_batches_on_4_devices_match_and_evaluation_runs_during
         assert m["mfu"] > 0 and 0 <= m["padding_fraction"] < 1 and m["tokens_per_second"] > 0
         assert {"loss_tokens", "loss_z", "learning_rate", "grad_norm", "examples_seen"} <= set(m)
     assert all(np.isfinite(m["eval_loss"]) and 0 <= m["eval_accuracy"] <= 1 for m in records if "eval_loss" in m)
+
+
+def test_a_workdir_whose_checkpoints_were_all_quarantined_is_refused_not_restarted(tmp_path, reference):
+    # Issue 19: a previous run moved every checkpoint to checkpoints-corrupt/; this one used to train from 0.
+    workdir = tmp_path / "quarantined"
+    shutil.copytree(reference, workdir)
+    (workdir / "checkpoints-corrupt").mkdir()
+    for step in (4, 6, 8):
+        (workdir / "checkpoints" / str(step)).rename(workdir / "checkpoints-corrupt" / f"{step}-20260101-000000")
+    refused = subprocess.run(train_command(TINY, workdir, *STEPS), cwd=ROOT, env=env_with_devices(1),
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0
+    assert "no checkpoint, and 3 damaged one(s)" in refused.stderr
+    assert "--config.train.allow_fresh_start=True" in refused.stderr
+    assert not list((workdir / "checkpoints").iterdir()) and [m["step"] for m in metrics(workdir)] == list(range(1, 9))

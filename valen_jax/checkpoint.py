@@ -327,14 +327,18 @@ def quarantine(mgr: ocp.CheckpointManager, workdir: str | Path, step: int) -> Pa
 
 
 def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_state: Any,
-                   iterator: grain.DatasetIterator, check_meta: Callable[[int, dict], None]):
+                   iterator: grain.DatasetIterator, check_meta: Callable[[int, dict], None],
+                   allow_fresh_start: bool = False):
     """(step, state, meta) of the newest checkpoint that reads back intact, or None if there is none.
 
     `check_meta(step, meta)` raises CheckpointError when the checkpoint belongs to another setup
     (tokenizer, model, optimizer layout): that is the user's mistake to fix, never a reason to
     fall back. A step that fails to read or to verify is logged with a warning naming it, moved
     to `checkpoints-corrupt/`, and the one before it is tried. Checkpoints that all fail are an
-    error, not a fresh start.
+    error, not a fresh start, and so is a workdir whose checkpoints a previous run quarantined
+    (its `checkpoints/` is empty, `checkpoints-corrupt/` is not): only `allow_fresh_start`
+    (`config.train.allow_fresh_start`) turns either into None, i.e. training from step 0. It
+    permits, never forces: an intact checkpoint is always resumed.
     """
     steps = sorted(mgr.all_steps(), reverse=True)
     for step in steps:
@@ -354,9 +358,16 @@ def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_sta
             _report_corrupt(mgr, workdir, step, error)
             continue
         return step, state, meta
-    if steps:
-        raise CheckpointError(f"{checkpoint_dir(workdir)}: no intact checkpoint among steps {steps}; "
-                              f"the damaged ones are in {corrupt_dir(workdir)}")
+    quarantined = sorted(p.name for p in corrupt_dir(workdir).iterdir()) if corrupt_dir(workdir).is_dir() else []
+    if not steps and not quarantined:
+        return None  # a new workdir
+    found = (f"no intact checkpoint among steps {steps}; the damaged ones are in {corrupt_dir(workdir)}" if steps
+             else f"no checkpoint, and {len(quarantined)} damaged one(s) in {corrupt_dir(workdir)} "
+                  f"({', '.join(quarantined[:4])})")
+    if not allow_fresh_start:
+        raise CheckpointError(f"{checkpoint_dir(workdir)}: {found}; training would start again from step 0. "
+                              "To do that, pass --config.train.allow_fresh_start=True (or use a new workdir)")
+    log.warning("%s: %s; starting from step 0 (config.train.allow_fresh_start)", checkpoint_dir(workdir), found)
     return None
 
 

@@ -72,6 +72,9 @@ def _train() -> dict[str, Any]:
         "steps": 160, "checkpoint_every": 80, "keep_checkpoints": 3,
         # zstd on state arrays: f32 weights and moments shrink ~7% for 2-3x the writer's CPU time.
         "checkpoint_compression": False,
+        # True: a workdir left without an intact checkpoint (all moved to checkpoints-corrupt/) trains
+        # from step 0 instead of being refused. A permission, not an order: an intact checkpoint is resumed.
+        "allow_fresh_start": False,
         "seed": 0, "log_every": 20,
         "learning_rate": 3e-3, "warmup_steps": 20,
         "decay": "cosine",  # after warmup: "cosine" or "linear" down to end_learning_rate_fraction

@@ -141,7 +141,8 @@ def run(config, workdir: str | Path) -> dict:
     mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
                              compress=bool(config.train.checkpoint_compression))
     restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
-                                         _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest))
+                                         _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest),
+                                         allow_fresh_start=bool(config.train.allow_fresh_start))
     if restored is not None:
         state = restored[1]
         log.info("resumed from step %d", restored[0])
