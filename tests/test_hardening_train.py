@@ -5,11 +5,17 @@ non-finite metrics, control characters in paths, a tokenizer path that does not 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from tests.test_checkpoint import abstract, largest_state_file, make_iterator, make_state, save_steps
-from valen_jax import checkpoint
+from tests.train_runs import ROOT, env_with_devices, train_command
+from valen_jax import checkpoint, workdir_lock
 
 
 def restore(workdir, allow_fresh_start=False):
@@ -51,3 +57,48 @@ def test_allow_fresh_start_still_resumes_an_intact_checkpoint_and_starts_after_d
 
 def test_an_empty_workdir_starts_fresh_without_asking(tmp_path):
     assert restore(tmp_path) is None
+
+
+def test_a_second_trainer_on_a_workdir_is_refused_naming_the_holder_and_a_crash_frees_it(tmp_path):
+    with workdir_lock.exclusive(tmp_path):
+        assert (tmp_path / "train.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
+        with pytest.raises(workdir_lock.WorkdirBusy, match=f"pid {os.getpid()} on "):
+            with workdir_lock.exclusive(tmp_path):
+                pass
+        # The real second trainer: refused at start-up with one line naming the workdir and the holder.
+        refused = subprocess.run(train_command("configs/vflash.py:tiny", tmp_path), cwd=ROOT,
+                                 env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+        assert refused.returncode != 0
+        assert f"{tmp_path}: another trainer is running in this workdir (pid {os.getpid()}" in refused.stderr
+        assert not (tmp_path / "shards").exists() and not (tmp_path / "checkpoints").exists()
+    # A holder killed with SIGKILL (no cleanup of any kind) leaves the workdir free.
+    crashed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from valen_jax import workdir_lock\n"
+        f"with workdir_lock.exclusive({str(tmp_path)!r}):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == -signal.SIGKILL
+    with workdir_lock.exclusive(tmp_path):
+        pass
+
+
+def test_a_forked_child_outliving_a_killed_trainer_does_not_keep_the_workdir_locked(tmp_path):
+    # The trainer forks a worker (as Grain or a converter may), then dies by SIGKILL; the worker lives on,
+    # blocked on its stdin, holding a copy of every descriptor its parent had at the fork.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from valen_jax import workdir_lock\n"
+        f"with workdir_lock.exclusive({str(tmp_path)!r}):\n"
+        "    if os.fork() == 0:\n"
+        "        print('forked', flush=True)\n"
+        "        sys.stdin.read()\n"
+        "        os._exit(0)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "forked\n"  # the worker is alive (the trainer may be dead already)
+        assert holder.wait(timeout=120) == -signal.SIGKILL
+        with workdir_lock.exclusive(tmp_path):
+            pass
+    finally:
+        holder.stdin.close()  # lets the worker exit

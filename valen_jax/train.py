@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import valen_jax
 from data_pipeline.tokenizer import load_tokenizer
-from valen_jax import checkpoint, distributed, evaluate, sharding
+from valen_jax import checkpoint, distributed, evaluate, sharding, workdir_lock
 from valen_jax.config_schema import check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec
@@ -100,6 +100,12 @@ def run(config, workdir: str | Path) -> dict:
     check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    # Before anything is written there: a second trainer on this workdir is refused (issue 19).
+    with workdir_lock.exclusive(workdir):
+        return _train(config, workdir)
+
+
+def _train(config, workdir: Path) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     model_cfg = model_config(config, tokenizer)
