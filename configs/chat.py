@@ -6,7 +6,9 @@ every assistant turn (converter option `assistant_turns`).
 
 Trains on `data/smoke/chat/train.jsonl`, evaluates on `data/smoke/chat/eval.jsonl`. Variants
 after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model, for
-tests; `hf` = the decoder from an HF checkpoint, the vision tower fresh:
+tests; `hf` = start from an HF checkpoint (directory or hub name). A VLM (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL) is imported whole, vision tower included; a text model gives the decoder and the vision
+tower starts fresh from config.model.vision:
     --config=configs/chat.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
 """
 

@@ -8,7 +8,13 @@ Groups, their keys and defaults (with what each key means) are declared once in
 `valen_jax.config_schema`, which also validates a config once at start-up: `data`,
 `media_kwargs`, `model`, `train`, `loss`, `mesh`, `eval`. Variants after `:`: none = the CPU
 smoke run; `tiny` = the smallest model and a few steps, for tests; `hf` = start from an HF
-Qwen2/Qwen3/Llama checkpoint (`--config.model.init_from=PATH --config.data.tokenizer=PATH`).
+checkpoint, a directory or hub name (`--config.model.init_from=PATH --config.data.tokenizer=PATH`):
+- a VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the whole VLM is imported, decoder, vision tower, M-RoPE and
+  media tokens (the tokenizer must be the checkpoint's: its vision token ids are checked); the
+  `model.vision` keys come from the checkpoint and must stay unset. Freeze the tower with
+  `--config.train.param_groups='({"pattern": "vision/.*", "frozen": True},)'`.
+- a text model (Qwen2, Qwen3, Llama): its decoder is imported and a vision tower starts fresh from
+  `model.vision` (unset keys take the schema defaults, logged).
 """
 
 from __future__ import annotations
@@ -72,9 +78,14 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str, name: str) ->
         config.eval.max_examples = 8
         config.eval.max_new_tokens = 16
     elif variant == "hf":
-        # The decoder comes from the checkpoint; a vision tower, if any, starts fresh.
+        # The decoder comes from the checkpoint; so does the vision tower of a VLM checkpoint, while a text
+        # checkpoint gets a fresh tower from these keys (unset: schema defaults). Unset, not defaulted, so
+        # a key set next to a VLM is seen and refused (models/build.py).
         for key in ARCHITECTURE_KEYS:
             config.model[key] = None
+        if config.model.vision is not None:
+            for key in config.model.vision:
+                config.model.vision[key] = ml_collections.config_dict.placeholder(type(config.model.vision[key]))
         config.model.init_from = ml_collections.config_dict.placeholder(str)
         config.model.dtype = "bfloat16"
         config.model.remat = True

@@ -6,7 +6,10 @@ soft labels train the softmax over a question's branches.
 
 `data.valen_mode` picks `question` (the state once, one branch per candidate, branches isolated
 by the attention mask) or `shared_state` (every candidate in one sequence); `loss.loss_reduction`
-picks `state_mean` (seed default) or `question_mean`. Variants as in configs/common.py.
+picks `state_mean` (seed default) or `question_mean`. Variants as in configs/common.py; `hf` starts
+from an HF checkpoint (directory or hub name): a VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is imported
+whole, vision tower included; a text model gives the decoder and a fresh vision tower:
+    --config=configs/valen.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
 
 Row limits (seed 000): a Valen row is one record, never packed, so `data.packing` other than
 `none`, `loss.z_loss` > 0 and `loss.weights.tokens` > 0 are refused at start-up; `data.overlong=skip`

@@ -5,7 +5,9 @@
 
 Trains on the recipe `data/smoke/vflash/recipe.json` and evaluates on `eval.jsonl`. Variants
 after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model and a
-few steps, for tests; `hf` = the decoder from an HF checkpoint, the vision tower fresh:
+few steps, for tests; `hf` = start from an HF checkpoint (directory or hub name). A VLM (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL) is imported whole, vision tower included; a text model gives the decoder and
+the vision tower starts fresh from config.model.vision:
     --config=configs/vflash.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
 """
 

@@ -1,4 +1,12 @@
-"""The run's model: its ModelConfig from the config (or the HF checkpoint it starts from) and first parameters."""
+"""The run's model: its ModelConfig from the config (or the HF checkpoint it starts from) and first parameters.
+
+`config.model.init_from` names a text checkpoint (Qwen2, Qwen3, Llama: the decoder is imported, a
+vision tower, if the config has one, starts fresh from `config.model.vision`) or a vision-language
+checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the whole model is imported, decoder, vision tower,
+M-RoPE and media-slot ids, so `config.model.vision` must leave every key unset). Either way the run's
+dtype, remat, scan_layers and score head come from the config, and the vocabulary grows to hold the
+training tokenizer's added tokens (rows by `hf.extend_rows`), never shrinks.
+"""
 
 from __future__ import annotations
 
@@ -11,33 +19,98 @@ from transformers import AutoTokenizer
 
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
-from valen_jax.models import hf
+from valen_jax.config_schema import ConfigError, defaults
+from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import init_params
 
 log = logging.getLogger(__name__)
 
+# The training tokenizer's vision tokens against the ids a VL checkpoint was trained with (its config.json).
+_VL_TOKEN_IDS = ((vocabulary.IMAGE_PAD, "image_token_id"), (vocabulary.VIDEO_PAD, "video_token_id"),
+                 (vocabulary.VISION_START, "vision_start_token_id"), (vocabulary.VISION_END, "vision_end_token_id"))
+
+
+def checkpoint_config(init_from: str) -> dict:
+    """config.json of the checkpoint a run starts from (a directory or hub name)."""
+    directory = hf.resolve(init_from)
+    if not (directory / "config.json").is_file():
+        raise hf.HFImportError(f"config.model.init_from={init_from!r}: no config.json in {directory}; "
+                               "not a transformers checkpoint")
+    return json.loads((directory / "config.json").read_text())
+
+
+def _fresh_vision(group: ml_collections.ConfigDict | None) -> VisionConfig | None:
+    """Our own vision tower from config.model.vision; keys left unset (the :hf variants) take the schema's
+    defaults, and the log names them."""
+    if group is None:
+        return None
+    schema = defaults("vision")
+    unset = sorted(key for key in schema if group[key] is None)
+    if unset:
+        log.info("fresh vision tower: %s unset, schema defaults used (%s)", ", ".join(unset),
+                 ", ".join(f"{key}={schema[key]}" for key in unset))
+    values = {key: schema[key] if group[key] is None else group[key] for key in schema}
+    return VisionConfig(**values)
+
 
 def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
     m = config.model
-    vision = None
-    if m.vision is not None:
-        vision = VisionConfig(patch_size=m.vision.patch_size, merge_size=m.vision.merge_size,
-                              temporal_patch_size=m.vision.temporal_patch_size, dim=m.vision.dim,
-                              num_layers=m.vision.num_layers, num_heads=m.vision.num_heads, mlp_dim=m.vision.mlp_dim)
     common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=bool(m.remat), scan_layers=bool(m.scan_layers),
-                  image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=vision,
                   # Valen's scored branches need the scalar head; other tasks never build it.
                   score_head=float(config.loss.weights.get("branches", 0.0)) > 0)
     if m.init_from:
-        hf_config = json.loads((hf.resolve(m.init_from) / "config.json").read_text())
-        base = hf.config_from_hf(hf_config, **common)
+        hf_config = checkpoint_config(m.init_from)
+        if hf_vl.is_vl(hf_config):
+            base = _vl_model_config(config, hf_config, tokenizer, common)
+        else:
+            base = hf.config_from_hf(hf_config, image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD),
+                                     vision=_fresh_vision(m.vision), **common)
         # Added primitive tokens may outgrow the checkpoint's table; never shrink it.
         return dataclasses.replace(base, vocab_size=max(base.vocab_size, padded_vocab(len(tokenizer))))
     return ModelConfig(
         vocab_size=padded_vocab(len(tokenizer)), dim=m.dim, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, rope_theta=float(m.rope_theta),
-        tie_embeddings=bool(m.tie_embeddings), **common)
+        tie_embeddings=bool(m.tie_embeddings), image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD),
+        vision=_fresh_vision(m.vision), **common)
+
+
+def _vl_model_config(config: ml_collections.ConfigDict, hf_config: dict, tokenizer, common: dict) -> ModelConfig:
+    """The whole VLM from its config.json, with the run's dtype/remat/scan/score head."""
+    m = config.model
+    family = hf_config.get("model_type")
+    if m.vision is not None:
+        clashing = sorted(key for key in m.vision if m.vision[key] is not None)
+        if clashing:
+            raise ConfigError(f"config.model.init_from={m.init_from!r} is a {family} vision-language checkpoint, so "
+                              f"config.model.vision.{{{', '.join(clashing)}}} come from the checkpoint; set them to "
+                              "None (the :hf variants do)")
+    wrong = [f"{token} is {token_id(tokenizer, token)} there but {key}={hf_config[key]} in the checkpoint"
+             for token, key in _VL_TOKEN_IDS if key in hf_config and token_id(tokenizer, token) != hf_config[key]]
+    if wrong:
+        # Media slots would hold tokens the model never saw as slots: the images would be ignored.
+        raise ConfigError(f"config.data.tokenizer={config.data.tokenizer!r} is not the tokenizer of "
+                          f"config.model.init_from={m.init_from!r}: {'; '.join(wrong)}. Point config.data.tokenizer "
+                          "at the checkpoint's tokenizer")
+    cfg = hf_vl.config_from_hf(hf_config, **{**common, "scan_layers": False})
+    if common["scan_layers"]:
+        if cfg.vision.deepstack_layers:
+            # Deepstack adds vision features after the first decoder layers, which one scanned block cannot
+            # express (transformer.py refuses it); unrolled layers compute the same function, only the
+            # compile time grows with depth.
+            log.warning("config.model.scan_layers=True is turned off for this run: %s adds deepstack vision "
+                        "features after decoder layers %s, which scanned layers do not implement (same numerics; "
+                        "compile time grows with depth)", family, list(range(len(cfg.vision.deepstack_layers))))
+        else:
+            cfg = dataclasses.replace(cfg, scan_layers=True)
+    log.info("%s checkpoint: decoder, vision tower (%d blocks, dim %d), M-RoPE %s imported whole",
+             family, cfg.vision.num_layers, cfg.vision.dim, list(cfg.mrope_section))
+    return cfg
+
+
+def is_vl(model_cfg: ModelConfig) -> bool:
+    """A model whose vision tower and M-RoPE come from (and export to) a Qwen-VL checkpoint."""
+    return model_cfg.vision is not None and model_cfg.vision.family in hf_vl.VL_FAMILIES
 
 
 def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
@@ -48,5 +121,8 @@ def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, to
     directory = hf.resolve(config.model.init_from)
     base_tokenizer = AutoTokenizer.from_pretrained(str(config.data.tokenizer))
     pieces = hf.added_token_pieces(base_tokenizer, tokenizer)
-    log.info("initialising from %s; %d added token rows set from their pieces", directory, len(pieces))
-    return hf.load_params(directory, model_cfg, shardings, pieces, fresh=params)
+    whole = is_vl(model_cfg)
+    log.info("initialising from %s (%s); %d added token rows set from their pieces", directory,
+             f"{model_cfg.vision.family}: decoder and vision tower" if whole else "decoder", len(pieces))
+    load = hf_vl.load_params if whole else hf.load_params
+    return load(directory, model_cfg, shardings, pieces, fresh=params)

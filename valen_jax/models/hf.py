@@ -70,9 +70,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     family = hf.get("model_type")
     if "text_config" in hf and "vision_config" in hf:
         # Its decoder alone would drop the vision tower and M-RoPE: a different model.
-        raise HFImportError(f"model_type {family!r} is a vision-language checkpoint: hf.from_pretrained imports "
-                            "it whole (hf_vl.config_from_hf); starting a training run from it "
-                            "(config.model.init_from) is not wired yet")
+        raise HFImportError(f"model_type {family!r} is a vision-language checkpoint: hf.from_pretrained and "
+                            "config.model.init_from import it whole (hf_vl.config_from_hf)")
     if family not in FAMILIES:
         raise HFImportError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
