@@ -40,7 +40,7 @@ def make_piece(ident: int, length: int, media: tuple[int, ...] = ()) -> Piece:
     return Piece(tokens=tokens, targets=tokens + 1, weights=np.ones(length, np.float32),
                  patches=np.repeat(tags[:, None], 3, axis=1), patch_positions=np.zeros((len(tags), 3), np.int32),
                  patch_media=np.repeat(np.arange(1, len(media) + 1, dtype=np.int32), patch_counts),
-                 num_media=len(media), where=f"hand.jsonl:{ident}")
+                 num_media=len(media), where=f"hand.jsonl:{ident}", positions=np.arange(length, dtype=np.int32))
 
 
 def idents(rows: list[list[Piece]]) -> list[list[int]]:

@@ -50,6 +50,10 @@ class MediaInfo:
     frame_indices: tuple[int, ...]  # presentation-order indices in the video; () for a still image
     timestamps: tuple[float, ...]  # seconds from the first frame, one per frame; () for an image
     augment: dict | None = None  # the training augmentation applied, if any
+    # A whole clip's stream rate and frame count (HF's VideoMetadata fps / total_num_frames): Qwen2.5-VL's
+    # video time positions and Qwen3-VL's timestamps are computed from them. 0 for anything else.
+    video_fps: float = 0.0
+    total_frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,12 @@ class LoadedMedia:
     frame_indices: tuple[int, ...] = ()
     timestamps: tuple[float, ...] = ()
     augment: dict | None = None
+    video_fps: float = 0.0
+    total_frames: int = 0
 
     @property
     def info(self) -> MediaInfo:
-        return MediaInfo(self.frame_indices, self.timestamps, self.augment)
+        return MediaInfo(self.frame_indices, self.timestamps, self.augment, self.video_fps, self.total_frames)
 
 
 # --- still images --------------------------------------------------------------------------------
@@ -212,7 +218,7 @@ def decode_video(data: bytes, media_kwargs: Mapping, where: str) -> LoadedMedia:
                                        int(settings["max_frames"]))
         frames = video.frames_at(indices.tolist())
         return LoadedMedia([f.to_image() for f in frames], tuple(int(i) for i in indices),
-                           tuple(float(times[i]) for i in indices))
+                           tuple(float(times[i]) for i in indices), video_fps=video.rate(), total_frames=video.count)
 
 
 # --- the loader's entry point --------------------------------------------------------------------
@@ -270,4 +276,4 @@ def load_frames(data: bytes, header: Mapping, media_kwargs: Mapping, where: str,
         if sample_aug is None:
             sample_aug = draw_sample_aug(entry, rng, where)
         frames, augment = augment_frames(frames, view, sample_aug)
-    return LoadedMedia(frames, loaded.frame_indices, loaded.timestamps, augment)
+    return LoadedMedia(frames, loaded.frame_indices, loaded.timestamps, augment, loaded.video_fps, loaded.total_frames)

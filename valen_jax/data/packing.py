@@ -1,7 +1,8 @@
 """Packing assembled examples into rows of `seq_len`: segment ids, per-segment positions, a segment cap.
 
 Row fields are those of `assemble.assemble` (one example = segment 1), extended to k examples:
-`segment_ids` 1..k, `positions` restarting at 0 in each segment, and the examples' vision
+`segment_ids` 1..k, `positions` restarting at 0 in each segment (each segment's positions are those
+of a separate sequence, 1-D or M-RoPE: `positions.py`), and the examples' vision
 patches concatenated in example order with `patch_segments` numbering the row's media items
 1..M. The model gives the n-th media-slot token of a row the n-th merged vision token
 (`Transformer.embed_tokens`), so patches must follow the slot tokens' order and every media
@@ -108,6 +109,7 @@ class Piece:
     patch_media: np.ndarray  # int32 [N]: 1..m, the example's media item of each patch
     num_media: int
     where: str
+    positions: np.ndarray  # int32 [L] or [L, 3]: the example's own positions, as a separate sequence
 
     @property
     def length(self) -> int:
@@ -132,7 +134,7 @@ def piece_of(example: Example, spec: RowSpec, media_log=None, **augment) -> Piec
     ids = expanded.ids
     return Piece(ids[:-1].astype(np.int32), ids[1:].astype(np.int32), expanded.weights[1:].astype(np.float32),
                  patches.astype(np.float32), positions.astype(np.int32), media_index, len(media),
-                 contract.where(example))
+                 contract.where(example), expanded.positions(spec)[:-1])
 
 
 def overlong_reason(piece: Piece, spec: RowSpec) -> str | None:
@@ -149,7 +151,7 @@ def row_of(pieces: list[Piece], spec: RowSpec) -> dict[str, np.ndarray]:
     """Padded row arrays; with one piece this equals `assemble.assemble` of that example."""
     length, budget = spec.seq_len, spec.max_patches
     row = {"tokens": np.full(length, spec.pad_id, np.int32), "targets": np.full(length, spec.pad_id, np.int32),
-           "target_weights": np.zeros(length, np.float32), "positions": np.zeros(length, np.int32),
+           "target_weights": np.zeros(length, np.float32), "positions": np.zeros(spec.positions.shape(length), np.int32),
            "segment_ids": np.zeros(length, np.int32),
            "patches": np.zeros((budget, spec.patch_dim), np.float32),
            "patch_positions": np.zeros((budget, 3), np.int32), "patch_segments": np.zeros(budget, np.int32)}
@@ -158,7 +160,7 @@ def row_of(pieces: list[Piece], spec: RowSpec) -> dict[str, np.ndarray]:
         stop, patch_stop = start + piece.length, patch_start + piece.num_patches
         row["tokens"][start:stop], row["targets"][start:stop] = piece.tokens, piece.targets
         row["target_weights"][start:stop] = piece.weights
-        row["positions"][start:stop] = np.arange(piece.length, dtype=np.int32)
+        row["positions"][start:stop] = piece.positions
         row["segment_ids"][start:stop] = segment
         row["patches"][patch_start:patch_stop] = piece.patches
         row["patch_positions"][patch_start:patch_stop] = piece.patch_positions

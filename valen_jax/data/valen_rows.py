@@ -3,7 +3,9 @@
 question mode: the state once, then one branch per candidate (instructions + candidate +
 suffix); `branch_ids` let each branch attend to the prefix and itself only, and positions
 restart after the prefix, so a branch's score equals that of the separate sequence
-prefix + branch. In training, unlabeled questions are skipped and a record without labels is
+prefix + branch. The state's positions are those of the state as a sequence (M-RoPE: rope_index over
+its media); every token after it is text, so it continues from the state's largest position + 1
+(`positions.text_after`), which is what rope_index gives the state followed by that text alone. In training, unlabeled questions are skipped and a record without labels is
 skipped whole (before its media is read).
 shared_state mode: the state, then every question's instructions followed by all its
 candidates in one causal sequence; each candidate is scored at its last token in one forward
@@ -28,10 +30,13 @@ from valen_jax.data.assemble import (
     batch_shapes_of,
     expand_slots,
     load_media,
+    pad_positions,
+    videos_of,
     vision_arrays,
 )
 from valen_jax.data.media_log import MediaLog, media_records
 from valen_jax.data.packing import PackingSpec
+from valen_jax.data.positions import text_after
 from valen_jax.data.sources import Sources, mixture_of
 
 MODES = ("question", "shared_state")
@@ -112,11 +117,17 @@ def _layout(example: Example, spec: RowSpec, qspec: QuestionSpec, rng: np.random
     questions = [q for q in range(len(instructions))
                  if not (qspec.training and qspec.mode == "question" and not arrays["labeled"][q])]
     # Every media read of a Valen row goes through load_media (tests spy on it: seed 000's unread media).
-    processed = (load_media(example, spec) if media is None else media)[0]
-    state, _ = expand_slots(arrays["state_ids"], np.zeros(len(arrays["state_ids"]), np.float32), processed, spec,
-                            where)
+    processed, infos = load_media(example, spec) if media is None else media
+    state, _, runs = expand_slots(arrays["state_ids"], np.zeros(len(arrays["state_ids"]), np.float32), processed,
+                                  spec, where, infos, videos_of(example))
+    state_positions = spec.positions_of(state, runs)
+
+    def after_state(start: int, count: int) -> np.ndarray:
+        """Positions of `count` text tokens from row offset `start` (≥ len(state))."""
+        return text_after(state_positions, start - len(state) + np.arange(count), spec.positions)
+
     suffix = arrays["suffix_ids"]
-    tokens, positions, branch_ids = [state], [np.arange(len(state))], [np.zeros(len(state), np.int32)]
+    tokens, positions, branch_ids = [state], [state_positions], [np.zeros(len(state), np.int32)]
     length = len(state)
     scored = []
     most = 0
@@ -128,25 +139,25 @@ def _layout(example: Example, spec: RowSpec, qspec: QuestionSpec, rng: np.random
             members = rng.permutation(members)
         if qspec.mode == "shared_state":
             tokens.append(instructions[q])
-            positions.append(length + np.arange(len(instructions[q])))
+            positions.append(after_state(length, len(instructions[q])))
             branch_ids.append(np.zeros(len(instructions[q]), np.int32))
             length += len(instructions[q])
         for k, c in enumerate(members):
             if qspec.mode == "question":
                 branch += 1
                 piece = np.concatenate([instructions[q], candidates[c], suffix])
-                positions.append(len(state) + np.arange(len(piece)))
+                positions.append(after_state(len(state), len(piece)))
                 branch_ids.append(np.full(len(piece), branch, np.int32))
             else:
                 piece = candidates[c]
-                positions.append(length + np.arange(len(piece)))
+                positions.append(after_state(length, len(piece)))
                 branch_ids.append(np.zeros(len(piece), np.int32))
             tokens.append(piece)
             length += len(piece)
             scored.append((slot, k, length - 1, int(c)))
     if qspec.mode == "shared_state":
         tokens.append(suffix)
-        positions.append(length + np.arange(len(suffix)))
+        positions.append(after_state(length, len(suffix)))
         branch_ids.append(np.zeros(len(suffix), np.int32))
         length += len(suffix)
     needs = RowNeeds(length, len(questions), most, sum(m.num_tokens for m in processed))
@@ -197,7 +208,7 @@ def valen_row(example: Example, spec: RowSpec, qspec: QuestionSpec, rng: np.rand
         # Valen trains the branch head only: no token is a language-model target.
         "targets": np.full(spec.seq_len, spec.pad_id, np.int32),
         "target_weights": np.zeros(spec.seq_len, np.float32),
-        "positions": np.pad(np.concatenate(layout.positions).astype(np.int32), (0, pad)),
+        "positions": pad_positions(np.concatenate(layout.positions), spec.seq_len),
         "segment_ids": np.pad(np.ones(length, np.int32), (0, pad)),
         "branch_ids": np.pad(np.concatenate(layout.branch_ids), (0, pad)),
         "score_positions": score_positions, "branch_mask": branch_mask, "labels": labels, "labeled": labeled,

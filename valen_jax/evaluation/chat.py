@@ -21,7 +21,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax.data.assemble import expand_media_slots, vision_arrays
+from valen_jax.data.assemble import expand_media_slots
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
@@ -75,8 +75,8 @@ def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dic
         pairs = [(per_message[-1], spans[-1])]
     else:
         pairs = []
-    vision = vision_arrays(expanded.media, spec, contract.where(example))
-    return [(calls, {"ids": expanded.ids[:start], "vision": vision}) for calls, (start, _) in pairs if calls]
+    return [(calls, tokens.prompt_before(expanded, start, spec, contract.where(example)))
+            for calls, (start, _) in pairs if calls]
 
 
 def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:

@@ -21,7 +21,8 @@ from flax import nnx
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, vision_arrays
+from valen_jax.data.assemble import ExpandedExample, RowSpec, assemble, expand_media_slots, vision_arrays
+from valen_jax.data.positions import next_position
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
 from valen_jax.losses import token_losses
@@ -79,7 +80,8 @@ def _empty_row(spec: RowSpec) -> dict[str, np.ndarray]:
     """An all-padding row, for a process that has run out of examples while others have not."""
     return {"tokens": np.zeros(spec.seq_len, np.int32), "targets": np.zeros(spec.seq_len, np.int32),
             "target_weights": np.zeros(spec.seq_len, np.float32),
-            "positions": np.zeros(spec.seq_len, np.int32), "segment_ids": np.zeros(spec.seq_len, np.int32),
+            "positions": np.zeros(spec.positions.shape(spec.seq_len), np.int32),
+            "segment_ids": np.zeros(spec.seq_len, np.int32),
             **vision_arrays([], spec, "padding")}
 
 
@@ -106,15 +108,20 @@ def prompt_of(example: Example, spec: RowSpec, end_of_turn: int, answer: int = -
     spans = answer_spans(expanded.ids, expanded.weights, end_of_turn)
     if not spans:
         raise ValueError(f"{_where(example)}: no trained assistant answer to decode")
-    start = spans[answer][0]
-    return {"ids": expanded.ids[:start], "vision": vision_arrays(expanded.media, spec, _where(example))}
+    return prompt_before(expanded, spans[answer][0], spec, _where(example))
+
+
+def prompt_before(expanded: ExpandedExample, start: int, spec: RowSpec, where: str) -> dict:
+    """The prompt `greedy` continues: the expanded ids before `start`, their positions (those of the whole
+    sequence, as HF computes them for the prompt) and the example's vision inputs."""
+    return {"ids": expanded.ids[:start], "positions": expanded.positions(spec)[:start],
+            "vision": vision_arrays(expanded.media, spec, where)}
 
 
 @functools.cache
 def _next_token_fn(graphdef, vocab: int):
-    def next_tokens(params, tokens, cursor, vision):
+    def next_tokens(params, tokens, positions, cursor, vision):
         model = nnx.merge(graphdef, params)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         logits = model(tokens, positions, jnp.ones_like(tokens), vision_inputs(vision))
         last = jnp.take_along_axis(logits, (cursor - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
         # The embedding table is padded past the tokenizer; those rows are never a token.
@@ -127,18 +134,22 @@ def _next_token_fn(graphdef, vocab: int):
 def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_batch: int, batches: int,
            max_new_tokens: int, stop_id: int, vocab: int) -> list[list[int]]:
     """Greedy continuation of each prompt (from `prompt_of`) until `stop_id` (kept), `max_new_tokens`
-    or the row's end. Without a KV cache each new token reruns the whole row: fine for evaluation sets."""
+    or the row's end. Without a KV cache each new token reruns the whole row: fine for evaluation sets.
+    A generated token's position is the largest before it + 1 (on every M-RoPE axis), as HF's generate
+    continues after rope_index's prompt positions."""
     step = _next_token_fn(graphdef, int(vocab))
     empty_vision = vision_arrays([], spec, "padding")
     outputs: list[list[int]] = []
     for b in range(batches):
         chunk = prompts[b * local_batch:(b + 1) * local_batch]
         tokens = np.full((local_batch, spec.seq_len), spec.pad_id, np.int32)
+        positions = np.zeros((local_batch, *spec.positions.shape(spec.seq_len)), np.int32)
         cursor = np.ones(local_batch, np.int32)
         for row, prompt in enumerate(chunk):
             if len(prompt["ids"]) >= spec.seq_len:
                 raise ValueError(f"a prompt of {len(prompt['ids'])} tokens leaves no room in seq_len={spec.seq_len}")
             tokens[row, :len(prompt["ids"])] = prompt["ids"]
+            positions[row, :len(prompt["ids"])] = prompt["positions"]
             cursor[row] = len(prompt["ids"])
         vision = sharding.global_batch(stack([p["vision"] for p in chunk] or [empty_vision], local_batch), mesh)
         generated: list[list[int]] = [[] for _ in chunk]
@@ -148,13 +159,14 @@ def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_bat
             # Every process takes the same number of steps: the step is one collective computation.
             if hosts.process_gather(np.asarray([done.all()])).all():
                 break
-            batch = sharding.global_batch({"tokens": tokens, "cursor": cursor}, mesh)
-            new = host_local(step(params, batch["tokens"], batch["cursor"], vision), mesh)
+            batch = sharding.global_batch({"tokens": tokens, "positions": positions, "cursor": cursor}, mesh)
+            new = host_local(step(params, batch["tokens"], batch["positions"], batch["cursor"], vision), mesh)
             for row in range(len(chunk)):
                 if done[row]:
                     continue
                 generated[row].append(int(new[row]))
                 tokens[row, cursor[row]] = new[row]
+                positions[row, cursor[row]] = next_position(positions[row, :cursor[row]])
                 cursor[row] += 1
                 done[row] = new[row] == stop_id or cursor[row] >= spec.seq_len
         outputs.extend(generated)
