@@ -105,6 +105,19 @@ def _tiny():
     ("model.param_dtype", "bfloat16", "master weights"),
     ("model.dtype", "float16", "dtype"),
     ("eval.every", -1, "eval.every"),
+    # Issue 19: `--config.train.learning_rate=nan` and negative rates used to train (NaN at every step).
+    ("train.learning_rate", float("nan"), "config.train.learning_rate must be a finite number, got nan"),
+    ("train.learning_rate", float("inf"), "config.train.learning_rate must be a finite number"),
+    ("train.learning_rate", -3e-3, r"config.train.learning_rate must be a finite number > 0"),
+    ("train.learning_rate", 0.0, r"learning_rate must be a finite number > 0 \(freeze"),
+    ("train.end_learning_rate_fraction", 1.5, r"end_learning_rate_fraction must be a finite number in \[0, 1\]"),
+    ("train.weight_decay", -0.01, "weight_decay must be a finite number ≥ 0"),
+    ("train.adam_b1", float("nan"), "adam_b1 must be a finite number, got nan"),
+    ("train.adam_b2", 1.0, r"adam_b2 must be a finite number in \[0, 1\)"),
+    ("train.grad_clip_norm", 0.0, "grad_clip_norm must be a finite number > 0"),
+    ("train.grad_clip_norm", "1.0", "grad_clip_norm must be a finite number"),
+    ("train.warmup_steps", -1, "warmup_steps must be ≥ 0"),
+    ("train.peak_flops", float("inf"), "peak_flops must be a finite number"),
 ])
 def test_impossible_config_values_fail_at_start_up(path, value, message):
     from valen_jax.config_schema import ConfigError, validate_config

@@ -8,6 +8,7 @@ exactly the keys listed here, so a key is added in one place. Keys whose default
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import ml_collections
@@ -196,7 +197,20 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
         optim.check_groups(list(train.param_groups))
     except optim.ParamGroupError as error:
         raise ConfigError(str(error)) from None
-    if train.peak_flops is not None and not float(train.peak_flops) >= 0:
+    # NaN passes every `<`/`>` comparison as False, so each bound is written as what must hold.
+    for key, low, high, bounds in (("learning_rate", 0, math.inf, "> 0 (freeze with param_groups instead of 0)"),
+                                   ("end_learning_rate_fraction", 0, 1, "in [0, 1]"),
+                                   ("weight_decay", 0, math.inf, "≥ 0"),
+                                   ("adam_b1", 0, 1, "in [0, 1)"), ("adam_b2", 0, 1, "in [0, 1)"),
+                                   ("grad_clip_norm", 0, math.inf, "> 0")):
+        value = _finite(f"train.{key}", train[key])
+        strict_low = key in ("learning_rate", "grad_clip_norm")
+        strict_high = key in ("adam_b1", "adam_b2")
+        if not ((value > low if strict_low else value >= low) and (value < high if strict_high else value <= high)):
+            raise ConfigError(f"config.train.{key} must be a finite number {bounds}, got {train[key]!r}")
+    if not int(train.warmup_steps) >= 0:
+        raise ConfigError(f"config.train.warmup_steps must be ≥ 0, got {train.warmup_steps!r}")
+    if train.peak_flops is not None and not _finite("train.peak_flops", train.peak_flops) >= 0:
         raise ConfigError(f"config.train.peak_flops must be None/0 (from the device) or > 0, got {train.peak_flops}")
     for key in ("dtype", "param_dtype"):
         if config.model[key] not in DTYPES:
@@ -205,6 +219,13 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
         # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
         raise ConfigError("config.model.param_dtype must be float32 (master weights); "
                           "use config.model.dtype=bfloat16 for bf16 compute")
+
+
+def _finite(path: str, value: Any) -> float:
+    """`value` as a float; a non-number (a string, a bool), NaN or ±inf is one ConfigError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"config.{path} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _validate_loss(loss: ml_collections.ConfigDict) -> None:
