@@ -5,6 +5,7 @@ with other vision ids or a vision key set next to it is refused, and `vision/.*`
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 
 import jax
@@ -121,3 +122,34 @@ def test_vision_pattern_freezes_exactly_the_imported_tower(vl_checkpoint):
     # Patterns match the WHOLE path: an anchored prefix matches nothing, and that is an error, not a no-op.
     with pytest.raises(optim.ParamGroupError, match="matches no parameter"):
         optim.frozen_mask(params, [{"pattern": "^vision/", "frozen": True}])
+
+
+def test_export_states_the_runs_media_kwargs_so_the_next_run_reads_them_back(vl_checkpoint, tmp_path):
+    """The processor files `valen_jax.export` writes give back every media_kwargs key of the run (a
+    user override included) and the tower's patch geometry, as `init_from` would read them."""
+    from valen_jax import export
+    from valen_jax.data import vision_processor
+
+    directory, _ = vl_checkpoint("qwen3_vl")
+    model_cfg = build.model_config(_config(directory), load_tokenizer(directory, "chatml"))
+    media_kwargs, _ = vision_processor.resolve_media_kwargs({"max_frames": 3, "image_std": (0.2, 0.3, 0.4)},
+                                                            directory)
+    for name, settings in export.processor_files(model_cfg, media_kwargs).items():
+        (tmp_path / name).write_text(json.dumps(settings))
+    again, sources = vision_processor.resolve_media_kwargs({}, tmp_path)
+    assert again == media_kwargs and media_kwargs["video_pixels_per"] == "clip"
+    assert "smoke default" not in sources.values()
+    vision_processor.check_processor_geometry(model_cfg.vision, tmp_path)
+
+
+def test_export_refuses_our_own_vision_tower_by_name():
+    from valen_jax import export
+    from valen_jax.models.config import ModelConfig, VisionConfig
+
+    tower = VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=32, num_layers=1, num_heads=4,
+                         mlp_dim=64)
+    with pytest.raises(export.ExportError, match="family 'valen'.*no Hugging Face class holds it"):
+        export.exportable(ModelConfig(vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                      mlp_dim=128, vision=tower))
+    export.exportable(ModelConfig(vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                  mlp_dim=128))  # a text-only model exports

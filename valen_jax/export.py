@@ -1,0 +1,133 @@
+"""Export a trained workdir as a Hugging Face checkpoint: weights, tokenizer and processor settings.
+
+    python -m valen_jax.export --workdir=runs/vflash-smoke-hf --output=/tmp/exported [--step=N]
+    python -c "import transformers; transformers.AutoModelForImageTextToText.from_pretrained('/tmp/exported')"
+
+The parameters are restored as `evaluate` restores them (verified against their save-time digests;
+the latest step unless `--step`) and written by `hf.save_pretrained`: a Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL model (one trained from such a checkpoint) as its family's checkpoint, vision tower
+included; a text-only model as Qwen2, Qwen3 or Llama. Next to them: the training tokenizer the
+workdir saved (primitive tokens and training chat template included), and, for a VLM,
+`preprocessor_config.json` / `video_preprocessor_config.json` stating the run's `media_kwargs`
+(pixel bounds, mean/std, patch/merge/temporal sizes, fps and frame bounds), so the directory is a
+complete checkpoint: transformers loads it, and `config.model.init_from` starts another run from it
+with the same processor settings.
+
+Refused, naming why: a model whose vision tower is our own from-scratch ViT (family "valen": no
+Hugging Face class holds it; exporting its decoder alone would drop what it learned from images).
+Dropped with a logged line: Valen's scalar score head (no transformers class has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+from flax import nnx
+
+from valen_jax import checkpoint
+from valen_jax.data.vision_processor import IMAGE_PROCESSOR_FILE, RESCALE_FACTOR, VIDEO_PIXELS_PER, VIDEO_PROCESSOR_FILE
+from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.models import hf, hf_vl
+from valen_jax.models.config import ModelConfig
+
+log = logging.getLogger("valen_jax.export")
+
+_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+_VIDEO_PROCESSOR = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor",
+                    "qwen3_vl": "Qwen3VLVideoProcessor"}
+# What our processor always does (vision_processor.FIXED_SETTINGS), stated so no reader assumes otherwise.
+_FIXED = {"do_resize": True, "do_rescale": True, "rescale_factor": RESCALE_FACTOR, "do_normalize": True,
+          "do_convert_rgb": True, "resample": 3}
+
+
+class ExportError(ValueError):
+    """A workdir whose model has no Hugging Face form."""
+
+
+def exportable(model_cfg: ModelConfig) -> None:
+    """Refuse, by name, a model no transformers class reproduces."""
+    vision = model_cfg.vision
+    if vision is not None and vision.family not in hf_vl.VL_FAMILIES:
+        raise ExportError(f"the model's vision tower is family {vision.family!r} (our own ViT, trained from scratch "
+                          "or added fresh to a text checkpoint): no Hugging Face class holds it, and exporting the "
+                          "decoder alone would drop what the model learned from images. Only models trained from a "
+                          f"{', '.join(hf_vl.VL_FAMILIES)} checkpoint (or text-only models) export")
+    if vision is None and model_cfg.mrope_section is not None:
+        raise ExportError("an M-RoPE decoder without its vision tower has no Hugging Face family")
+
+
+def processor_files(model_cfg: ModelConfig, media_kwargs: dict) -> dict[str, dict]:
+    """preprocessor_config.json and video_preprocessor_config.json stating the run's media_kwargs, as the
+    family's processor files spell them (size.shortest_edge / longest_edge are pixel areas)."""
+    vision = model_cfg.vision
+    family = vision.family
+    geometry = {"patch_size": vision.patch_size, "merge_size": vision.merge_size,
+                "temporal_patch_size": vision.temporal_patch_size}
+    colour = {"image_mean": list(media_kwargs["image_mean"]), "image_std": list(media_kwargs["image_std"])}
+    # The reader (vision_processor.processor_media_kwargs) takes video_pixels_per from the video processor's
+    # type: the type that states the run's own setting, even where it is not the family's usual one.
+    by_setting = {setting: kind for kind, setting in VIDEO_PIXELS_PER.items()}
+    video_type = by_setting[media_kwargs["video_pixels_per"]]
+    if video_type != _VIDEO_PROCESSOR[family]:
+        log.warning("the run bounded video pixels per %s, which %s states; %s's own video processor is %s",
+                    media_kwargs["video_pixels_per"], video_type, family, _VIDEO_PROCESSOR[family])
+    image = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": _PROCESSOR_CLASS[family], **_FIXED,
+             **colour, "size": {"shortest_edge": int(media_kwargs["min_pixels"]),
+                                "longest_edge": int(media_kwargs["max_pixels"])}, **geometry}
+    video = {"video_processor_type": video_type, "processor_class": _PROCESSOR_CLASS[family], **_FIXED, **colour,
+             "size": {"shortest_edge": int(media_kwargs["video_min_pixels"]),
+                      "longest_edge": int(media_kwargs["video_max_pixels"])},
+             "do_sample_frames": True, "fps": float(media_kwargs["fps"]), "min_frames": int(media_kwargs["min_frames"]),
+             "max_frames": int(media_kwargs["max_frames"]), **geometry}
+    return {IMAGE_PROCESSOR_FILE: image, VIDEO_PROCESSOR_FILE: video}
+
+
+def export(workdir: str | Path, output: str | Path, step: int | None = None) -> Path:
+    """Write the workdir's checkpoint at `step` (default: the latest) to `output` as an HF checkpoint."""
+    workdir, output = Path(workdir), Path(output)
+    restored = eval_workdir.restore(workdir, step)
+    model_cfg = restored.model_cfg
+    exportable(model_cfg)
+    mgr = checkpoint.manager(restored.workdir, read_only=True)
+    try:
+        meta = checkpoint.restore_meta(mgr, restored.step)
+    finally:
+        mgr.close()
+    if model_cfg.score_head:
+        log.warning("the Valen score head (score_head/*) is not exported: no transformers class has one; the "
+                    "exported model gives the decoder's token logits only")
+    model = nnx.merge(restored.graphdef, restored.params)
+    hf.save_pretrained(model, output)
+    # The tokenizer exactly as the run used it (restore checked its fingerprint against the checkpoint's).
+    shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
+    if model_cfg.vision is not None:
+        for name, settings in processor_files(model_cfg, meta["media_kwargs"]).items():
+            (output / name).write_text(json.dumps(settings, indent=2) + "\n")
+    kind = model_cfg.vision.family if model_cfg.vision is not None else "text"
+    log.info("exported step %d of %s (%s, vocabulary %d) to %s", restored.step, restored.workdir, kind,
+             model_cfg.vocab_size, output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m valen_jax.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True, help="a workdir written by valen_jax.train")
+    parser.add_argument("--output", "--out", required=True, help="the directory to write the HF checkpoint into")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        export(args.workdir, args.output, args.step)
+    except (ExportError, hf.HFImportError, checkpoint.CheckpointError) as error:
+        print(f"valen_jax.export: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
