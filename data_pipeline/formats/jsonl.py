@@ -3,7 +3,8 @@
 Seed 000 ("Data format"): UTF-8, one JSON record per line, blank lines ignored, an empty file
 refused. Every undecodable line becomes a `Problem` with its line number, never a traceback:
 invalid UTF-8, truncated JSON, nesting deeper than the parser's stack, integers longer than
-Python's int/str conversion limit, NaN/Infinity and repeated keys alike.
+Python's int/str conversion limit, NaN/Infinity, numbers that overflow to infinity (`1e309`)
+and repeated keys alike.
 
 `iter_jsonl_objects` reads one line at a time, so memory does not grow with the file (only with
 its longest line); `read_jsonl_objects` is the list form.
@@ -12,13 +13,14 @@ its longest line); `read_jsonl_objects` is the list form.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-from data_pipeline.formats.errors import FILE_FIELD, RECORD_FIELD, Problem
+from data_pipeline.formats.errors import FILE_FIELD, RECORD_FIELD, Problem, member
 
 
 class ProblemSink(Protocol):
@@ -49,8 +51,29 @@ def _refuse_constant(name: str) -> object:
     raise _NotJSON(f"{name} is not JSON")
 
 
+class NumberOverflow(_NotJSON):
+    """A float literal that reads as infinity; `field`/`path` say where, once known (else empty)."""
+
+    def __init__(self, literal: str, field: str = "", path: tuple[str | int, ...] = ()):
+        self.literal, self.field, self.path = literal, field, path
+        shown = literal if len(literal) <= 40 else literal[:40] + "…"
+        self.message = f"the number {shown} is too large for a 64-bit float (it would read as Infinity, which is not JSON)"
+        super().__init__(f"{self.message} at {field}" if field else self.message)
+
+
+def _finite_float(literal: str) -> float:
+    # json reads `1e309` (or 309 digits before a fraction) as inf, which a template's `tojson` then
+    # writes as `Infinity`, which is not JSON. A hook per float costs less than any scan of the text
+    # for such literals (Python's regex engine walks every character).
+    value = float(literal)
+    if math.isinf(value):
+        raise NumberOverflow(literal)
+    return value
+
+
 # One decoder for every line: `json.loads(text, **options)` would build a new one per call.
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant)
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_refuse_constant,
+                            parse_float=_finite_float)
 _scan = _DECODER.scan_once  # the C scanner: one JSON value starting exactly at an index
 _JSON_SPACE = " \t\n\r"
 
@@ -79,8 +102,40 @@ def _too_deep(text: str) -> bool:
     return text.count("[") + text.count("{") > MAX_NESTING and _nesting(text) > MAX_NESTING
 
 
+class _Overflow:
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _mark_overflow(literal: str) -> object:
+    value = float(literal)
+    return _Overflow(literal) if math.isinf(value) else value
+
+
+_MARKING_DECODER = json.JSONDecoder(parse_float=_mark_overflow, parse_constant=_refuse_constant)
+
+
+def overflowing_number(text: str) -> NumberOverflow | None:
+    """The first float literal of the JSON `text` that reads as infinity, with its field, or None.
+
+    The field is written as in every Problem (`messages[1].tool_calls[0].function.arguments.x`).
+    Only called on the error path: it parses `text` again.
+    """
+    pending: list[tuple[str, tuple, object]] = [("", (), _MARKING_DECODER.decode(text))]
+    while pending:
+        field, path, value = pending.pop()
+        if isinstance(value, _Overflow):
+            return NumberOverflow(value.literal, field or RECORD_FIELD, path)
+        if isinstance(value, dict):
+            pending.extend((member(field, key), (*path, key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            pending.extend((f"{field}[{i}]", (*path, i), item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
 def loads_strict(text: str) -> object:
-    """json.loads that refuses repeated keys and NaN/Infinity; every failure is a ValueError.
+    """json.loads that refuses repeated keys, NaN/Infinity and floats that overflow to infinity
+    (the message then names the field); every failure is a ValueError.
 
     `json.JSONDecodeError` keeps its position; nesting deeper than `MAX_NESTING` (or the parser's
     stack) and integers over `sys.get_int_max_str_digits()` digits become plain ValueErrors with a
@@ -90,6 +145,8 @@ def loads_strict(text: str) -> object:
         raise _NotJSON("nested too deeply for the JSON parser")
     try:
         return _DECODER.decode(text)
+    except NumberOverflow as err:
+        raise overflowing_number(text) or err from None
     except RecursionError:
         raise _NotJSON("nested too deeply for the JSON parser") from None
     except (json.JSONDecodeError, _NotJSON):
@@ -154,6 +211,10 @@ def iter_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> Iterat
                     problems.append(
                         Problem(source, number, RECORD_FIELD, f"invalid JSON: {msg} at column {err.colno}")
                     )
+                    bad_lines += 1
+                    continue
+                except NumberOverflow as err:
+                    problems.append(Problem(source, number, err.field or RECORD_FIELD, err.message))
                     bad_lines += 1
                     continue
                 except ValueError as err:

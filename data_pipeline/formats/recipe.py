@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem
-from data_pipeline.formats.jsonl import loads_strict
+from data_pipeline.formats.jsonl import NumberOverflow, loads_strict
 from data_pipeline.formats.vflash import VFlashRecord, read_vflash
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,10 @@ def read_recipe(path: str | Path) -> list[RecipeEntry]:
         raise FormatError(
             [Problem(source, err.lineno, RECIPE_FIELD, f"invalid JSON: {err.msg} at column {err.colno}")]
         ) from None
+    except NumberOverflow as err:
+        lines = _key_lines(text)
+        line = lines.get(tuple(err.path[:2]), lines.get(tuple(err.path[:1]), 0))
+        raise FormatError([Problem(source, line, err.field, err.message)]) from None
     except ValueError as err:
         raise FormatError([Problem(source, 0, RECIPE_FIELD, f"invalid JSON: {err}")]) from None
     if not isinstance(data, dict) or not data:

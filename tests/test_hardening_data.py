@@ -1,0 +1,78 @@
+"""Issue 19, data side: inputs an attacker or a careless user writes, each refused with one clear line.
+
+Every test here failed before its fix: split control tokens (item 1), files outside the dataset
+(item 3), unbounded reads (item 5), PII in schema errors (item 6) and numbers that overflow to
+Infinity (item 7).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_pipeline.formats.chat import read_chat
+from data_pipeline.formats.errors import FormatError, Problem
+from data_pipeline.formats.jsonl import loads_strict
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Look up the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def write_lines(path: Path, *lines: str) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def chat_problems(path: Path, **kwargs) -> list[Problem]:
+    with pytest.raises(FormatError) as info:
+        read_chat(path, **kwargs)
+    return list(info.value.problems)
+
+
+def tool_row(arguments: str, parameters: str = '{"type": "object"}') -> str:
+    """A chat row whose tool parameters and call arguments are spliced in as JSON text."""
+    return (
+        '{"tools": [{"type": "function", "function": {"name": "f", "parameters": ' + parameters + "}}], "
+        '"messages": [{"role": "user", "content": "go"}, '
+        '{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", '
+        '"function": {"name": "f", "arguments": ' + arguments + "}}]}, "
+        '{"role": "tool", "tool_call_id": "c1", "content": "ok"}, {"role": "assistant", "content": "done"}]}'
+    )
+
+
+# -- item 7: numbers that overflow to Infinity ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arguments, parameters, field", [
+    ('{"x": 1e309}', '{"type": "object"}', "messages[1].tool_calls[0].function.arguments.x"),
+    ('{"x": [1, -2E+400]}', '{"type": "object"}', "messages[1].tool_calls[0].function.arguments.x[1]"),
+    ('{"x": 1}', '{"type": "object", "properties": {"x": {"maximum": 1e999}}}',
+     "tools[0].function.parameters.properties.x.maximum"),
+    ('{"x": 1}', '{"type": "object", "properties": {"x": {"maximum": 1' + "0" * 310 + '.5}}}',
+     "tools[0].function.parameters.properties.x.maximum"),
+])
+def test_a_number_overflowing_to_infinity_is_refused_with_its_field(tmp_path, arguments, parameters, field):
+    path = write_lines(tmp_path / "rows.jsonl", tool_row(arguments, parameters))
+    (problem,) = chat_problems(path)
+    assert (problem.path, problem.line, problem.field) == (str(path), 1, field)
+    assert "Infinity" in problem.message and "too large" in problem.message
+
+
+def test_string_arguments_overflowing_to_infinity_are_refused(tmp_path):
+    path = write_lines(tmp_path / "rows.jsonl", tool_row(json.dumps('{"x": 1e309}')))
+    (problem,) = chat_problems(path)
+    assert problem.field == "messages[1].tool_calls[0].function.arguments"
+    assert "too large" in problem.message and "at x" in problem.message
+
+
+def test_large_but_finite_numbers_and_lookalike_text_still_read(tmp_path):
+    # 1e308 is finite, 1e-400 underflows to 0 (not infinity), and "e309" inside a string is text.
+    path = write_lines(tmp_path / "rows.jsonl", tool_row('{"x": 1e308, "y": 1e-400, "z": "e309 and 1e309"}'))
+    (record,) = read_chat(path)
+    assert record.messages[1].tool_calls[0].arguments == {"x": 1e308, "y": 0.0, "z": "e309 and 1e309"}
+    assert loads_strict('{"a": 0e999}') == {"a": 0.0}
+    with pytest.raises(ValueError, match="too large"):
+        loads_strict('{"a": [1e309]}')
