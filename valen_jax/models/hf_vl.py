@@ -8,7 +8,8 @@ legacy layout (`model.layers.*`, `visual.*`, `lm_head.weight`); checkpoints in t
 too. Export writes the layout the family's own `save_pretrained` writes.
 
 Not expressible yet, refused by name: Qwen3-VL-MoE, sliding-window decoders, rope types other
-than default, deepstack with scan_layers.
+than default, deepstack with scan_layers (a training run from Qwen3-VL, `config.model.init_from`, unrolls
+its layers instead, with a logged warning: models/build.py).
 """
 
 from __future__ import annotations
