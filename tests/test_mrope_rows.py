@@ -212,3 +212,53 @@ def test_valen_rows_equal_rope_index_of_state_plus_each_branch(family, mode):
             sequence = np.concatenate([tokens[:state], tokens[members]])
             expected = _hf_positions(f, sequence, image_grids, video_grids, metadata)
             np.testing.assert_array_equal(np.concatenate([positions[:state], positions[members]]), expected)
+
+
+def test_the_row_spec_travels_to_loader_workers(family):
+    """Grain workers get the RowSpec pickled: the Qwen3-VL timestamp encoder (a tokenizer) comes back whole."""
+    import pickle
+
+    example, _ = _mixed(family)
+    travelled = pickle.loads(pickle.dumps(family.spec))
+    assert travelled == family.spec
+    np.testing.assert_array_equal(expand_media_slots(example, travelled).ids,
+                                  expand_media_slots(example, family.spec).ids)
+
+
+@pytest.mark.slow
+def test_greedy_decoding_equals_transformers_generate(family):
+    """Prompt positions from rope_index, each new token at the largest position + 1: the tokens HF's generate
+    picks (its rope deltas) for the same ids, pixels and grids, with our import of the same checkpoint."""
+    import jax
+    from flax import nnx
+
+    from valen_jax import sharding
+    from valen_jax.evaluation import tokens
+    from valen_jax.models import hf
+
+    f = family
+    example, hf_text = _mixed(f)
+    expanded = expand_media_slots(example, f.spec)
+    model, cfg = hf.from_pretrained(f.info["directory"])
+    graphdef, params = nnx.split(model)
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    prompt = tokens.prompt_before(expanded, len(expanded.ids), f.spec, "rows.jsonl:1")
+    (ours,) = tokens.greedy(params, graphdef, [prompt], f.spec, mesh, 1, 1, max_new_tokens=4, stop_id=-1,
+                            vocab=f.info["vocab_size"])
+
+    videos = [False, True, False]
+    image_grids, video_grids = _grids(expanded.media, videos)
+    metadata = [_metadata(expanded.media_info[1])]
+    ids = _hf_ids(f, hf_text, image_grids, video_grids, metadata)
+    kind = np.where(ids == f.info["image_token_id"], 1, np.where(ids == f.info["video_token_id"], 2, 0))
+    extra = ({"second_per_grid_ts": torch.tensor([f.info["temporal_patch_size"] / metadata[0].sampled_fps])}
+             if f.name == "qwen2_5_vl" else {})
+    with torch.no_grad():
+        out = f.model.generate(
+            input_ids=torch.tensor(ids[None]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            mm_token_type_ids=torch.tensor(kind[None]),
+            pixel_values=torch.tensor(np.concatenate([expanded.media[0].patches, expanded.media[2].patches])),
+            image_grid_thw=torch.tensor(image_grids), video_grid_thw=torch.tensor(video_grids),
+            pixel_values_videos=torch.tensor(expanded.media[1].patches), max_new_tokens=4, do_sample=False,
+            **extra)
+    assert ours == out[0, len(ids):].tolist()

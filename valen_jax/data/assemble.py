@@ -54,9 +54,10 @@ def _backend_tokenizer(tokenizer_json: str):
 
 @dataclass(frozen=True)
 class TextIds:
-    """Plain text → token ids as the tokenizer encodes it between two special tokens (where the processor
-    puts a timestamp). Holds the backend tokenizer as its JSON, so a RowSpec pickles to Grain workers;
-    each process rebuilds the tokenizer once."""
+    """Plain text → token ids as the tokenizer encodes it between `<|vision_end|>` and `<|vision_start|>`,
+    where the processor puts a timestamp: encoded inside those special tokens and cut out, so a tokenizer
+    that treats the start of a text differently (a prefix space) still gives the in-context ids. Holds the
+    backend tokenizer as its JSON, so a RowSpec pickles to Grain workers; each process rebuilds it once."""
 
     tokenizer_json: str = field(repr=False)
 
@@ -65,7 +66,11 @@ class TextIds:
         return cls(tokenizer.backend_tokenizer.to_str())
 
     def __call__(self, text: str) -> list[int]:
-        return _backend_tokenizer(self.tokenizer_json).encode(text, add_special_tokens=False).ids
+        backend = _backend_tokenizer(self.tokenizer_json)
+        ids = backend.encode(f"{vocabulary.VISION_END}{text}{vocabulary.VISION_START}", add_special_tokens=False).ids
+        if ids[0] != backend.token_to_id(vocabulary.VISION_END) or ids[-1] != backend.token_to_id(vocabulary.VISION_START):
+            raise AssemblyError(f"the tokenizer merges {text!r} with the vision tokens around it")
+        return ids[1:-1]
 
 
 @dataclass(frozen=True)
