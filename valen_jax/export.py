@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", "--out", required=True, help="the directory to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # force: an import may already have configured the root logger at WARNING, hiding what was written where.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("absl", "orbax", "jax._src", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         export(args.workdir, args.output, args.step)
     except (ExportError, hf.HFImportError, checkpoint.CheckpointError) as error:
