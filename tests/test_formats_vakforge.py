@@ -559,6 +559,28 @@ def test_arguments_validate_against_parameters_without_echoing_values(ds):
     assert "'slot' is a required property" in only(ds(conv), "turns[4].tool_call.arguments").message
 
 
+SECRET_KEY = "Priya Sharma"  # PII a caller used as an argument key (issue 19, item 6)
+
+
+@pytest.mark.parametrize(("extra_schema", "field", "message"), [
+    ({"additionalProperties": False}, "turns[2].tool_call.arguments",
+     "has argument keys the tool's parameters do not allow ({key 1}): additionalProperties"),
+    ({"additionalProperties": {"type": "integer"}}, "turns[2].tool_call.arguments{key 1}",
+     "does not satisfy 'type': \"integer\""),
+    ({"propertyNames": {"pattern": "^[a-z_]+$"}}, "turns[2].tool_call.arguments",
+     "an argument key does not satisfy propertyNames 'pattern': \"^[a-z_]+$\""),
+    ({"patternProperties": {"^P": {"maxLength": 2}}}, "turns[2].tool_call.arguments{key 1}",
+     "does not satisfy 'maxLength': 2"),
+])
+def test_schema_errors_never_echo_argument_keys_or_values(ds, extra_schema, field, message):
+    conv = base()
+    conv["tools"][0]["parameters"].update(extra_schema)
+    conv["turns"][2]["tool_call"]["arguments"] = {"customer_id": "SC-4471", SECRET_KEY: "Priya Sharma, 12 MG Road"}
+    problem = only(ds(conv), field)
+    assert problem.message == f"{message} (tool check_status)"
+    assert "priya" not in str(problem).lower() and "MG Road" not in str(problem)
+
+
 def test_remote_refs_are_not_fetched(ds):
     conv = base()
     conv["tools"][0]["parameters"]["properties"]["customer_id"] = {"$ref": "https://example.invalid/id.json"}

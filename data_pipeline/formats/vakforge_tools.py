@@ -11,13 +11,15 @@ Decisions where the seed leaves room:
 - A result must follow its call; a call must name a tool of `tools[]`.
 - Arguments are validated with format checking on ("format": "date" is enforced) and with an empty
   `$ref` registry: a manifest must not make validation fetch anything from the network.
-- Messages name the schema rule and what the schema expects, never the argument value, which may
-  be personal data.
+- Messages name the schema rule and what the schema expects, never an argument value or a key the
+  schema does not declare: either may be personal data (a key once held an e-mail address).
+  Undeclared keys are written by position (`arguments{key 2}`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from jsonschema import Draft202012Validator, SchemaError
@@ -114,8 +116,10 @@ def _arguments(i: int, call: ToolCall, validators: dict[str, Draft202012Validato
     except Exception as err:  # noqa: BLE001 — e.g. a pattern Python cannot compile: jsonschema raises many types
         problem(f"{f}.arguments", f"cannot be checked against the tool's parameters: {type(err).__name__}")
         return
+    named = _declared_names(validator.schema)
     for err in errors[:MAX_ARGUMENT_ERRORS]:
-        problem(f"{f}.arguments{_path(err.absolute_path)}", _schema_message(call.name, err))
+        where = _instance_path(call.arguments, err.absolute_path, named)
+        problem(f"{f}.arguments{where}", _schema_message(call.name, err))
     if len(errors) > MAX_ARGUMENT_ERRORS:
         problem(f"{f}.arguments", f"{len(errors) - MAX_ARGUMENT_ERRORS} more schema violations")
 
@@ -124,10 +128,69 @@ def _path(parts) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts)
 
 
+def _declared_names(schema: object) -> frozenset[str]:
+    """Every property name the tool's parameters declare (keys of any `properties`, `required` entries).
+
+    Those names come from the tool declaration, so a message may print them; any other argument key
+    is the caller's data (a user once put an e-mail address there) and is shown by position.
+    """
+    names: set[str] = set()
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "properties" and isinstance(value, dict):
+                    names.update(k for k in value if isinstance(k, str))
+                elif key == "required" and isinstance(value, list):
+                    names.update(k for k in value if isinstance(k, str))
+                pending.append(value)
+        elif isinstance(node, list):
+            pending.extend(node)
+    return frozenset(names)
+
+
+def _instance_path(arguments: object, parts, named: frozenset[str]) -> str:
+    """The JSON path of a violation: declared names as written, other keys as `{key N}` (0-based
+    position in their object as written, as the PII check writes them), list items by index; never
+    an undeclared key itself."""
+    out, node = [], arguments
+    for part in parts:
+        if isinstance(part, int):
+            out.append(f"[{part}]")
+        elif part in named:
+            out.append(f".{part}")
+        else:
+            position = list(node).index(part) if isinstance(node, dict) and part in node else "?"
+            out.append(f"{{key {position}}}")
+        node = node[part] if isinstance(node, (dict, list)) else None
+    return "".join(out)
+
+
 def _schema_message(tool: str, err: SchemaViolation) -> str:
-    if err.validator in ("required", "additionalProperties", "propertyNames"):
-        return f"{err.message} (tool {tool})"  # these name keys, not values
+    """Which rule failed and what the schema expects; never an argument key or value.
+
+    jsonschema's own messages quote the instance (`'alice@example.com' was unexpected`), so only
+    `required` (whose names come from the schema) keeps its own wording.
+    """
+    if err.validator == "required":
+        return f"{err.message} (tool {tool})"  # the name comes from the schema's `required` list
+    if err.validator in ("additionalProperties", "unevaluatedProperties"):
+        return f"has argument keys the tool's parameters do not allow{_extra_keys(err)}: {err.validator} (tool {tool})"
     expected = json.dumps(err.validator_value, ensure_ascii=False)
     if len(expected) > 100:
         expected = expected[:97] + "..."
+    if "propertyNames" in err.absolute_schema_path:
+        return f"an argument key does not satisfy propertyNames {err.validator!r}: {expected} (tool {tool})"
     return f"does not satisfy {err.validator!r}: {expected} (tool {tool})"
+
+
+def _extra_keys(err: SchemaViolation) -> str:
+    """` ({key 1}, {key 4})`: the keys `additionalProperties` refused, by position, as jsonschema finds them."""
+    if err.validator != "additionalProperties" or not isinstance(err.instance, dict) or not isinstance(err.schema, dict):
+        return ""
+    declared = err.schema.get("properties", {})
+    patterns = "|".join(err.schema.get("patternProperties", {}))
+    extra = [f"{{key {i}}}" for i, key in enumerate(err.instance)
+             if key not in declared and not (patterns and re.search(patterns, key))]
+    return f" ({', '.join(extra)})" if extra else ""
