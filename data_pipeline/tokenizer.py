@@ -119,9 +119,29 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return token_id(tokenizer, token)
 
 
+def from_pretrained(path_or_name: str | Path) -> PreTrainedTokenizerBase:
+    """`AutoTokenizer.from_pretrained`, with one line naming the path when it is neither a directory nor a
+    hub name that resolves (transformers' own answer is a page of hub traceback, or for a local-looking
+    path a complaint about repo id syntax)."""
+    text = str(path_or_name)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    if path.exists():
+        raise TokenizerError(f"{text!r}: not a directory (a tokenizer is a directory of HF tokenizer files)")
+    # A hub name is `name` or `namespace/name`: anything else can only have meant a local directory.
+    if Path(text).is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or "\\" in text:
+        raise TokenizerError(f"{text!r}: no such directory")
+    try:
+        return AutoTokenizer.from_pretrained(text)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise TokenizerError(f"{text!r}: no such directory, and not a hub name in the cache ({reason})") from None
+
+
 def load_tokenizer(path_or_name: str | Path, template_family: str | None = None) -> PreTrainedTokenizerBase:
     """Load any HF tokenizer, ready for training: primitive tokens and a marked template."""
-    tokenizer = AutoTokenizer.from_pretrained(str(path_or_name))
+    tokenizer = from_pretrained(path_or_name)
     if not tokenizer.is_fast:
         raise TokenizerError(f"{path_or_name}: a fast tokenizer is required (offsets and backend fingerprint)")
     added = add_primitive_tokens(tokenizer)

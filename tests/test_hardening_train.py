@@ -4,6 +4,7 @@ non-finite metrics, control characters in paths, a tokenizer path that does not 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -13,9 +14,21 @@ import sys
 
 import pytest
 
+from data_pipeline.cli_paths import PathError, check_path
+from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from tests.test_checkpoint import abstract, largest_state_file, make_iterator, make_state, save_steps
 from tests.train_runs import ROOT, env_with_devices, train_command
 from valen_jax import checkpoint, workdir_lock
+from valen_jax.config_schema import ConfigError, validate_config
+
+
+@pytest.fixture
+def tiny_config():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hardening_vflash_cfg", ROOT / "configs/vflash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("tiny")
 
 
 def restore(workdir, allow_fresh_start=False):
@@ -102,3 +115,84 @@ def test_a_forked_child_outliving_a_killed_trainer_does_not_keep_the_workdir_loc
             pass
     finally:
         holder.stdin.close()  # lets the worker exit
+
+
+def strict_records(workdir):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return [json.loads(line, parse_constant=refuse) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_every", [1, 100], ids=["caught-when-logged", "caught-before-saving"])
+def test_a_non_finite_loss_stops_the_run_before_its_step_is_checkpointed(tmp_path, log_every):
+    # A finite but absurd learning rate: the first update overflows the weights, step 2's loss is NaN.
+    result = subprocess.run(train_command(
+        "configs/vflash.py:tiny", tmp_path, "--config.train.steps=4", "--config.train.learning_rate=1e30",
+        "--config.train.warmup_steps=0", f"--config.train.log_every={log_every}",
+        "--config.train.checkpoint_every=1", "--config.eval.at_end=False", "--config.eval.every=0"),
+        cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert ("NonFiniteLoss: step 2: the training loss is nan; stopped without checkpointing this step "
+            "(latest checkpoint: step 1)") in result.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+    records = strict_records(tmp_path)
+    if log_every == 1:
+        assert [r["step"] for r in records] == [1, 2] and records[1]["loss"] is None
+        assert records[1]["nonfinite"]["loss"] == "nan"
+    else:
+        assert [r["step"] for r in records] == [1]
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "runs/x\nE1201 00:00:00 forged.py:1] fake error", "a\rb"])
+def test_a_path_with_a_control_character_is_one_error_line_showing_it_with_repr(bad):
+    with pytest.raises(PathError) as error:
+        check_path("--workdir", bad)
+    assert str(error.value).startswith(f"--workdir: {bad!r} holds the control character")
+    assert "\n" not in str(error.value) and "\x00" not in str(error.value)
+    check_path("--workdir", "runs/ok path-ü")  # spaces and non-ASCII are ordinary
+
+
+def test_a_config_path_with_nul_is_refused_by_field(tiny_config):
+    # A NUL cannot come through argv, only from a config file; it used to surface as "embedded null byte".
+    with tiny_config.unlocked():
+        tiny_config.data.train = "data/smoke/vflash/recipe\x00.json"
+    with pytest.raises(ConfigError, match=r"config.data.train: 'data/smoke/vflash/recipe\\x00.json' holds"):
+        validate_config(tiny_config)
+
+
+def cli_lines(command: list[str]) -> list[str]:
+    result = subprocess.run(command, cwd=ROOT, env={**env_with_devices(1), "HF_HUB_OFFLINE": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.splitlines()
+
+
+def test_cli_paths_with_a_newline_are_refused_in_one_line_not_forged_into_two(tmp_path):
+    forged = "E0000 forged.py:1] a second error line"
+    workdir = tmp_path / f"run\n{forged}"
+    lines = cli_lines(train_command("configs/vflash.py:tiny", workdir))
+    assert lines[-1] == f"PathError: --workdir: {str(workdir)!r} holds the control character '\\n'; " \
+                        "paths with NUL, newlines or other control characters are refused"
+    assert not any(line.startswith(forged) for line in lines) and not workdir.exists()
+    lines = cli_lines([sys.executable, "-m", "valen_jax.evaluate", f"--workdir={tmp_path}",
+                       f"--data={tmp_path}/eval\n{forged}.jsonl", f"--output={tmp_path}/report.json"])
+    assert lines == [f"error: --data: {str(tmp_path) + '/eval' + chr(10) + forged + '.jsonl'!r} holds the control "
+                     "character '\\n'; paths with NUL, newlines or other control characters are refused"]
+
+
+def test_a_missing_tokenizer_is_one_line_naming_the_path_not_a_page_of_hub_errors(tmp_path, monkeypatch):
+    with pytest.raises(TokenizerError) as error:
+        load_tokenizer(tmp_path / "no-such-tokenizer")
+    assert str(error.value) == f"{str(tmp_path / 'no-such-tokenizer')!r}: no such directory"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TokenizerError, match=r"^'no-such-org/no-such-model': no such directory, and not a hub "
+                                             r"name in the cache \(.*\)$"):
+        load_tokenizer("no-such-org/no-such-model")
+    with pytest.raises(TokenizerError, match="not a directory"):
+        load_tokenizer(ROOT / "data/tokenizer/tokenizer.json")
+    lines = cli_lines(train_command("configs/vflash.py:tiny", tmp_path / "run",
+                                    f"--config.data.tokenizer={tmp_path / 'missing'}"))
+    assert lines[-1] == f"TokenizerError: {str(tmp_path / 'missing')!r}: no such directory"
+    assert sum(str(tmp_path / "missing") in line for line in lines) == 1

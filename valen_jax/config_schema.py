@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from data_pipeline.cli_paths import PathError, check_path
 from valen_jax import losses, optim
 from valen_jax.data.vision_processor import MEDIA_DEFAULTS
 
@@ -173,6 +174,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError("config.data.workers must be ≥ 0")
     if config.train.keep_checkpoints is not None and int(config.train.keep_checkpoints) < 1:
         raise ConfigError("config.train.keep_checkpoints must be ≥ 1 (None keeps all)")
+    _validate_paths(config)
     _validate_optimisation(config)
     _validate_loss(config.loss)
     if int(config.eval.every) < 0:
@@ -183,6 +185,23 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if clashing:
             raise ConfigError(f"config.model.init_from is set, so {', '.join(clashing)} come from the checkpoint; "
                               "set them to None (the :hf variants do)")
+
+
+def _validate_paths(config: ml_collections.ConfigDict) -> None:
+    """Data, tokenizer and base-model paths: no NUL or newline (a traceback, or a forged error line)."""
+    def visit(where: str, value: Any) -> None:
+        if isinstance(value, (list, tuple)):  # (path, weight) pairs of a mixture
+            for item in value:
+                visit(where, item)
+            return
+        try:
+            check_path(where, value)
+        except PathError as error:
+            raise ConfigError(str(error)) from None
+
+    for where in ("data.train", "data.eval", "data.tokenizer", "model.init_from"):
+        group, key = where.split(".")
+        visit(f"config.{where}", config[group][key])
 
 
 def _validate_optimisation(config: ml_collections.ConfigDict) -> None:

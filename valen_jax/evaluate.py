@@ -30,6 +30,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.evaluation import registry
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
                         help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
     parser.add_argument("--samples", type=int, default=8, help="decoded answers listed in the report")
     args = parser.parse_args(argv)
+    exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.evaluation import workdir as eval_workdir
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
                         help="sequence mode (default: the checkpoint's data.valen_mode)")
     parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
     args = parser.parse_args(argv)
+    exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -30,9 +31,11 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import valen_jax
-from data_pipeline.tokenizer import load_tokenizer
+from data_pipeline.cli_paths import PathError, check_path
+from data_pipeline.shards import ShardError
+from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from valen_jax import checkpoint, distributed, evaluate, sharding, workdir_lock
-from valen_jax.config_schema import check_batch_split, validate_config
+from valen_jax.config_schema import ConfigError, check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec
 from valen_jax.data.pipeline import TokenAssembly, build_dataset
@@ -207,9 +210,15 @@ def _train(config, workdir: Path) -> dict:
                 values.update(evaluator(state["params"]))
             losses.append((step, values["loss"]))
             metrics_log.write(step, values)
+            if not math.isfinite(values["loss"]):
+                _stop_on_non_finite_loss(step, values["loss"], mgr, metrics_log)
             bar.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}")
             window = _Window(step)  # after evaluation, so its time does not count as training
         if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
+            # Never a checkpoint of non-finite weights (reading the loss waits for the step, which the
+            # save's copy off the devices does anyway).
+            if not math.isfinite(loss := float(metrics["loss"])):
+                _stop_on_non_finite_loss(step, loss, mgr, metrics_log)
             checkpoint.save(mgr, step, state, iterator, meta, force=True)
         if preempted.requested:
             log.warning("SIGTERM: saved step %d, stopping", step)
@@ -233,6 +242,27 @@ def _train(config, workdir: Path) -> dict:
     return result
 
 
+class NonFiniteLoss(RuntimeError):
+    """The training loss went NaN or infinite: the run stops instead of training on (issue 19)."""
+
+
+# Errors about the run's input (config, paths, tokenizer, workdir, data) or its divergence, printed as
+# one line by `main`; anything else keeps its traceback.
+USER_ERRORS = (ConfigError, PathError, TokenizerError, ShardError, checkpoint.CheckpointError,
+               workdir_lock.WorkdirBusy, NonFiniteLoss)
+
+
+def _stop_on_non_finite_loss(step: int, loss: float, mgr, metrics_log: MetricsLog) -> None:
+    """Stop without checkpointing `step`: the update that came with a non-finite loss has made the weights
+    non-finite, so every later step would be too, and its checkpoints would push the last good ones out
+    of `keep_checkpoints`. The saves already started finish first."""
+    mgr.wait_until_finished()
+    metrics_log.close()
+    raise NonFiniteLoss(f"step {step}: the training loss is {loss}; stopped without checkpointing this step "
+                        f"(latest checkpoint: step {mgr.latest_step()}). Lower config.train.learning_rate or "
+                        "config.train.grad_clip_norm, or check the data, then resume from that checkpoint")
+
+
 class _Window:
     """Throughput over the steps since the last log line."""
 
@@ -253,10 +283,17 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    distributed.initialize()  # before any JAX backend use; a single-process run is left as it is
     if _WORKDIR.value is None:
         raise app.UsageError("--workdir is required")
-    result = run(_CONFIG.value, _WORKDIR.value)
+    try:
+        # Checked before the config file is read (a newline there would only surface in a page of loader errors).
+        check_path("--workdir", _WORKDIR.value)
+        check_path("--config", config_flags.get_config_filename(flags.FLAGS["config"]))
+        distributed.initialize()  # before any JAX backend use; a single-process run is left as it is
+        result = run(_CONFIG.value, _WORKDIR.value)
+    except USER_ERRORS as error:
+        # The user's to fix and said in full by the message: one line, not a traceback burying it.
+        sys.exit(f"{type(error).__name__}: {error}")
     if result["losses"]:
         print(f"loss: first logged {result['losses'][0][1]:.4f} (step {result['losses'][0][0]}), "
               f"last {result['losses'][-1][1]:.4f} (step {result['losses'][-1][0]})")
