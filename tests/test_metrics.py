@@ -144,3 +144,18 @@ def test_every_config_and_variant_validates(name, variant):
     validate_config(config)
     assert config.data.format == {"vflash": "recipe", "chat": "chat", "vakforge": "vakforge"}[name]
     assert dict(config.loss.weights) == {"tokens": 1.0, "branches": 0.0, "drafter": 0.0}
+
+
+def test_non_finite_values_are_written_as_strict_json_null_and_named(tmp_path):
+    # Issue 19: `NaN` was written bare, which strict JSON readers refuse.
+    log = MetricsLog(tmp_path)
+    log.write(1, {"loss": float("nan"), "grad_norm": float("inf"), "accuracy": 0.5})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    record = json.loads(line, parse_constant=refuse)
+    assert record == {"step": 1, "loss": None, "grad_norm": None, "accuracy": 0.5,
+                      "nonfinite": {"loss": "nan", "grad_norm": "inf"}}

@@ -118,7 +118,13 @@ class MetricsLog:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in values.items()}
-        self.jsonl.write(json.dumps({"step": step, **clean}, sort_keys=True) + "\n")
+        # JSON has no NaN or Infinity (Python's bare `NaN` breaks strict readers: jq, JavaScript, pandas'
+        # engine="pyarrow"): a non-finite value is written as null and named in "nonfinite", so a reader
+        # tells it from a metric that was not logged and still sees which way it went wrong.
+        nonfinite = sorted(k for k, v in clean.items() if not math.isfinite(v))
+        record = {"step": step, **{k: (None if k in nonfinite else v) for k, v in clean.items()},
+                  **({"nonfinite": {k: str(clean[k]) for k in nonfinite}} if nonfinite else {})}
+        self.jsonl.write(json.dumps(record, sort_keys=True, allow_nan=False) + "\n")
         self.jsonl.flush()
         for name, value in clean.items():
             if math.isfinite(value):
