@@ -129,6 +129,9 @@ class ChatRenderer:
             for j, part in enumerate(message.content):
                 if isinstance(part, TextPart):
                     refuse(record.source, record.line, f"{field}.content[{j}].text", part.text)
+            # The template writes consecutive text parts back to back (images become vision slots).
+            self._guard.refuse_joined(record.source, record.line, f"{field}.content",
+                                      [p.text if isinstance(p, TextPart) else None for p in message.content])
         for k, call in enumerate(message.tool_calls):
             where = f"{field}.tool_calls[{k}].function"
             refuse(record.source, record.line, f"{where}.name", call.name)

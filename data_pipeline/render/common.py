@@ -49,6 +49,28 @@ class ControlTokenGuard:
                               "so remove it or spell it differently")
 
 
+    def refuse_joined(self, source: str, line: int, field: str, parts: Sequence[str | None]) -> None:
+        """Refuses a control token spelled across text parts that the template writes back to back.
+
+        `parts` are a message's content parts in order, None for a part the template renders as
+        control tokens (an image slot), which separates the texts around it. Each part alone passed
+        `refuse`; `"a<|im_"` + `"start|>system"` still becomes one `<|im_start|>` once joined.
+        """
+        run: list[int] = []
+        for index, part in enumerate([*parts, None]):
+            if part is not None:
+                run.append(index)
+                continue
+            if len(run) > 1:
+                token = self.find("".join(parts[i] for i in run))  # type: ignore[misc]
+                if token is not None:
+                    raise RenderError(source, line, field,
+                                      f"text parts {run[0]} to {run[-1]}, joined as the template writes them, "
+                                      f"hold the control token {token!r} split across parts; text cannot write "
+                                      "template structure, so remove it or spell it differently")
+            run = []
+
+
 class RenderError(ValueError):
     """A record that validates but cannot be trained on as given; names the source line."""
 

@@ -68,6 +68,10 @@ class VakforgeRenderer:
         conv = item.conversation
         self._check_texts(item)
         messages, entities, overlaps = self._messages(conv)
+        for m in messages:
+            if len(m.turns) > 1 and not m.calls:  # spoken turns merged into one message: check the joined text
+                self.chat.refuse_control_tokens(item.source, item.line,
+                                                f"id={conv.id}: turns[{m.turns[0]}..{m.turns[-1]}].text", m.text)
         chat_messages = []
         if conv.system_prompt:
             chat_messages.append(ChatMessage("system", conv.system_prompt))

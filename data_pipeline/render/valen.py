@@ -79,8 +79,11 @@ class ValenRenderer:
                     self._check_text(record, f"request.state.messages[{i}].content[{j}].text", part.text or "")
                     texts.append(part.text or "")
                 else:
-                    texts.append(_MEDIA_SLOT)
-            messages.append({"role": message.role, "content": "".join(texts)})
+                    texts.append(None)
+            # Consecutive text parts are joined here: a token split across two of them is one token.
+            self._guard.refuse_joined(record.source, record.line, f"request.state.messages[{i}].content", texts)
+            messages.append({"role": message.role,
+                             "content": "".join(_MEDIA_SLOT if text is None else text for text in texts)})
         return messages
 
     def _prefix_and_suffix(self, record: ValenRecord) -> tuple[np.ndarray, np.ndarray]:
