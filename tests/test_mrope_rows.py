@@ -214,6 +214,19 @@ def test_valen_rows_equal_rope_index_of_state_plus_each_branch(family, mode):
             np.testing.assert_array_equal(np.concatenate([positions[:state], positions[members]]), expected)
 
 
+def test_batch_shapes_and_padding_rows_take_three_position_axes(family):
+    """The step compiles from `batch_shapes_of` before the first batch: it must describe the rows built."""
+    from valen_jax.data.assemble import batch_shapes_of
+    from valen_jax.evaluation.tokens import _empty_row
+
+    example, _ = _mixed(family)
+    row, shapes = assemble(example, family.spec), batch_shapes_of(family.spec, 2)
+    assert row.keys() == shapes.keys()
+    for key, value in row.items():
+        assert (2, *value.shape) == shapes[key].shape and value.dtype == shapes[key].dtype, key
+    assert {k: v.shape for k, v in _empty_row(family.spec).items()} == {k: v.shape for k, v in row.items()}
+
+
 def test_the_row_spec_travels_to_loader_workers(family):
     """Grain workers get the RowSpec pickled: the Qwen3-VL timestamp encoder (a tokenizer) comes back whole."""
     import pickle
