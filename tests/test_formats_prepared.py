@@ -31,6 +31,7 @@ from data_pipeline.formats.prepared import (
     read_prepared,
     write_prepared_zip,
 )
+from data_pipeline.formats.prepared_load import read_descriptor
 from data_pipeline.formats.prepared_rows import FileStats, scan_rows
 from data_pipeline.tokenizer import fingerprint
 
@@ -390,6 +391,50 @@ def test_a_directory_is_read_like_its_zip(good_zip, tmp_path):
     assert [str(p) for p in problems_of(read_prepared, folder)] == [
         f"{folder}/.DS_Store:0: file: not listed in prepared.json; a zip holds only the files it lists"
     ]
+
+
+# -- sizes: seed 003's extraction limit, enforced while streaming (issue 19, item 5) -----------------
+
+
+def test_a_zip_bomb_is_refused_by_its_declared_size_before_extraction(good_zip, tmp_path, monkeypatch):
+    from data_pipeline.formats import limits
+
+    monkeypatch.setattr(limits, "MAX_EXTRACTED_BYTES", 64 * 1024)
+    assert read_prepared(good_zip)  # a few kilobytes: within the lowered limit
+    bomb = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(good_zip) as zin, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zout:
+        zout.writestr("prepared.json", zin.read("prepared.json")[:-2] + b" " * (1 << 20) + b"}\n")
+    assert bomb.stat().st_size < 16 * 1024  # a megabyte of spaces deflates to almost nothing
+    for read in (read_prepared, read_descriptor):
+        (problem,) = problems_of(read, bomb)
+        assert problem.path.startswith(str(bomb)) and problem.field == "file"
+        assert "over the limit of 65536 bytes" in problem.message
+
+
+def test_a_member_stream_is_cut_at_the_limit(good_zip, tmp_path, monkeypatch):
+    from data_pipeline.formats import limits
+
+    monkeypatch.setattr(limits, "MAX_EXTRACTED_BYTES", 1000)
+
+    class Endless:  # a stream that never ends, counting what it gave
+        given = 0
+
+        def read(self, n: int) -> bytes:
+            self.given += n
+            return b"\0" * n
+
+    endless = Endless()
+    with pytest.raises(limits.TooLarge, match="larger than the limit of 1000 bytes"):
+        limits.copy_capped(endless, 1000, lambda chunk: None)
+    assert endless.given == 1001
+    # A directory's prepared.json that never ends (here /dev/zero) is cut the same way.
+    folder = tmp_path / "unpacked"
+    zipfile.ZipFile(good_zip).extractall(folder)
+    (folder / "prepared.json").unlink()
+    (folder / "prepared.json").symlink_to("/dev/zero")
+    problems = problems_of(read_prepared, folder)
+    assert [p.path for p in problems] == [f"{folder}/prepared.json"]
+    assert "larger than the limit of 1000 bytes" in problems[0].message
 
 
 # -- checks a run makes -----------------------------------------------------------------------------

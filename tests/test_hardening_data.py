@@ -128,3 +128,71 @@ def test_a_control_token_split_across_valen_state_parts_is_refused(tokenizer, tm
         ValenRenderer(tokenizer).render(record, "train")
     assert str(info.value).startswith(f"{path}:1: request.state.messages[0].content: text parts 0 to 1")
     assert "'<|im_end|>'" in str(info.value)
+
+
+# -- item 5: bounded reads -------------------------------------------------------------------------
+
+
+def test_a_jsonl_line_longer_than_the_limit_stops_the_read(tmp_path, monkeypatch):
+    from data_pipeline.formats import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_CHARS", 120)
+    row = json.dumps({"messages": [{"role": "user", "content": "x" * 60}, {"role": "assistant", "content": "y"}]})
+    assert len(row) > 120
+    short = json.dumps({"messages": [{"role": "user", "content": "x" * 20}, {"role": "assistant", "content": "y"}]})
+    assert len(short) < 120
+    path = write_lines(tmp_path / "rows.jsonl", short, row, short)
+    assert [str(p) for p in chat_problems(path)] == [
+        f"{path}:2: record: line longer than 120 characters (the limit of JSONL lines); reading stops here"]
+    # A line of exactly the limit is read.
+    exact = short[:-1] + " " * (120 - len(short)) + "}"
+    assert len(exact) == 120
+    assert len(read_chat(write_lines(tmp_path / "exact.jsonl", exact))) == 1
+
+
+def test_a_jsonl_reader_stops_on_dev_zero(monkeypatch):
+    from data_pipeline.formats import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_CHARS", 1000)
+    (problem,) = chat_problems(Path("/dev/zero"))
+    assert (problem.line, problem.field) == (1, "record") and "longer than 1000 characters" in problem.message
+
+
+def test_a_jsonl_reader_stops_on_an_endless_pipe_without_reading_it_all(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from data_pipeline.formats import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_CHARS", 10_000)
+    fifo = tmp_path / "endless.jsonl"
+    os.mkfifo(fifo)
+    chunk, offered, written = b"[" * 65536, 4096, []  # up to 256 MiB on offer, never a newline
+
+    def feed() -> None:
+        with open(fifo, "wb", buffering=0) as pipe:
+            try:
+                for _ in range(offered):
+                    written.append(pipe.write(chunk))
+            except BrokenPipeError:  # the reader closed its end: what this test wants
+                pass
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    problems = chat_problems(fifo)
+    writer.join()
+    assert [p.line for p in problems] == [1] and "longer than 10000 characters" in problems[0].message
+    assert sum(written) < 2 * 1024 * 1024  # the reader took a few pipe buffers, not the 256 MiB
+
+
+def test_whole_file_json_documents_stop_at_the_limit(tmp_path, monkeypatch):
+    from data_pipeline.formats import limits
+    from data_pipeline.formats.recipe import read_recipe
+
+    monkeypatch.setattr(limits, "MAX_EXTRACTED_BYTES", 1000)
+    recipe = tmp_path / "recipe.json"
+    recipe.symlink_to("/dev/zero")  # endless: read to the limit, not to the end
+    with pytest.raises(FormatError) as info:
+        read_recipe(recipe)
+    assert [str(p) for p in info.value.problems] == [
+        f"{recipe}:0: file: cannot read: the file is larger than the limit of 1000 bytes"]

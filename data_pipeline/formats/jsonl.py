@@ -7,11 +7,12 @@ Python's int/str conversion limit, NaN/Infinity, numbers that overflow to infini
 and repeated keys alike.
 
 `iter_jsonl_objects` reads one line at a time, so memory does not grow with the file (only with
-its longest line); `read_jsonl_objects` is the list form.
+its longest line, at most `MAX_LINE_CHARS`); `read_jsonl_objects` is the list form.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -77,6 +78,11 @@ _DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant
 _scan = _DECODER.scan_once  # the C scanner: one JSON value starting exactly at an index
 _JSON_SPACE = " \t\n\r"
 
+
+# Longest JSONL line read, in characters. Records of every seed are kilobytes; a line past this is
+# not a record but a runaway file (a missing newline, /dev/zero, an endless pipe). A module constant
+# so tests can lower it.
+MAX_LINE_CHARS = 64 * 1024 * 1024
 
 # Deepest nesting accepted. The C scanner's own limit differs by Python version (3.11/3.12 stop at
 # the recursion limit, ~1000; 3.13 parses far deeper), so one explicit limit gives every version the
@@ -176,8 +182,16 @@ def iter_jsonl_objects(path: Path, source: str, problems: ProblemSink) -> Iterat
         problems.append(Problem(source, 0, FILE_FIELD, f"cannot read: {err.strerror}"))
         return
     found = bad_lines = number = 0
+    # readline with a limit: a line is never longer in memory than MAX_LINE_CHARS (+1 to tell a line
+    # of exactly the limit from a longer one), so /dev/zero or an endless pipe stops at the limit.
+    limit = MAX_LINE_CHARS
     try:
-        for number, text in enumerate(handle, start=1):  # noqa: B007 - number is read after the loop
+        for number, text in enumerate(iter(functools.partial(handle.readline, limit + 1), ""), start=1):
+            if len(text) > limit and not text.endswith("\n"):
+                problems.append(Problem(source, number, RECORD_FIELD,
+                                        f"line longer than {limit} characters (the limit of JSONL lines); "
+                                        "reading stops here"))
+                return
             if not text.isascii():
                 if number == 1 and text.startswith("\ufeff"):
                     text = text[1:]

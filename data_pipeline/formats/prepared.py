@@ -29,6 +29,7 @@ from pathlib import Path
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem, describe, member, quote
 from data_pipeline.formats.jsonl import loads_strict
+from data_pipeline.formats.limits import TooLarge, ZipBudget, read_file_capped
 from data_pipeline.formats.prepared_rows import STATS_KEYS, FileStats, scan_rows
 from data_pipeline.shards import sha256_file as file_sha256
 
@@ -179,7 +180,7 @@ def read_prepared(path: str | Path) -> PreparedDataset:
             source = desc.where(entry.path)
             try:
                 local, digest = box.extract(entry.path)
-            except (zipfile.BadZipFile, zlib.error, OSError) as err:
+            except (zipfile.BadZipFile, zlib.error, OSError, TooLarge) as err:
                 problems.append(Problem(source, 0, FILE_FIELD, f"cannot read from the zip: {err}"))
                 continue
             if digest != entry.sha256:
@@ -295,6 +296,7 @@ class _Container:
     def __init__(self, path: Path):
         self.path, self.origin = path, str(path)
         self.zip: zipfile.ZipFile | None = None
+        self.budget: ZipBudget | None = None
         self.tmp: tempfile.TemporaryDirectory | None = None
         self.extracted = 0
 
@@ -307,6 +309,12 @@ class _Container:
             raise FormatError([Problem(self.origin, 0, FILE_FIELD, "no such file")]) from None
         except (zipfile.BadZipFile, OSError) as err:
             raise FormatError([Problem(self.origin, 0, FILE_FIELD, f"not a zip file: {err}")]) from None
+        try:
+            # Declared sizes first: a zip bomb is refused before one byte is extracted.
+            self.budget = ZipBudget(self.zip)
+        except TooLarge as err:
+            self.zip.close()
+            raise FormatError([Problem(self.origin, 0, FILE_FIELD, str(err))]) from None
         self.tmp = tempfile.TemporaryDirectory(prefix="prepared-")
         return self
 
@@ -329,8 +337,8 @@ class _Container:
 
     def read(self, name: str) -> bytes:
         try:
-            return (self.path / name).read_bytes() if self.zip is None else self.zip.read(name)
-        except (zipfile.BadZipFile, zlib.error, OSError) as err:
+            return read_file_capped(self.path / name) if self.budget is None else self.budget.read(name)
+        except (zipfile.BadZipFile, zlib.error, OSError, TooLarge) as err:
             raise FormatError(
                 [Problem(f"{self.origin}/{name}", 0, FILE_FIELD, f"cannot read: {err}")]
             ) from None
@@ -339,14 +347,17 @@ class _Container:
         if self.zip is None:
             return self.path / name, file_sha256(self.path / name)
         # Parquet needs a seekable file; a numbered temp name keeps member names out of the file system.
-        assert self.tmp is not None
+        assert self.tmp is not None and self.budget is not None
         self.extracted += 1
         local = Path(self.tmp.name) / f"{self.extracted}.parquet"
         digest = hashlib.sha256()
-        with self.zip.open(name) as src, open(local, "wb") as dst:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                digest.update(chunk)
-                dst.write(chunk)
+
+        def write(chunk: bytes) -> None:
+            digest.update(chunk)
+            dst.write(chunk)
+
+        with open(local, "wb") as dst:
+            self.budget.copy(name, write)  # stops at the member's declared size and the zip's budget
         return local, digest.hexdigest()
 
 

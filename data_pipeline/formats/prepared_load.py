@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem
+from data_pipeline.formats.limits import TooLarge, ZipBudget, read_file_capped
 from data_pipeline.formats.prepared import (
     DESCRIPTOR_NAME,
     PreparedDescriptor,
@@ -87,10 +88,10 @@ def check_prepared(path: str | Path, rows: list[PreparedRow], tokenizer_path: st
 def _member_bytes(path: Path, name: str) -> bytes:
     try:
         if path.is_dir():
-            return (path / name).read_bytes()
+            return read_file_capped(path / name)
         with zipfile.ZipFile(path) as archive:
-            return archive.read(name)
-    except (OSError, KeyError, zipfile.BadZipFile) as err:
+            return ZipBudget(archive).read(name)
+    except (OSError, KeyError, zipfile.BadZipFile, TooLarge) as err:
         raise FormatError([Problem(f"{path}/{name}", 0, FILE_FIELD, f"cannot read: {err}")]) from None
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem
 from data_pipeline.formats.jsonl import NumberOverflow, loads_strict
+from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.vflash import VFlashRecord, read_vflash
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def read_recipe(path: str | Path) -> list[RecipeEntry]:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = read_file_capped(path).decode("utf-8-sig")
     except FileNotFoundError:
         raise FormatError([Problem(source, 0, FILE_FIELD, "no such file")]) from None
     except OSError as err:

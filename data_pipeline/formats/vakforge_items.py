@@ -12,6 +12,7 @@ from pathlib import Path
 
 from data_pipeline.formats.errors import ProblemLog
 from data_pipeline.formats.jsonl import iter_jsonl_objects
+from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.vakforge import VakforgeConversation, VakforgeSplits, manifest_hash, read_vakforge
 from data_pipeline.formats.vakforge_splits import SPLITS_FILE
 
@@ -31,7 +32,7 @@ def read_vakforge_items(path: str | Path, split: str | None = None) -> list[Vakf
     conversations = read_vakforge(path)
     digest = manifest_hash(path, conversations)
     splits_path = path.parent / SPLITS_FILE
-    splits = VakforgeSplits.model_validate_json(splits_path.read_bytes(), strict=True)
+    splits = VakforgeSplits.model_validate_json(read_file_capped(splits_path), strict=True)
     if split is not None and split not in splits.splits:
         raise ValueError(f"--split={split}: {splits_path} has the splits {', '.join(sorted(splits.splits))}")
     assigned = {cid: name for name, ids in splits.splits.items() for cid in ids}

@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from pydantic import ValidationError
 
+from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.vakforge_pii import LocalePack
 from data_pipeline.formats.vakforge_schema import RedactionLog, VakforgeConversation
 
@@ -84,7 +85,7 @@ def _check_redaction_log(conv: VakforgeConversation, base: Path, name: str, prob
         problem(field, wrong)
         return
     try:
-        log = RedactionLog.model_validate_json((base / name).read_bytes().decode("utf-8-sig"), strict=True)
+        log = RedactionLog.model_validate_json(read_file_capped(base / name).decode("utf-8-sig"), strict=True)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         problem(field, f"file not found: {name} (relative to the manifest's folder)")
         return

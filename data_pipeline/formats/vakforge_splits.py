@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data_pipeline.formats.errors import FILE_FIELD, Problem
 from data_pipeline.formats.jsonl import loads_strict
+from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.vakforge_schema import (
     SNAKE_CASE_PATTERN,
     ConversationId,
@@ -139,7 +140,7 @@ def _speaker_leaks(
 
 def _read(path: Path, source: str, problems: list[Problem]) -> str | None:
     try:
-        return path.read_bytes().decode("utf-8-sig")
+        return read_file_capped(path).decode("utf-8-sig")
     except FileNotFoundError:
         problems.append(Problem(
             source, 0, FILE_FIELD,
