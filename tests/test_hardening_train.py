@@ -12,14 +12,19 @@ import socket
 import subprocess
 import sys
 
+import grain
 import pytest
 
 from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from tests.test_checkpoint import abstract, largest_state_file, make_iterator, make_state, save_steps
+from tests.test_packing import SPEC as PACK_SPEC
+from tests.test_packing import make_piece
 from tests.train_runs import ROOT, env_with_devices, train_command
 from valen_jax import checkpoint, workdir_lock
 from valen_jax.config_schema import ConfigError, validate_config
+from valen_jax.data.assemble import AssemblyError
+from valen_jax.data.packing import PackingSpec, PackIterDataset
 
 
 @pytest.fixture
@@ -196,3 +201,32 @@ def test_a_missing_tokenizer_is_one_line_naming_the_path_not_a_page_of_hub_error
                                     f"--config.data.tokenizer={tmp_path / 'missing'}"))
     assert lines[-1] == f"TokenizerError: {str(tmp_path / 'missing')!r}: no such directory"
     assert sum(str(tmp_path / "missing") in line for line in lines) == 1
+
+
+def endless(pieces, packing):
+    # Training's stream repeats without end: before the stop, nothing fitting meant next() never returned.
+    return iter(PackIterDataset(grain.MapDataset.source(pieces).repeat(None).to_iter_dataset(), PACK_SPEC, packing))
+
+
+def test_overlong_skip_with_no_record_fitting_stops_once_every_record_was_skipped():
+    rows = endless([make_piece(i, 11) for i in range(3)], PackingSpec(overlong="skip", records=3))
+    with pytest.raises(AssemblyError, match=r"none of the 3 training records fits a row \(each was read and "
+                                            r"skipped; the last, hand\.jsonl:2: 11 tokens"):
+        next(rows)
+
+
+def test_overlong_skip_never_stops_while_some_record_fits():
+    # The one record that fits comes after each of the others was skipped five times over.
+    rows = endless([make_piece(i, 11) for i in range(3)] * 5 + [make_piece(3, 4)],
+                   PackingSpec(overlong="skip", records=4))
+    assert [int(next(rows)["tokens"][0]) for _ in range(3)] == [103] * 3
+
+
+@pytest.mark.slow
+def test_a_run_where_no_record_fits_stops_with_one_line(tmp_path):
+    lines = cli_lines(train_command("configs/vflash.py:tiny", tmp_path, "--config.data.seq_len=16",
+                                    "--config.data.overlong=skip", "--config.train.steps=1",
+                                    "--config.eval.every=0", "--config.eval.at_end=False"))
+    # (the progress bar's last refresh may follow the error line)
+    assert [line for line in lines if line.startswith("AssemblyError")] == [next(
+        line for line in lines if "none of the 96 training records fits a row" in line)]

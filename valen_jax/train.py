@@ -36,11 +36,12 @@ from data_pipeline.shards import ShardError
 from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from valen_jax import checkpoint, distributed, evaluate, sharding, workdir_lock
 from valen_jax.config_schema import ConfigError, check_batch_split, validate_config
-from valen_jax.data.assemble import RowSpec
+from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec
-from valen_jax.data.pipeline import TokenAssembly, build_dataset
+from valen_jax.data.pipeline import TokenAssembly, build_dataset, component_seed
 from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.data.shard_cache import ensure_shards, summary
+from valen_jax.data.sources import mixture_of, sampling_indices
 from valen_jax.data.valen_fit import check_training_set
 from valen_jax.data.valen_rows import ValenAssembly, is_valen
 from valen_jax.data.vision_processor import media_kwargs_of
@@ -77,6 +78,12 @@ def _print_memory(compiled) -> None:
     parts = [f"{f.replace('_size_in_bytes', '')}={getattr(analysis, f) / 2**20:.1f}MiB"
              for f in fields if hasattr(analysis, f)]
     log.info("train step memory per device: %s", " ".join(parts))
+
+
+def _distinct_records(train_set, seed: int) -> int:
+    """Records the training stream can hold, all components together: what overlong=skip counts to stop."""
+    return sum(len(np.unique(sampling_indices(shard_set.manifest, component_seed(seed, k))))
+               for k, (shard_set, _) in enumerate(mixture_of(train_set)))
 
 
 def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest):
@@ -129,7 +136,8 @@ def _train(config, workdir: Path) -> dict:
         # Every record against the row limits once, before the step compiles: one report, not one stop per limit.
         unlabeled = check_training_set(train_set, spec, assembly.qspec, assembly.overlong).unlabeled
     else:
-        assembly = TokenAssembly(PackingSpec.from_config(config))
+        assembly = TokenAssembly(dataclasses.replace(PackingSpec.from_config(config),
+                                                     records=_distinct_records(train_set, config.train.seed)))
     dataset = build_dataset(train_set, spec, assembly, global_batch=config.data.global_batch, seed=config.train.seed,
                             shuffle=config.data.shuffle, repeat=True, workers=config.data.workers, training=True,
                             media_log_dir=workdir)
@@ -248,7 +256,7 @@ class NonFiniteLoss(RuntimeError):
 
 # Errors about the run's input (config, paths, tokenizer, workdir, data) or its divergence, printed as
 # one line by `main`; anything else keeps its traceback.
-USER_ERRORS = (ConfigError, PathError, TokenizerError, ShardError, checkpoint.CheckpointError,
+USER_ERRORS = (ConfigError, PathError, TokenizerError, ShardError, AssemblyError, checkpoint.CheckpointError,
                workdir_lock.WorkdirBusy, NonFiniteLoss)
 
 

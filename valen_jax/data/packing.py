@@ -60,6 +60,11 @@ class PackingSpec:
     overlong: str = "error"
     # Open rows held while packing; more rows pack tighter but delay an example by up to this many rows.
     pack_buffer: int = 32
+    # Distinct records the stream can hold (the trainer fills it in; 0: unknown). With `overlong=skip`, once
+    # that many distinct records (by source:line) were skipped since the last one that fitted, every
+    # record has been seen not to fit: an error, not an endless loop. It cannot fire while some record
+    # fits (that one is never skipped); records sharing a source:line only make it fire later or never.
+    records: int = 0
 
     def __post_init__(self):
         if self.packing not in PACKING_MODES:
@@ -266,16 +271,22 @@ class _PackIterator(grain.DatasetIterator):
         self._serial = 0
         self._before: dict[int, Any] = {}  # serial → parent state just before that buffered example
         self._counts = {"rows": 0, "examples": 0, "tokens": 0, "skipped_overlong": 0}
+        self._skipped_since_fit: set[str] = set()  # `where`s skipped since the last example that fitted
 
     def _admit(self, piece: Piece) -> bool:
         reason = overlong_reason(piece, self._spec)
         if reason is None:
+            self._skipped_since_fit.clear()
             return True
         if self._packing.overlong == "error":
             raise AssemblyError(f"{piece.where}: {reason} (or set data.overlong=skip)")
         self._counts["skipped_overlong"] += 1
         # DESIGN: a deliberate skip is counted and reported, never silent.
         log.warning("%s: skipped (data.overlong=skip): %s", piece.where, reason)
+        self._skipped_since_fit.add(piece.where)
+        if self._packing.records and len(self._skipped_since_fit) >= self._packing.records:
+            raise AssemblyError(f"data.overlong=skip: none of the {self._packing.records} training records fits "
+                                f"a row (each was read and skipped; the last, {piece.where}: {reason})")
         return False
 
     def __next__(self) -> dict[str, np.ndarray]:
