@@ -16,7 +16,9 @@ Answer line (one per record, in data order):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import jax
@@ -26,7 +28,8 @@ from flax import nnx
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, valen_row
+from valen_jax.data.assemble import RowSpec
+from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options
 
 BREAKDOWN = contract.VALEN_BREAKDOWNS
+log = logging.getLogger(__name__)
 
 
 def question_spec(config, mode: str | None, examples: list[Example]) -> QuestionSpec:
@@ -53,6 +57,21 @@ def question_spec(config, mode: str | None, examples: list[Example]) -> Question
     candidates = max([len(keys) for e in examples for keys in contract.meta_of(e).candidate_keys], default=2)
     return QuestionSpec(mode, max(int(config.data.max_questions), questions),
                         max(int(config.data.max_candidates), candidates), training=False)
+
+
+def row_spec(spec: RowSpec, examples: list[Example], qspec: QuestionSpec) -> RowSpec:
+    """The checkpoint's row layout grown to the longest inference row of `examples` (one shape, one
+    compile, as `question_spec` grows the question capacity). Training lays out only labeled questions
+    (question mode) of labeled records, and `data.seq_len`/`max_patches` were sized for those rows
+    (valen_fit); inference scores every question, so its rows can be longer. Positions are exact at any
+    length, so a longer row gives the same scores. The same on every process (`examples` is the whole data)."""
+    needs = [row_needs(example, spec, qspec) for example in examples]
+    seq_len = max([spec.seq_len, *(n.seq_len for n in needs)])
+    patches = max([spec.max_patches, *(n.patches for n in needs)])
+    if (seq_len, patches) != (spec.seq_len, spec.max_patches):
+        log.info("inference rows (%s mode, every question scored) need seq_len=%d, max_patches=%d; the checkpoint's "
+                 "rows are %d, %d", qspec.mode, seq_len, patches, spec.seq_len, spec.max_patches)
+    return dataclasses.replace(spec, seq_len=seq_len, max_patches=patches)
 
 
 @functools.cache
@@ -88,7 +107,7 @@ def score_records(restored: Restored, examples: list[Example], qspec: QuestionSp
     local_batch = local_batch_size(batch_size, restored.mesh)
     batches = hosts.batch_count(len(examples), local_batch)
     fn = _log_probs_fn(restored.graphdef)
-    spec, mesh = restored.spec, restored.mesh
+    spec, mesh = row_spec(restored.spec, examples, qspec), restored.mesh
     padding = None
     out = []
     for b in range(batches):
