@@ -14,7 +14,9 @@ import dataclasses
 import json
 import logging
 
+import jax
 import ml_collections
+from flax import nnx
 from transformers import AutoTokenizer
 
 from data_pipeline import vocabulary
@@ -22,7 +24,7 @@ from data_pipeline.tokenizer import token_id
 from valen_jax.config_schema import ConfigError, defaults
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
-from valen_jax.models.transformer import init_params
+from valen_jax.models.transformer import Transformer, init_params
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +115,32 @@ def is_vl(model_cfg: ModelConfig) -> bool:
     return model_cfg.vision is not None and model_cfg.vision.family in hf_vl.VL_FAMILIES
 
 
+def fresh_subtrees(model_cfg: ModelConfig, seed: int, shardings, names: tuple[str, ...]) -> dict:
+    """The top-level subtrees `names` (those the model has) exactly as `init_params` would initialise them:
+    the same trace and random streams, but only these are outputs, so XLA never materialises the rest (a
+    checkpoint replaces it; a whole fresh copy of a large model would double its memory at start-up)."""
+    names = tuple(name for name in names if name in shardings)
+    if not names:
+        return {}
+
+    def create():
+        state = nnx.to_pure_dict(nnx.split(Transformer(model_cfg, nnx.Rngs(seed)))[1])
+        return {name: state[name] for name in names}
+
+    return jax.jit(create, out_shardings={name: shardings[name] for name in names})()
+
+
 def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
     """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule."""
-    params = init_params(model_cfg, config.train.seed, shardings)
     if not config.model.init_from:
-        return params
+        return init_params(model_cfg, config.train.seed, shardings)
     directory = hf.resolve(config.model.init_from)
     base_tokenizer = AutoTokenizer.from_pretrained(str(config.data.tokenizer))
     pieces = hf.added_token_pieces(base_tokenizer, tokenizer)
     whole = is_vl(model_cfg)
     log.info("initialising from %s (%s); %d added token rows set from their pieces", directory,
              f"{model_cfg.vision.family}: decoder and vision tower" if whole else "decoder", len(pieces))
+    # What the checkpoint has no counterpart for starts fresh: the score head, and a text checkpoint's tower.
+    fresh = fresh_subtrees(model_cfg, config.train.seed, shardings, ("score_head",) if whole else ("vision", "score_head"))
     load = hf_vl.load_params if whole else hf.load_params
-    return load(directory, model_cfg, shardings, pieces, fresh=params)
+    return load(directory, model_cfg, shardings, pieces, fresh=fresh)
