@@ -275,3 +275,23 @@ def test_greedy_decoding_equals_transformers_generate(family):
             pixel_values_videos=torch.tensor(expanded.media[1].patches), max_new_tokens=4, do_sample=False,
             **extra)
     assert ours == out[0, len(ids):].tolist()
+
+
+def test_models_without_mrope_keep_one_dimensional_rows_and_image_pads(family):
+    """A from-scratch model (no mrope_section, no video token): every media item, clips included, fills
+    image pads, and positions are 0, 1, 2, … exactly as before M-RoPE rows existed."""
+    import dataclasses
+
+    from valen_jax.data.positions import PositionScheme
+    from valen_jax.data.vision_processor import tokens_of
+
+    spec = dataclasses.replace(family.spec, positions=PositionScheme(), video=None)
+    example, _ = _mixed(family)
+    expanded = expand_media_slots(example, spec)
+    ids = example.arrays["input_ids"]
+    repeat = np.ones(len(ids), np.int64)
+    repeat[ids == spec.image_pad_id] = [tokens_of(m, spec.vision) for m in expanded.media]
+    np.testing.assert_array_equal(expanded.ids, np.repeat(ids, repeat))
+    row = assemble(example, spec)
+    length = len(expanded.ids) - 1
+    np.testing.assert_array_equal(row["positions"], np.pad(np.arange(length, dtype=np.int32), (0, spec.seq_len - length)))
