@@ -27,6 +27,7 @@ FAMILY = "qwen2_5_vl"
 STEPS = 3
 RECIPE = ROOT / "data/smoke/vflash/recipe.json"
 EVAL = ROOT / "data/smoke/vflash/eval.jsonl"
+VALEN = ROOT / "data/smoke/valen/train.jsonl"
 FROZEN_TOWER = '({"pattern": "vision/.*", "frozen": True},)'
 
 
@@ -38,10 +39,16 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def base(tmp_path_factory):
+    """(directory, info) of the tiny checkpoint every run here starts from."""
+    directory = tmp_path_factory.mktemp("base")
+    return directory, make_vl_checkpoint(directory, FAMILY)
+
+
+@pytest.fixture(scope="module")
+def run(base, tmp_path_factory):
     """(base checkpoint directory, its info, trained workdir, train CLI result)."""
-    base = tmp_path_factory.mktemp("base")
-    info = make_vl_checkpoint(base, FAMILY)
+    base, info = base
     workdir = tmp_path_factory.mktemp("finetune")
     # f32 so the logit comparison is exact to 1e-4; a learning rate that moves f32 weights in 3 steps.
     # seq_len 256: the tiny BPE tokenizer spells the smoke texts in more tokens (longest row 251).
@@ -100,7 +107,7 @@ def test_predict_refuses_a_checkpoint_without_the_valen_head(run):
     from valen_jax.predict import predict_workdir
 
     with pytest.raises(ValueError, match="scalar head.*loss.weights.branches=0"):
-        predict_workdir(run[2], ROOT / "data/smoke/valen/train.jsonl", fmt="valen")
+        predict_workdir(run[2], VALEN, fmt="valen")
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +197,26 @@ def test_exported_model_gives_our_logits_in_transformers(run, exported):
                           image_grid_thw=torch.tensor(grids)).logits[0].numpy()
     assert theirs.shape == (length, restored.model_cfg.vocab_size)
     np.testing.assert_allclose(ours[:length], theirs, atol=1e-4, rtol=0)
+
+
+def test_a_valen_fine_tune_of_the_vlm_answers_every_question_with_the_predict_cli(base, tmp_path):
+    """configs/valen.py:hf on the same checkpoint (the smoke records hold images and a video clip), then
+    predict. seq_len fits the training rows (valen_fit: 363 tokens) but not every inference row: a
+    question without a label is not trained on yet is answered (503 tokens), so predict grows its rows."""
+    workdir = tmp_path / "valen"
+    run_train("configs/valen.py:hf", workdir, f"--config.model.init_from={base[0]}",
+              f"--config.data.tokenizer={base[0]}", "--config.train.steps=1", "--config.train.checkpoint_every=1",
+              "--config.train.warmup_steps=0", "--config.model.dtype=float32", "--config.eval.every=0",
+              "--config.eval.at_end=False", "--config.data.seq_len=384", "--config.data.max_patches=64",
+              "--config.data.max_questions=3", "--config.data.max_candidates=5", timeout=900)
+    answers = tmp_path / "answers.jsonl"
+    _cli("valen_jax.predict", f"--workdir={workdir}", f"--data={VALEN}", f"--output={answers}")
+    lines = [json.loads(line) for line in answers.read_text().splitlines()]
+    records = [json.loads(line) for line in VALEN.read_text().splitlines() if line.strip()]
+    assert [line["record_id"] for line in lines] == [r["meta"]["record_id"] for r in records]
+    assert '"type": "video_url"' in VALEN.read_text()  # a whole clip went through the tower and M-RoPE
+    for line, record in zip(lines, records, strict=True):
+        assert set(line["answers"]) == set(record["request"]["questions"])
+        for answer in line["answers"].values():
+            assert math.isclose(sum(answer["probabilities"].values()), 1.0, abs_tol=1e-9)
+
