@@ -153,3 +153,19 @@ def test_export_refuses_our_own_vision_tower_by_name():
                                       mlp_dim=128, vision=tower))
     export.exportable(ModelConfig(vocab_size=128, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                   mlp_dim=128))  # a text-only model exports
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_what_a_checkpoint_lacks_starts_as_init_params_would_start_it(scan):
+    """initial_params initialises only the score head (and a text checkpoint's tower), not a whole
+    model the checkpoint then replaces; the values are those of the full initialisation."""
+    from valen_jax.models.config import ModelConfig, VisionConfig
+    from valen_jax.models.transformer import init_params
+
+    cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                      scan_layers=scan, score_head=True, vision=VisionConfig(8, 2, 2, 32, 1, 4, 64))
+    shardings = _shardings(cfg)
+    full = _host(init_params(cfg, 3, shardings))
+    part = _host(build.fresh_subtrees(cfg, 3, shardings, ("vision", "score_head")))
+    assert sorted(part) == ["score_head", "vision"]
+    jax.tree.map(np.testing.assert_array_equal, part, {name: full[name] for name in part})
