@@ -169,3 +169,11 @@ def test_what_a_checkpoint_lacks_starts_as_init_params_would_start_it(scan):
     part = _host(build.fresh_subtrees(cfg, 3, shardings, ("vision", "score_head")))
     assert sorted(part) == ["score_head", "vision"]
     jax.tree.map(np.testing.assert_array_equal, part, {name: full[name] for name in part})
+
+
+def test_an_hf_variant_run_without_its_checkpoint_is_refused_by_name():
+    config = _config("unused")
+    config.model.init_from = None
+    with pytest.raises(ConfigError, match=r"config.model.\{dim, .*tie_embeddings\} are unset and "
+                                          "config.model.init_from is not given"):
+        build.model_config(config, load_tokenizer(ROOT / "data/tokenizer", "chatml"))

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
-from valen_jax.config_schema import ConfigError, defaults
+from valen_jax.config_schema import ARCHITECTURE_KEYS, ConfigError, defaults
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import Transformer, init_params
@@ -70,6 +70,11 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
                                      vision=_fresh_vision(m.vision), **common)
         # Added primitive tokens may outgrow the checkpoint's table; never shrink it.
         return dataclasses.replace(base, vocab_size=max(base.vocab_size, padded_vocab(len(tokenizer))))
+    unset = [key for key in ARCHITECTURE_KEYS if m[key] is None]
+    if unset:  # a :hf variant run without its checkpoint: nothing says what model to build
+        raise ConfigError(f"config.model.{{{', '.join(unset)}}} are unset and config.model.init_from is not given: a "
+                          ":hf variant needs --config.model.init_from=PATH (a checkpoint directory or hub name); a "
+                          "model trained from scratch needs these keys")
     return ModelConfig(
         vocab_size=padded_vocab(len(tokenizer)), dim=m.dim, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, rope_theta=float(m.rope_theta),
