@@ -76,8 +76,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, option in CONVERT_OPTIONS.items():
         defaults = takers(name)
         shown = ", ".join(f"{fmt}={value}" if value is not None else fmt for fmt, value in defaults.items())
-        parser.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
-                            help=f"{option.meaning} ({shown})")
+        if option.type is None:  # a flag: present sets True, absent leaves the default
+            parser.add_argument("--" + name.replace("_", "-"), action="store_const", const=True,
+                                help=f"{option.meaning} ({shown})")
+        else:
+            parser.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
+                                help=f"{option.meaning} ({shown})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in CONVERT_OPTIONS}

@@ -120,14 +120,15 @@ def _validate_vakforge(path: Path, check_media: bool, allow_unconsented: bool = 
 
 # --- conversion: input → entries of records ---
 
-def _load_vflash(path: Path, dense_scale: float | None) -> list[SourceEntry]:
+def _load_vflash(path: Path, dense_scale: float | None, allow_absolute_media: bool) -> list[SourceEntry]:
     # A plain file has no recipe entry to state its dense-motion scale s (seed 004): an option does.
-    return [SourceEntry(path.stem, (path,), 1.0, read_vflash(path, dense_scale=dense_scale))]
+    records = read_vflash(path, dense_scale=dense_scale, allow_absolute_media=allow_absolute_media)
+    return [SourceEntry(path.stem, (path,), 1.0, records)]
 
 
-def _load_recipe(path: Path) -> list[SourceEntry]:
+def _load_recipe(path: Path, allow_absolute_media: bool) -> list[SourceEntry]:
     return [SourceEntry(entry.name, tuple(entry.annotation), entry.repeat_time, records, _media_options(entry))
-            for entry, records in read_recipe_records(path)]
+            for entry, records in read_recipe_records(path, allow_absolute_media=allow_absolute_media)]
 
 
 def _media_options(entry) -> dict:
@@ -140,12 +141,12 @@ def _media_options(entry) -> dict:
     return options
 
 
-def _load_valen(path: Path) -> list[SourceEntry]:
-    return [SourceEntry(path.stem, (path,), 1.0, read_valen(path))]
+def _load_valen(path: Path, allow_absolute_media: bool) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_valen(path, allow_absolute_media=allow_absolute_media))]
 
 
-def _load_chat(path: Path) -> list[SourceEntry]:
-    return [SourceEntry(path.stem, (path,), 1.0, read_chat(path))]
+def _load_chat(path: Path, allow_absolute_media: bool) -> list[SourceEntry]:
+    return [SourceEntry(path.stem, (path,), 1.0, read_chat(path, allow_absolute_media=allow_absolute_media))]
 
 
 def _load_prepared(path: Path, max_seq_length: int | None) -> list[SourceEntry]:
@@ -169,12 +170,15 @@ def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str,
     return {"manifest_hash": entries[0].records[0].manifest_hash}
 
 
+# Media paths must stay inside the dataset folder unless the user allows more (issue 19; media_paths).
+_MEDIA = {"allow_absolute_media": False}
+
 FORMATS: dict[str, Format] = {
-    "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer),
+    "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer, load_options=_MEDIA),
     "vflash": Format(examples.TOKENS, "vflash", _validate_vflash, _load_vflash, VFlashRenderer,
-                     load_options={"dense_scale": None}),
-    "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer),
-    "chat": Format(examples.TOKENS, "chat", _validate_chat, _load_chat, ChatRenderer,
+                     load_options={"dense_scale": None, **_MEDIA}),
+    "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer, load_options=_MEDIA),
+    "chat": Format(examples.TOKENS, "chat", _validate_chat, _load_chat, ChatRenderer, load_options=_MEDIA,
                    render_options={"assistant_turns": "all"}),
     "vakforge": Format(examples.TOKENS, "vakforge", _validate_vakforge, _load_vakforge, VakforgeRenderer,
                        load_options={"split": None}, render_options={"overlap": "merge", "assistant_turns": "all"},
@@ -197,7 +201,7 @@ class ConvertOption:
     """A conversion option some formats take; `python -m data_pipeline.convert` offers it as
     `--NAME-WITH-DASHES`, and a format that does not take it refuses it."""
 
-    type: Callable[[str], object]
+    type: Callable[[str], object] | None  # None: a flag without a value, which sets True
     meaning: str
     choices: tuple[str, ...] | None = None
 
@@ -209,6 +213,8 @@ CONVERT_OPTIONS: dict[str, ConvertOption] = {
     "overlap": ConvertOption(str, "overlapping turns", OVERLAP_POLICIES),
     "max_seq_length": ConvertOption(int, "refuse rows longer than this"),
     "dense_scale": ConvertOption(float, "the file's dense-motion scale s in metres (a recipe states it per entry)"),
+    "allow_absolute_media": ConvertOption(None, "read media at absolute local paths and outside the dataset "
+                                                "folder (seed 000: absolute paths work); off: refused"),
 }
 
 

@@ -456,7 +456,11 @@ def test_media_paths_relative_to_the_jsonl_or_absolute(tmp_path, media, monkeypa
         with_request(state=messages({"role": "user", "content": [image("../assets/light.png")]})),
     )
     monkeypatch.chdir(media / "assets")  # the working folder plays no part
-    first, second, third = read_valen(path)
+    # Seed 000: "local absolute paths also work" -- with the converter option; outside the JSONL's
+    # folder, absolute or by "..", they are refused by default (issue 19: shards would carry them).
+    assert [(p.line, "is absolute" in p.message, "leads outside" in p.message) for p in problems_of(path)] == [
+        (2, True, False), (3, False, True)]
+    first, second, third = read_valen(path, allow_absolute_media=True)
     assert first.media[0].path == (sub / "assets" / "light.png").resolve()
     assert second.media[0].path == third.media[0].path == (media / "assets" / "light.png").resolve()
 

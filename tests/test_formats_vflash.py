@@ -76,7 +76,7 @@ def test_seed_robot_record_reads(tmp_path, make_png):
     )
     (rec,) = read_vflash(path)
     assert rec.source == str(path) and rec.line == 1 and rec.record_id == "ep42"
-    assert rec.media == (MediaRef("video_frame", video.resolve(), frame_index=120),)
+    assert rec.media == (MediaRef("video_frame", video.resolve(), frame_index=120, written="videos/episode_000042.mp4"),)
     assert rec.turns[1] == VFlashTurn("gpt", ROBOT_ANSWER)
     assert rec.primitives[0] == () and rec.primitives[1][0].kind == "robot_single"
     assert rec.calls[1][0].block_size == 32
@@ -198,16 +198,20 @@ def test_every_media_form_reads(tmp_path, make_png):
         {"lmdb_file": "frames.lmdb", "lmdb_key": "000001", "resize": [4, 4]},
     ]
     path = write(tmp_path / "m.jsonl", record(image, "<image>" * 5 + " look", "ok"))
-    (rec,) = read_vflash(path)
+    # str(b) is absolute: read only with the option (issue 19), refused by default.
+    (problem,) = problems_of(path)
+    assert problem.field == "image[1]" and "is absolute" in problem.message
+    (rec,) = read_vflash(path, allow_absolute_media=True)
     assert rec.media == (
-        MediaRef("path", a.resolve()),
-        MediaRef("path", b.resolve()),
-        MediaRef("file", b.resolve(), resize=(8, 6)),
-        MediaRef("video_frame", (tmp_path / "clip.mp4").resolve(), frame_index=0),
-        MediaRef("lmdb", (tmp_path / "frames.lmdb").resolve(), lmdb_key="000001", resize=(4, 4)),
+        MediaRef("path", a.resolve(), written="a.png"),
+        MediaRef("path", b.resolve(), written=str(b)),
+        MediaRef("file", b.resolve(), resize=(8, 6), written="sub/b.png"),
+        MediaRef("video_frame", (tmp_path / "clip.mp4").resolve(), frame_index=0, written="clip.mp4"),
+        MediaRef("lmdb", (tmp_path / "frames.lmdb").resolve(), lmdb_key="000001", resize=(4, 4),
+                 written="frames.lmdb"),
     )
     single = write(tmp_path / "s.jsonl", record({"file": "a.png"}))
-    assert read_vflash(single)[0].media == (MediaRef("file", a.resolve()),)
+    assert read_vflash(single)[0].media == (MediaRef("file", a.resolve(), written="a.png"),)
 
 
 def test_media_references_refused(tmp_path, img):

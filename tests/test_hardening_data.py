@@ -196,3 +196,90 @@ def test_whole_file_json_documents_stop_at_the_limit(tmp_path, monkeypatch):
         read_recipe(recipe)
     assert [str(p) for p in info.value.problems] == [
         f"{recipe}:0: file: cannot read: the file is larger than the limit of 1000 bytes"]
+
+
+# -- item 3: media outside the dataset folder --------------------------------------------------------
+
+VFLASH_ROW = {"conversations": [{"from": "human", "value": "<image>\nWhere is the cup?"},
+                                {"from": "gpt", "value": "<ref>cup</ref><objects><box><16><469><117><633></box></objects>"}]}
+
+
+@pytest.fixture
+def dataset(tmp_path, make_png):
+    """ds/ with an image, a secret beside it (outside ds/), and ds/link.png -> the secret."""
+    make_png("ds/images/cup.png")
+    secret = make_png("secret.png", (5, 5))
+    (tmp_path / "ds" / "link.png").symlink_to(secret)
+    return tmp_path / "ds", secret
+
+
+def vflash_problems(path: Path, **kwargs) -> list[Problem]:
+    from data_pipeline.formats.vflash import read_vflash
+
+    with pytest.raises(FormatError) as info:
+        read_vflash(path, **kwargs)
+    return list(info.value.problems)
+
+
+@pytest.mark.parametrize("kind", ["absolute", "dotdot", "symlink"])
+def test_vflash_media_outside_the_dataset_is_refused_unless_allowed(dataset, kind):
+    from data_pipeline.formats.vflash import read_vflash
+
+    folder, secret = dataset
+    written = {"absolute": str(secret), "dotdot": "../secret.png", "symlink": "link.png"}[kind]
+    path = write_lines(folder / "rows.jsonl", json.dumps({"image": written, **VFLASH_ROW}))
+    (problem,) = vflash_problems(path)
+    assert (problem.line, problem.field) == (1, "image")
+    assert {"absolute": "is absolute", "dotdot": "leads outside the dataset folder;",
+            "symlink": "leads outside the dataset folder through a symlink"}[kind] in problem.message
+    assert "--allow-absolute-media" in problem.message
+    (record,) = read_vflash(path, allow_absolute_media=True)
+    assert record.media[0].path == secret.resolve() and record.media[0].written == written
+
+
+def test_chat_dotdot_and_symlinks_out_of_the_dataset_are_refused(dataset):
+    folder, _ = dataset
+    rows = [json.dumps({"messages": [{"role": "user", "content": [{"type": "image", "path": written}]},
+                                     {"role": "assistant", "content": "ok"}]})
+            for written in ("images/../../secret.png", "link.png", "images/cup.png")]
+    path = write_lines(folder / "rows.jsonl", *rows)
+    problems = chat_problems(path)
+    assert [(p.line, p.field) for p in problems] == [(1, "messages[0].content[0].path"),
+                                                    (2, "messages[0].content[0].path")]
+    assert "through a symlink" in problems[1].message
+    assert len(read_chat(path, allow_absolute_media=True)) == 3
+
+
+def test_valen_absolute_media_needs_the_option(dataset):
+    from data_pipeline.formats.valen import check_valen, read_valen
+
+    folder, secret = dataset
+    row = json.loads((ROOT / "data/smoke/valen/train.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    row["assets"] = []
+    for written in (str(secret), "../secret.png", "link.png"):
+        row["request"]["state"] = {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Look."}, {"type": "image_url", "image_url": {"url": written}}]}]}
+        path = write_lines(folder / "valen.jsonl", json.dumps(row))
+        for read in (read_valen, check_valen):  # the explaining reader and the streaming fast path
+            with pytest.raises(FormatError) as info:
+                read(path)
+            (problem,) = info.value.problems
+            assert problem.field == "request.state.messages[0].content[1].image_url.url"
+            assert "--allow-absolute-media" in problem.message
+        (record,) = read_valen(path, allow_absolute_media=True)
+        assert record.media[0].path.resolve() == secret.resolve()
+
+
+def test_shard_headers_record_the_path_as_written_never_the_machine_path(dataset, tokenizer):
+    from data_pipeline import examples
+    from data_pipeline.formats.vflash import read_vflash
+    from data_pipeline.render.vflash import VFlashRenderer
+
+    folder, secret = dataset
+    path = write_lines(folder / "rows.jsonl", json.dumps({"image": "images/cup.png", **VFLASH_ROW}),
+                       json.dumps({"image": str(secret), **VFLASH_ROW}))
+    inside, outside = read_vflash(path, allow_absolute_media=True)
+    renderer = VFlashRenderer(tokenizer)
+    assert examples.media_headers(renderer.render(inside, "rows"))[0]["path"] == "images/cup.png"
+    # Under the option the user's own string, not an expansion of it.
+    assert examples.media_headers(renderer.render(outside, "rows"))[0]["path"] == str(secret)

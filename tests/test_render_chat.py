@@ -402,7 +402,7 @@ def test_convert_chat_is_byte_identical_whatever_the_worker_count(tmp_path, make
     assert one.data == two.data
     for name in [*one.shard_paths, "manifest.json"]:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
-    assert one.data["options"] == {"records_per_shard": 512, "assistant_turns": "last"}
+    assert one.data["options"] == {"records_per_shard": 512, "allow_absolute_media": False, "assistant_turns": "last"}
     examples = [e for p in one.shard_paths for e in read_shard(tmp_path / "one" / p)]
     assert len(examples) == 21 and one.data["counts"]["records"] == 21
     assert [e.meta["line"] for e in examples] == list(range(1, 22))

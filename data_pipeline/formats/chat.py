@@ -12,7 +12,9 @@ Decisions where the seed leaves room:
   (OpenAI style); it reads as "". Any non-empty text counts as text for the tool_calls+text refusal.
 - A call's `arguments` is a JSON object or a string holding one (OpenAI style). Both keep the key
   order as written; the string form also keeps its exact text, so rendering can reproduce it.
-- Image paths are relative to the JSONL file (seed 003, "Images"): absolute paths and URLs are refused.
+- Image paths are relative to the JSONL file (seed 003, "Images"): absolute paths, URLs, and paths
+  that leave the JSONL's folder by `..` or a symlink are refused (`allow_absolute_media` admits
+  local ones, `media_paths`).
 - Checks beyond the nine that would make rendering ambiguous: call ids unique within a message, a
   call answered once, a tool message's `name` equal to the function it answers, and when a row
   declares `tools`, every call names a declared function (a row without `tools` may still call).
@@ -25,13 +27,14 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
 
 from data_pipeline.formats.errors import RECORD_FIELD, LineProblems, ProblemLog, describe, member
 from data_pipeline.formats.jsonl import iter_jsonl_objects, loads_strict
+from data_pipeline.formats.media_paths import DatasetFolder, is_absolute
 
 ROLES = ("system", "user", "assistant", "tool")
 RECORD_KEYS = frozenset({"messages", "tools"})
@@ -99,15 +102,18 @@ class ChatDiagnostics:
         )
 
 
-def read_chat(path: str | Path, check_media: bool = True) -> list[ChatRecord]:
-    """Every record of one chat JSONL file, or a FormatError listing every problem."""
+def read_chat(path: str | Path, check_media: bool = True, allow_absolute_media: bool = False) -> list[ChatRecord]:
+    """Every record of one chat JSONL file, or a FormatError listing every problem.
+
+    `allow_absolute_media`: admit absolute image paths and paths leaving the JSONL's folder
+    (`media_paths`); refused by default."""
     path = Path(path)
     source = str(path)
     problems = ProblemLog(source)  # lines come in order, so the problems do too
-    base = path.parent.resolve()
+    folder = DatasetFolder(path.parent, allow_absolute_media)
     records = []
     for number, obj in iter_jsonl_objects(path, source, problems):
-        line = _Line(source, number, base, check_media)
+        line = _Line(source, number, folder, check_media)
         record = line.record(obj)
         problems.extend(line.problems)
         if record is not None and not line.problems:
@@ -128,9 +134,9 @@ def chat_diagnostics(records: list[ChatRecord]) -> ChatDiagnostics:
 class _Line(LineProblems):
     """The checks of one JSONL line; `problems` holds what it found."""
 
-    def __init__(self, source: str, line: int, base: Path, check_media: bool):
+    def __init__(self, source: str, line: int, folder: DatasetFolder, check_media: bool):
         super().__init__(source, line)
-        self.base, self.check_media = base, check_media
+        self.folder, self.check_media = folder, check_media
 
     def record(self, obj: object) -> ChatRecord | None:
         if not isinstance(obj, dict):
@@ -267,13 +273,17 @@ class _Line(LineProblems):
         if "://" in value:
             self.problem(field, f"{describe(value)} is a URL; images are local files")
             return None
-        if PurePosixPath(value).is_absolute() or PureWindowsPath(value).is_absolute():
+        if is_absolute(value) and not self.folder.allow_outside:
             self.problem(
                 field,
                 f"{describe(value)} is absolute; seed 003 writes image paths relative to the JSONL file",
             )
             return None
-        path = (self.base / value).resolve()
+        refusal = self.folder.refusal(value)  # `..` or a symlink leaving the JSONL's folder
+        if refusal is not None:
+            self.problem(field, refusal)
+            return None
+        path = Path(self.folder.path(value)).resolve()
         if self.check_media and not path.is_file():
             self.problem(field, f"file not found: {path}" if not path.exists() else f"not a file: {path}")
             return None

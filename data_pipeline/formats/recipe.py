@@ -134,9 +134,11 @@ def read_recipe(path: str | Path) -> list[RecipeEntry]:
 
 
 def read_recipe_records(
-    path: str | Path, check_media: bool = True
+    path: str | Path, check_media: bool = True, allow_absolute_media: bool = False
 ) -> list[tuple[RecipeEntry, list[VFlashRecord]]]:
-    """Each entry with the records of all its annotation files; problems of every file in one FormatError."""
+    """Each entry with the records of all its annotation files; problems of every file in one FormatError.
+
+    `allow_absolute_media`: media paths may be absolute or leave their entry's `root` (`media_paths`)."""
     problems: list[Problem] = []
     result = []
     for entry in read_recipe(path):
@@ -144,7 +146,8 @@ def read_recipe_records(
         failed = False
         for annotation in entry.annotation:
             try:
-                records.extend(read_vflash(annotation, media_root=entry.root, check_media=check_media))
+                records.extend(read_vflash(annotation, media_root=entry.root, check_media=check_media,
+                                           allow_absolute_media=allow_absolute_media))
             except FormatError as err:
                 problems.extend(err.problems)
                 failed = True

@@ -116,22 +116,24 @@ class ValenCounts:
         return f"{self.records} records, {self.questions} questions, {self.labeled} labeled"
 
 
-def read_valen(path: str | Path, check_media: bool = True) -> list[ValenRecord]:
+def read_valen(path: str | Path, check_media: bool = True, allow_absolute_media: bool = False) -> list[ValenRecord]:
     """Every record of one Valen JSONL file, or a FormatError listing every problem."""
-    return list(iter_valen(path, check_media=check_media))
+    return list(iter_valen(path, check_media=check_media, allow_absolute_media=allow_absolute_media))
 
 
-def iter_valen(path: str | Path, check_media: bool = True) -> Iterator[ValenRecord]:
+def iter_valen(path: str | Path, check_media: bool = True, allow_absolute_media: bool = False) -> Iterator[ValenRecord]:
     """The records of one Valen JSONL file, reading one line at a time.
 
     Yields each record that has no problem; after the last line raises one FormatError if any line
     (or the file) had a problem, so a consumer that runs to the end never accepts a bad file.
+    `allow_absolute_media`: admit absolute media paths and paths leaving the JSONL's folder
+    (seed 000 "local absolute paths also work"; `media_paths`); refused by default.
     """
-    for number, obj, checked in _checked_lines(Path(path), check_media):
+    for number, obj, checked in _checked_lines(Path(path), check_media, allow_absolute_media):
         yield _build(str(path), number, obj, checked)
 
 
-def check_valen(path: str | Path, check_media: bool = True) -> ValenCounts:
+def check_valen(path: str | Path, check_media: bool = True, allow_absolute_media: bool = False) -> ValenCounts:
     """Counts of a valid file, or a FormatError: every rule of `iter_valen`, no records built.
 
     Memory stays flat however long the file is; the validate CLI uses this.
@@ -139,7 +141,7 @@ def check_valen(path: str | Path, check_media: bool = True) -> ValenCounts:
     path = Path(path)
     source = str(path)
     problems = ProblemLog(source)
-    media = MediaFiles(path.absolute().parent, check_media)
+    media = MediaFiles(path.absolute().parent, check_media, allow_absolute_media)
     check = RecordCheck(source, media)
     records = questions = labeled = 0
     with _collector_paused():
@@ -178,10 +180,10 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _checked_lines(path: Path, check_media: bool) -> Iterator[tuple[int, dict, Checked]]:
+def _checked_lines(path: Path, check_media: bool, allow_absolute_media: bool) -> Iterator[tuple[int, dict, Checked]]:
     source = str(path)
     problems = ProblemLog(source)
-    check = RecordCheck(source, MediaFiles(path.absolute().parent, check_media))
+    check = RecordCheck(source, MediaFiles(path.absolute().parent, check_media, allow_absolute_media))
     for number, obj in iter_jsonl_objects(path, source, problems):
         checked = check.check(number, obj)
         if checked is None:

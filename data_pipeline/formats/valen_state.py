@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.formats.errors import LineProblems, describe, member, quote
+from data_pipeline.formats.media_paths import DatasetFolder
 
 ROLES = ("user", "assistant", "system")
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # part type -> ResolvedMedia.kind
@@ -75,10 +76,17 @@ class MediaFiles:
 
     _CACHE_LIMIT = 4096  # distinct files remembered; bounded so a huge file keeps bounded memory
 
-    def __init__(self, folder: Path, check: bool):
+    def __init__(self, folder: Path, check: bool, allow_outside: bool = False):
         self.folder = os.path.normpath(folder.resolve())
         self.check = check
         self._digests: dict[str, tuple[str | None, str | None]] = {}
+        # Absolute paths and paths leaving the folder are refused unless the user allows them
+        # (seed 000: "local absolute paths also work" — with the converter option, media_paths).
+        self.dataset = DatasetFolder(self.folder, allow_outside)
+
+    def refusal(self, written: str, path: str) -> str | None:
+        """Why the media path `written` (resolved to `path`) may not be read, or None."""
+        return self.dataset.refusal(written, path)
 
     def resolve(self, written: str) -> str:
         # normpath, not Path.resolve: no file-system access, and a path the OS cannot encode (a lone
@@ -251,6 +259,10 @@ def resolve_media(
     media = []
     for field, kind, url in refs:
         path = files.resolve(url)
+        refusal = files.refusal(url, path)
+        if refusal is not None:
+            line.problem(field, refusal)
+            continue
         digest = None
         if files.check:
             digest, why = files.sha256(path)
@@ -315,9 +327,11 @@ def plain_media(state: object, assets: object, files: MediaFiles) -> bool:
         digest = digest.lower()
         if listed.setdefault(files.resolve(path), digest) != digest:
             return False
-    if files.check:
-        for url in urls:
-            path = files.resolve(url)
+    for url in urls:
+        path = files.resolve(url)
+        if files.refusal(url, path) is not None:
+            return False
+        if files.check:
             digest, why = files.sha256(path)
             if why is not None or listed.get(path, digest) != digest:
                 return False

@@ -12,7 +12,9 @@ Decisions where the seed leaves room:
   empty list is refused, since it says nothing a missing key does not.
 - `frame_index` is required in a video reference (the seed: "one decoded video frame"), and so is
   `lmdb_key` in an LMDB reference. Turns hold exactly `from` and `value`.
-- Relative media paths resolve against `media_root` (a recipe entry's `root`) or else the JSONL's folder.
+- Relative media paths resolve against `media_root` (a recipe entry's `root`) or else the JSONL's folder,
+  and must stay inside it: absolute paths and `..` or symlinks leaving it are refused unless
+  `allow_absolute_media` (`media_paths`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from data_pipeline import vocabulary
 from data_pipeline.formats.errors import RECORD_FIELD, Problem, ProblemLog
 from data_pipeline.formats.jsonl import iter_jsonl_objects
+from data_pipeline.formats.media_paths import DatasetFolder
 from data_pipeline.primitives import AtomicCall, Primitive, PrimitiveError, coordinate_count, parse_answer
 
 RECORD_KEYS = frozenset({"id", "image", "conversations", "atom_loss_masks"})
@@ -44,6 +47,7 @@ class MediaRef:
     frame_index: int | None = None
     lmdb_key: str | None = None
     resize: tuple[int, int] | None = None  # (width, height), an exact stretch
+    written: str = ""  # the path as the record writes it: what shard headers record, never `path`
 
 
 @dataclass(frozen=True)
@@ -69,20 +73,22 @@ class VFlashRecord:
 
 def read_vflash(
     path: str | Path, media_root: Path | None = None, check_media: bool = True,
-    dense_scale: float | None = None,
+    dense_scale: float | None = None, allow_absolute_media: bool = False,
 ) -> list[VFlashRecord]:
     """Every record of one VFlash JSONL file, or a FormatError listing every problem.
 
-    `dense_scale`: the file's dense-motion scale `s` in metres, set on every record."""
+    `dense_scale`: the file's dense-motion scale `s` in metres, set on every record.
+    `allow_absolute_media`: admit absolute media paths and paths leaving the media folder
+    (`media_paths`); refused by default."""
     path = Path(path)
     if dense_scale is not None and not (isinstance(dense_scale, int | float) and 0 < dense_scale < float("inf")):
         raise ValueError(f"{path}: dense_scale must be a number of metres > 0, got {dense_scale!r}")
     source = str(path)
     problems = ProblemLog(source)  # lines come in order, so the problems do too
-    base = (Path(media_root) if media_root is not None else path.parent).resolve()
+    folder = DatasetFolder(Path(media_root) if media_root is not None else path.parent, allow_absolute_media)
     records = []
     for number, obj in iter_jsonl_objects(path, source, problems):
-        line = _Line(source, number, base, check_media)
+        line = _Line(source, number, folder, check_media)
         record = line.record(obj)
         problems.extend(line.problems)
         if record is not None and not line.problems:
@@ -94,8 +100,8 @@ def read_vflash(
 class _Line:
     """The checks of one JSONL line; `problems` holds what it found."""
 
-    def __init__(self, source: str, line: int, base: Path, check_media: bool):
-        self.source, self.line, self.base, self.check_media = source, line, base, check_media
+    def __init__(self, source: str, line: int, folder: DatasetFolder, check_media: bool):
+        self.source, self.line, self.folder, self.check_media = source, line, folder, check_media
         self.problems: list[Problem] = []
 
     def problem(self, field: str, message: str) -> None:
@@ -198,7 +204,7 @@ class _Line:
     def media_item(self, field: str, item: object) -> MediaRef | None:
         if isinstance(item, str):
             path = self.media_path(field, item, "path")
-            return None if path is None else MediaRef("path", path)
+            return None if path is None else MediaRef("path", path, written=item)
         if not isinstance(item, dict):
             self.problem(field, "a media item is a path string or an object with video, file or lmdb_file")
             return None
@@ -243,7 +249,7 @@ class _Line:
                 resize = (resize[0], resize[1])
         if not ok or path is None:
             return None
-        return MediaRef(kind, path, frame_index, lmdb_key, resize)
+        return MediaRef(kind, path, frame_index, lmdb_key, resize, item[sources[0]])
 
     def media_path(self, field: str, value: object, kind: str) -> Path | None:
         if not isinstance(value, str) or not value:
@@ -252,7 +258,11 @@ class _Line:
         if "://" in value:
             self.problem(field, f"{value!r} is a URL; media must be local paths")
             return None
-        path = (self.base / value).resolve()
+        refusal = self.folder.refusal(value)  # absolute, or leaving the media folder by `..` or a symlink
+        if refusal is not None:
+            self.problem(field, refusal)
+            return None
+        path = Path(self.folder.path(value)).resolve()
         if self.check_media:
             if not path.exists():
                 self.problem(field, f"file not found: {path}")

@@ -28,7 +28,6 @@ Decisions where the seed leaves room:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 
@@ -111,7 +110,7 @@ class ChatRenderer:
             raise RenderError(source, line, "messages",
                               f"{slots} vision slots after templating, {len(images)} images in the row")
         # The path as written (relative to the JSONL) keeps shard bytes independent of the checkout.
-        media = [dataclasses.replace(read_media(p.path, "image", None, None), source_path=p.written) for p in images]
+        media = [read_media(p.path, "image", None, None, p.written) for p in images]
         arrays = {"input_ids": ids, "target_weights": weights}
         for index, blob in enumerate(media):
             arrays[f"media_{index}"] = np.frombuffer(blob.data, dtype=np.uint8)

@@ -259,6 +259,9 @@ class MediaBlob:
         return header
 
 
-def read_media(path: Path, kind: str, frame_index: int | None, resize: tuple[int, int] | None) -> MediaBlob:
+def read_media(path: Path, kind: str, frame_index: int | None, resize: tuple[int, int] | None,
+               written: str) -> MediaBlob:
+    """The bytes of `path`; the header records `written`, the path as the record wrote it (relative to
+    the dataset folder), never the machine's absolute path (issue 19: shards travel)."""
     data = path.read_bytes()
-    return MediaBlob(data, hashlib.sha256(data).hexdigest(), kind, str(path), frame_index, resize)
+    return MediaBlob(data, hashlib.sha256(data).hexdigest(), kind, written, frame_index, resize)

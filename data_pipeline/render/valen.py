@@ -134,7 +134,7 @@ class ValenRenderer:
             "labels": np.asarray(labels, np.float32), "labeled": np.asarray(labeled, bool),
             "question_type": np.asarray(types, np.int32),
         }
-        media = [read_media(m.path, m.kind, None, None) for m in record.media]
+        media = [read_media(m.path, m.kind, None, None, m.url) for m in record.media]
         for blob, ref in zip(media, record.media, strict=True):
             if ref.sha256 is not None and blob.sha256 != ref.sha256:
                 raise RenderError(record.source, record.line, "assets", f"{ref.url} changed since it was validated")

@@ -97,13 +97,13 @@ class VFlashRenderer:
     @staticmethod
     def _media(ref, record) -> MediaBlob:
         if ref.kind != "lmdb":
-            return read_media(ref.path, ref.kind, ref.frame_index, ref.resize)
+            return read_media(ref.path, ref.kind, ref.frame_index, ref.resize, ref.written)
         # The value's bytes travel in the shard like any image: shards never point back at the LMDB.
         try:
             data = read_lmdb_value(ref.path, ref.lmdb_key)
         except LmdbMediaError as err:
             raise RenderError(record.source, record.line, "image", str(err)) from err
-        return MediaBlob(data, hashlib.sha256(data).hexdigest(), "lmdb", f"{ref.path}#{ref.lmdb_key}", None,
+        return MediaBlob(data, hashlib.sha256(data).hexdigest(), "lmdb", f"{ref.written}#{ref.lmdb_key}", None,
                          ref.resize, lmdb_key=ref.lmdb_key)
 
     def _primitive_spans(self, ids, assistant_mask, record) -> list[tuple[str, int, int, np.ndarray]]:
