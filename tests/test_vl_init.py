@@ -177,3 +177,28 @@ def test_an_hf_variant_run_without_its_checkpoint_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"config.model.\{dim, .*tie_embeddings\} are unset and "
                                           "config.model.init_from is not given"):
         build.model_config(config, load_tokenizer(ROOT / "data/tokenizer", "chatml"))
+
+
+def _flat(nested: dict) -> dict:
+    """The flat config.json form the Qwen2-VL / Qwen2.5-VL hub checkpoints ship (transformers 4.x wrote it):
+    decoder keys at the top, M-RoPE as rope_scaling {"type": "mrope"}, the tower's in_chans."""
+    text = dict(nested["text_config"])
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    vision = {("in_chans" if key == "in_channels" else key): value for key, value in nested["vision_config"].items()}
+    top = {key: value for key, value in nested.items() if key not in ("text_config", "vision_config")}
+    return {**top, **text, "vision_config": vision, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_flat_config_of_hub_qwen2_vl_checkpoints_gives_the_same_model(vl_checkpoint, family, tmp_path):
+    import shutil
+
+    directory, _ = vl_checkpoint(family)
+    flat_dir = shutil.copytree(directory, tmp_path / "flat")
+    nested = json.loads((directory / "config.json").read_text())
+    (flat_dir / "config.json").write_text(json.dumps(_flat(nested)))
+    assert "text_config" not in json.loads((flat_dir / "config.json").read_text())
+    tokenizer = load_tokenizer(directory, "chatml")
+    assert build.model_config(_config(flat_dir), tokenizer) == build.model_config(_config(directory), tokenizer)

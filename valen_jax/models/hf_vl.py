@@ -42,6 +42,23 @@ def is_vl(hf_config: dict) -> bool:
     return hf_config.get("model_type") in VL_FAMILIES or hf_config.get("model_type") in _REFUSED
 
 
+def nested_config(hf_config: dict) -> dict:
+    """The config with `text_config`, as transformers 5 writes it. The Qwen2-VL and Qwen2.5-VL hub
+    checkpoints ship the older flat form (decoder keys at the top, M-RoPE in `rope_scaling`
+    {"type": "mrope", ...}, `vision_config.in_chans`); transformers' own config class reads that form
+    into the nested one, so we let it (its reading is the one the checkpoint's logits come from)."""
+    if "text_config" in hf_config:
+        return hf_config
+    import transformers  # only for flat configs: their conversion is transformers' to define
+
+    family = hf_config.get("model_type")
+    config_cls = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}.get(family)
+    if config_cls is None:
+        raise hf.HFImportError(f"model_type {family!r}: a config.json without text_config is only known for "
+                               "qwen2_vl and qwen2_5_vl")
+    return getattr(transformers, config_cls)(**hf_config).to_dict()
+
+
 def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     family = hf_config.get("model_type")
     if family in _REFUSED:
@@ -49,6 +66,7 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     if family not in VL_FAMILIES:
         raise hf.HFImportError(f"model_type {family!r} is not a supported vision-language family; supported: "
                                f"{', '.join(VL_FAMILIES)}")
+    hf_config = nested_config(hf_config)
     text = dict(hf_config["text_config"])
     rope = dict(text.get("rope_parameters") or {})
     if rope.get("rope_type", "default") != "default":
