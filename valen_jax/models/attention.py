@@ -1,0 +1,128 @@
+"""Attention behind one seam: masks from ids, one call for the decoder and the vision towers.
+
+`attend(q, k, v, segment_ids, branch_ids, causal=..., implementation=...)` is the only way the
+model attends. The mask is never an argument: every implementation builds what it needs from the
+ids, tile by tile, so no [T, T] array exists in the model path (`reference` builds the dense mask,
+for tests only). The rule, for query q and key k:
+
+    allowed(q, k) = (seg[q] == seg[k] > 0) and (not causal or k <= q)
+                    and (kb == 0 or kb == qb)            # branch trees: a branch sees the prefix and itself
+                    or q == k                            # every row keeps its diagonal (padding: only itself)
+
+Branch trees are a mask function of the ids (one extra compare per tile), not two passes merged by
+log-sum-exp: every implementation here computes the mask per tile anyway, so the tree costs nothing
+extra and needs no second kernel launch, and the Pallas kernels (splash) take the same function.
+
+Implementations (`IMPLEMENTATIONS`): `blockwise` (CPU-tuned: unrolled query blocks, blocks above
+the diagonal skipped; `attention_blockwise.py`), `flash` (portable online softmax with a
+recomputing backward, O(T) residuals, any backend; `attention_flash.py`), `splash` (TPU Pallas) and
+`cudnn` (GPU) in `attention_accel.py`, and `auto`, which `resolve` turns into one of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("auto", "cudnn", "splash", "flash", "blockwise")
+_ACCELERATED = {"splash": "splash_attention", "cudnn": "cudnn_attention"}
+# On CPU the unrolled blockwise kernel is the fastest measured (benchmarks/train_step.py), but its
+# residuals are O(T²) per layer; past this length flash's O(T) memory matters more than speed.
+CPU_BLOCKWISE_MAX_LENGTH = 8192
+_logged: set[tuple] = set()
+
+
+def tile_mask(q_seg, k_seg, q_index, k_index, q_branch=None, k_branch=None, *, causal: bool):
+    """The allowed (query, key) pairs of one tile: bool [B, R, S] from ids [B, R] / [B, S] and the
+    absolute positions q_index [R], k_index [S] of the tile's rows and columns."""
+    allowed = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] > 0)
+    if causal:
+        allowed &= k_index[None, None, :] <= q_index[None, :, None]
+    if q_branch is not None:
+        key_branch = k_branch[:, None, :]
+        allowed &= (key_branch == 0) | (key_branch == q_branch[:, :, None])
+    return allowed | (q_index[:, None] == k_index[None, :])[None]
+
+
+def reference_mask(segment_ids, branch_ids=None, *, causal: bool = True):
+    """The dense bool [B, 1, T, T] mask (tests and the reference only; never in the model path)."""
+    index = jnp.arange(segment_ids.shape[1])
+    return tile_mask(segment_ids, segment_ids, index, index, branch_ids, branch_ids, causal=causal)[:, None]
+
+
+def reference(q, k, v, segment_ids, branch_ids=None, *, causal: bool):
+    """Dense masked softmax attention in f32 (tests only): the definition every implementation matches."""
+    groups = q.shape[2] // k.shape[2]
+    keys = jnp.repeat(k.astype(jnp.float32), groups, axis=2)
+    values = jnp.repeat(v.astype(jnp.float32), groups, axis=2)
+    scores = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), keys) * q.shape[-1] ** -0.5
+    scores = jnp.where(reference_mask(segment_ids, branch_ids, causal=causal), scores, -jnp.inf)
+    out = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(scores, axis=-1), values)
+    return out.astype(q.dtype)
+
+
+def _accelerated_module():
+    try:
+        return importlib.import_module("valen_jax.models.attention_accel")
+    except ModuleNotFoundError as error:
+        if error.name != "valen_jax.models.attention_accel":
+            raise
+        return None
+
+
+def resolve(implementation: str, seq_len: int) -> str:
+    """A concrete implementation for this backend and row length ("auto" → one, logged once)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"config.model.attention={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
+    if implementation != "auto":
+        return implementation
+    backend = jax.default_backend()
+    accel = _accelerated_module()
+    if backend == "tpu" and accel is not None:
+        chosen, why = "splash", "TPU: the Pallas splash kernel"
+    elif backend == "gpu" and accel is not None:
+        chosen, why = "cudnn", "GPU: cuDNN flash attention"
+    elif backend == "cpu" and seq_len <= CPU_BLOCKWISE_MAX_LENGTH:
+        chosen, why = "blockwise", f"CPU at {seq_len} <= {CPU_BLOCKWISE_MAX_LENGTH} tokens: the fastest here"
+    else:
+        chosen, why = "flash", (f"{backend} at {seq_len} tokens: portable online softmax, O(T) memory"
+                                + ("" if backend == "cpu" else " (attention_accel is not installed)"))
+    if (backend, seq_len, chosen) not in _logged:
+        _logged.add((backend, seq_len, chosen))
+        log.info("config.model.attention=auto: %s for %d tokens (%s)", chosen, seq_len, why)
+    return chosen
+
+
+def attend(q, k, v, segment_ids, branch_ids=None, *, causal: bool, implementation: str = "auto"):
+    """q [B, T, N, H]; k, v [B, T, K, H] (N a multiple of K: grouped-query); segment_ids int32 [B, T]
+    (0 = padding, which attends only to itself); branch_ids int32 [B, T] or None (0 = shared prefix,
+    k > 0 = branch k: a branch sees the prefix and itself). causal=False: bidirectional within a segment
+    (vision). Returns [B, T, N, H] in q.dtype. Allowed(q, k) = same segment > 0 and (not causal or k ≤ q)
+    and (branch_ids is None or kb == 0 or kb == qb); plus the diagonal always."""
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
+    chosen = resolve(implementation, q.shape[1])
+    if chosen == "cudnn" and implementation == "auto" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        # cuDNN's flash kernels take 16-bit inputs only; an f32 model on GPU runs the portable kernel.
+        chosen = "flash"
+        if ("cudnn-f32", str(q.dtype)) not in _logged:
+            _logged.add(("cudnn-f32", str(q.dtype)))
+            log.info("config.model.attention=auto: flash for %s inputs (cuDNN takes bf16/f16 only)", q.dtype)
+    if chosen in _ACCELERATED:
+        accel = _accelerated_module()
+        if accel is None:
+            raise NotImplementedError(
+                f"config.model.attention={chosen!r} needs valen_jax/models/attention_accel.py, which is not "
+                f"installed in this tree; use 'flash' (any backend) or 'blockwise' (CPU)")
+        kernel = getattr(accel, _ACCELERATED[chosen])
+        return kernel(q, k, v, segment_ids, branch_ids, causal=causal)
+    if chosen == "flash":
+        from valen_jax.models.attention_flash import flash_attention
+        return flash_attention(q, k, v, segment_ids, branch_ids, causal=causal)
+    from valen_jax.models.attention_blockwise import blockwise_attention
+    return blockwise_attention(q, k, v, segment_ids, branch_ids, causal=causal)
