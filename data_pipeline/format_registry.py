@@ -84,23 +84,23 @@ class Format:
 
 # --- validate: one summary line per file ---
 
-def _validate_valen(path: Path, check_media: bool) -> str:
+def _validate_valen(path: Path, check_media: bool, allow_absolute_media: bool = False) -> str:
     # The streaming pass: builds no records, so memory stays flat however long the file is.
-    return f"{check_valen(path, check_media=check_media)} OK"
+    return f"{check_valen(path, check_media=check_media, allow_absolute_media=allow_absolute_media)} OK"
 
 
-def _validate_vflash(path: Path, check_media: bool) -> str:
-    return f"{len(read_vflash(path, check_media=check_media))} records OK"
+def _validate_vflash(path: Path, check_media: bool, allow_absolute_media: bool = False) -> str:
+    return f"{len(read_vflash(path, check_media=check_media, allow_absolute_media=allow_absolute_media))} records OK"
 
 
-def _validate_recipe(path: Path, check_media: bool) -> str:
-    entries = read_recipe_records(path, check_media=check_media)
+def _validate_recipe(path: Path, check_media: bool, allow_absolute_media: bool = False) -> str:
+    entries = read_recipe_records(path, check_media=check_media, allow_absolute_media=allow_absolute_media)
     records = sum(len(records) for _, records in entries)
     return f"{len(entries)} entries, {records} records OK"
 
 
-def _validate_chat(path: Path, check_media: bool) -> str:
-    records = read_chat(path, check_media=check_media)
+def _validate_chat(path: Path, check_media: bool, allow_absolute_media: bool = False) -> str:
+    records = read_chat(path, check_media=check_media, allow_absolute_media=allow_absolute_media)
     # Seed 003: diagnostics, not findings; they never fail a file.
     return f"{len(records)} records OK; {chat_diagnostics(records).summary()}"
 
@@ -174,12 +174,14 @@ def _check_vakforge(path: Path, entries: list[SourceEntry], tokenizer_path: str,
 _MEDIA = {"allow_absolute_media": False}
 
 FORMATS: dict[str, Format] = {
-    "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer, load_options=_MEDIA),
+    "valen": Format(examples.VALEN, "valen", _validate_valen, _load_valen, ValenRenderer, load_options=_MEDIA,
+                    validate_options=_MEDIA),
     "vflash": Format(examples.TOKENS, "vflash", _validate_vflash, _load_vflash, VFlashRenderer,
-                     load_options={"dense_scale": None, **_MEDIA}),
-    "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer, load_options=_MEDIA),
+                     load_options={"dense_scale": None, **_MEDIA}, validate_options=_MEDIA),
+    "recipe": Format(examples.TOKENS, "vflash", _validate_recipe, _load_recipe, VFlashRenderer, load_options=_MEDIA,
+                     validate_options=_MEDIA),
     "chat": Format(examples.TOKENS, "chat", _validate_chat, _load_chat, ChatRenderer, load_options=_MEDIA,
-                   render_options={"assistant_turns": "all"}),
+                   render_options={"assistant_turns": "all"}, validate_options=_MEDIA),
     "vakforge": Format(examples.TOKENS, "vakforge", _validate_vakforge, _load_vakforge, VakforgeRenderer,
                        load_options={"split": None}, render_options={"overlap": "merge", "assistant_turns": "all"},
                        validate_options={"allow_unconsented": False}, check=_check_vakforge,

@@ -68,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="vakforge: accept meta.consent \"none\" (such rows are excluded from any published artifact)",
     )
     parser.add_argument(
+        "--allow-absolute-media",
+        action="store_true",
+        help="chat, valen, vflash, recipe: accept media at absolute paths or outside the dataset folder, "
+             "as convert --allow-absolute-media does",
+    )
+    parser.add_argument(
         "--export-schema",
         nargs="?",
         const="",
@@ -89,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.paths:
         parser.error("the following arguments are required: PATH")
-    options = {"allow_unconsented": True} if args.allow_unconsented else {}
+    options = {name: True for name in ("allow_unconsented", "allow_absolute_media") if getattr(args, name)}
     for option in options:
         if option not in FORMATS[args.fmt].validate_options:
             takers = [name for name, spec in FORMATS.items() if option in spec.validate_options]

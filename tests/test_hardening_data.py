@@ -283,3 +283,22 @@ def test_shard_headers_record_the_path_as_written_never_the_machine_path(dataset
     assert examples.media_headers(renderer.render(inside, "rows"))[0]["path"] == "images/cup.png"
     # Under the option the user's own string, not an expansion of it.
     assert examples.media_headers(renderer.render(outside, "rows"))[0]["path"] == str(secret)
+
+
+def test_convert_and_validate_take_allow_absolute_media(dataset, capsys):
+    from data_pipeline import convert, validate
+    from data_pipeline.shards import read_shard
+
+    folder, secret = dataset
+    path = write_lines(folder / "rows.jsonl", json.dumps({"image": str(secret), **VFLASH_ROW}))
+    assert validate.main(["--format=vflash", str(path)]) == 1
+    assert "is absolute" in capsys.readouterr().err
+    assert validate.main(["--format=vflash", "--allow-absolute-media", str(path)]) == 0
+    base = ["--format=vflash", f"--input={path}", f"--tokenizer={ROOT / 'data/tokenizer'}"]
+    assert convert.main([*base, f"--output={folder / 'refused'}"]) == 1
+    assert "image: " in capsys.readouterr().err and not (folder / "refused").exists()
+    assert convert.main([*base, f"--output={folder / 'shards'}", "--allow-absolute-media"]) == 0
+    manifest = json.loads((folder / "shards" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["options"]["allow_absolute_media"] is True
+    (example,) = read_shard(folder / "shards" / manifest["shards"][0]["path"])
+    assert example.meta["media"][0]["path"] == str(secret)
