@@ -57,7 +57,7 @@ def run(base, tmp_path_factory):
                        f"--config.train.checkpoint_every={STEPS}", "--config.train.log_every=1",
                        "--config.train.warmup_steps=1", "--config.train.learning_rate=1e-3",
                        f"--config.train.param_groups={FROZEN_TOWER}", "--config.model.dtype=float32",
-                       "--config.data.global_batch=4", "--config.data.seq_len=256", "--config.eval.every=0",
+                       "--config.data.global_batch=4", "--config.data.seq_len=256", f"--config.eval.every={STEPS}",
                        "--config.eval.at_end=True", "--config.eval.max_examples=2", "--config.eval.batch_size=2",
                        "--config.eval.max_new_tokens=4", timeout=900)
     return base, info, workdir, result
@@ -88,6 +88,8 @@ def test_the_run_starts_from_the_vl_checkpoint_and_keeps_its_processor(run):
     assert set(sources.values()) == {"preprocessor_config.json", "video_preprocessor_config.json"}
     report = json.loads((workdir / "eval" / f"report-{STEPS}.json").read_text())
     assert report["examples"] == 2 and math.isfinite(report["loss"])
+    # Evaluation during training (eval.every) and the end-of-run report: one path, same params, same number.
+    assert logged[-1]["eval_loss"] == pytest.approx(report["loss"], abs=1e-6)
 
 
 def test_evaluate_restores_and_runs_the_finetuned_vlm(run, tmp_path):
