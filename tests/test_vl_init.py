@@ -179,11 +179,15 @@ def test_an_hf_variant_run_without_its_checkpoint_is_refused_by_name():
         build.model_config(config, load_tokenizer(ROOT / "data/tokenizer", "chatml"))
 
 
-def _flat(nested: dict) -> dict:
-    """The flat config.json form the Qwen2-VL / Qwen2.5-VL hub checkpoints ship (transformers 4.x wrote it):
-    decoder keys at the top, M-RoPE as rope_scaling {"type": "mrope"}, the tower's in_chans."""
+def _hub_form(nested: dict) -> dict:
+    """config.json as the hub checkpoints ship it (transformers 4.x wrote it). Qwen2-VL / Qwen2.5-VL: flat,
+    decoder keys at the top, M-RoPE as rope_scaling {"type": "mrope"}, the tower's in_chans. Qwen3-VL:
+    nested, with text_config.rope_scaling and rope_theta instead of rope_parameters."""
     text = dict(nested["text_config"])
-    rope = text.pop("rope_parameters")
+    rope = dict(text.pop("rope_parameters"))
+    if nested["model_type"] == "qwen3_vl":
+        text.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+        return {**nested, "text_config": text}
     text.pop("model_type")
     vision = {("in_chans" if key == "in_channels" else key): value for key, value in nested["vision_config"].items()}
     top = {key: value for key, value in nested.items() if key not in ("text_config", "vision_config")}
@@ -191,14 +195,14 @@ def _flat(nested: dict) -> dict:
             "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_the_flat_config_of_hub_qwen2_vl_checkpoints_gives_the_same_model(vl_checkpoint, family, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_config_form_hub_checkpoints_ship_gives_the_same_model(vl_checkpoint, family, tmp_path):
     import shutil
 
     directory, _ = vl_checkpoint(family)
-    flat_dir = shutil.copytree(directory, tmp_path / "flat")
-    nested = json.loads((directory / "config.json").read_text())
-    (flat_dir / "config.json").write_text(json.dumps(_flat(nested)))
-    assert "text_config" not in json.loads((flat_dir / "config.json").read_text())
+    hub_dir = shutil.copytree(directory, tmp_path / "hub")
+    hub_form = _hub_form(json.loads((directory / "config.json").read_text()))
+    assert "rope_parameters" not in hub_form.get("text_config", hub_form)
+    (hub_dir / "config.json").write_text(json.dumps(hub_form))
     tokenizer = load_tokenizer(directory, "chatml")
-    assert build.model_config(_config(flat_dir), tokenizer) == build.model_config(_config(directory), tokenizer)
+    assert build.model_config(_config(hub_dir), tokenizer) == build.model_config(_config(directory), tokenizer)

@@ -33,6 +33,7 @@ from valen_jax.models.transformer import Transformer, abstract_model
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                   "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+_CONFIGS = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig"}
 _REFUSED = {
     "qwen3_vl_moe": "Qwen3-VL-MoE (mixture-of-experts decoder, deepstack) is not implemented",
 }
@@ -42,21 +43,23 @@ def is_vl(hf_config: dict) -> bool:
     return hf_config.get("model_type") in VL_FAMILIES or hf_config.get("model_type") in _REFUSED
 
 
-def nested_config(hf_config: dict) -> dict:
-    """The config with `text_config`, as transformers 5 writes it. The Qwen2-VL and Qwen2.5-VL hub
-    checkpoints ship the older flat form (decoder keys at the top, M-RoPE in `rope_scaling`
-    {"type": "mrope", ...}, `vision_config.in_chans`); transformers' own config class reads that form
-    into the nested one, so we let it (its reading is the one the checkpoint's logits come from)."""
-    if "text_config" in hf_config:
+def normalised_config(hf_config: dict) -> dict:
+    """The config as transformers 5 reads it: `text_config` with `rope_parameters`. Hub checkpoints ship
+    older forms: Qwen2-VL and Qwen2.5-VL a flat one (decoder keys at the top, M-RoPE in `rope_scaling`
+    {"type": "mrope", ...}, `vision_config.in_chans`), Qwen3-VL `text_config.rope_scaling`. The family's
+    own transformers config class reads each form into the current one, so we let it: its reading is the
+    one the checkpoint's logits come from. A config in the current form is read as it is, by our own checks."""
+    text = hf_config.get("text_config")
+    if isinstance(text, dict) and "rope_parameters" in text:
         return hf_config
-    import transformers  # only for flat configs: their conversion is transformers' to define
+    import transformers  # only for the older forms: their reading is transformers' to define
 
-    family = hf_config.get("model_type")
-    config_cls = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}.get(family)
-    if config_cls is None:
-        raise hf.HFImportError(f"model_type {family!r}: a config.json without text_config is only known for "
-                               "qwen2_vl and qwen2_5_vl")
-    return getattr(transformers, config_cls)(**hf_config).to_dict()
+    name = _CONFIGS[hf_config["model_type"]]
+    try:
+        return getattr(transformers, name)(**hf_config).to_dict()
+    except (KeyError, ValueError, TypeError) as error:
+        raise hf.HFImportError(f"model_type {hf_config['model_type']!r}: config.json is in an older form that "
+                               f"transformers' {name} cannot read either ({error})") from None
 
 
 def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
@@ -66,7 +69,7 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     if family not in VL_FAMILIES:
         raise hf.HFImportError(f"model_type {family!r} is not a supported vision-language family; supported: "
                                f"{', '.join(VL_FAMILIES)}")
-    hf_config = nested_config(hf_config)
+    hf_config = normalised_config(hf_config)
     text = dict(hf_config["text_config"])
     rope = dict(text.get("rope_parameters") or {})
     if rope.get("rope_type", "default") != "default":
