@@ -1,0 +1,105 @@
+"""The accelerator kernels equal the reference attention: splash in Pallas interpret mode on CPU (values
+and gradients: packed causal rows, bidirectional segments, a Valen branch tree through the two-pass
+log-sum-exp merge, GQA, a length that is not a tile multiple), and cuDNN's packed layout as far as a CPU
+can check it (offsets and lengths from segment ids, rows it cannot describe flagged, clear refusals)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from valen_jax.models.attention import reference
+from valen_jax.models.attention_accel import cudnn_attention, segment_layout, splash_attention, splash_block
+
+# 120 tokens: not a multiple of the 128 tile, so the padding of the row to the tile is exercised too.
+LENGTH, HEADS, KV_HEADS, HEAD_DIM = 120, 4, 2, 64
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    shape_q, shape_kv = (2, LENGTH, HEADS, HEAD_DIM), (2, LENGTH, KV_HEADS, HEAD_DIM)
+    return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (shape_q, shape_kv, shape_kv))
+
+
+def _segments():
+    # Row 0: two packed examples then padding; row 1: one example, padding at the end.
+    segments = np.zeros((2, LENGTH), np.int32)
+    segments[0, :40], segments[0, 40:100], segments[1, :112] = 1, 2, 1
+    return jnp.asarray(segments)
+
+
+def _branches():
+    # Each example: a shared prefix (0) then branches; row 0's second example reuses branch id 1,
+    # which must not see the first example's branch 1 (different segment).
+    branches = np.zeros((2, LENGTH), np.int32)
+    branches[0, 10:25], branches[0, 25:40], branches[0, 60:80], branches[0, 80:100] = 1, 2, 1, 3
+    branches[1, 50:90], branches[1, 90:112] = 1, 2
+    return jnp.asarray(branches)
+
+
+def _value_and_grads(fn, q, k, v):
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * jnp.cos(out)), out
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+@pytest.mark.parametrize("case", ["causal_packed", "bidirectional_packed", "branch_tree"])
+def test_splash_interpret_equals_reference(case):
+    q, k, v = _inputs()
+    segments = _segments()
+    branches = _branches() if case == "branch_tree" else None
+    causal = case != "bidirectional_packed"
+    want, want_grads = _value_and_grads(lambda q, k, v: reference(q, k, v, segments, branches, causal=causal), q, k, v)
+    got, got_grads = _value_and_grads(
+        lambda q, k, v: splash_attention(q, k, v, segments, branches, causal=causal, interpret=True), q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5, err_msg=f"d{name}")
+    if branches is not None:
+        # The tree changes the answer (a test that a branch-blind kernel would fail).
+        plain = reference(q, k, v, segments, None, causal=True)
+        assert float(jnp.max(jnp.abs(plain - want))) > 1e-2
+
+
+def test_splash_block_from_length():
+    assert [splash_block(n) for n in (1, 120, 128, 300, 512, 4096)] == [128, 128, 128, 384, 512, 512]
+
+
+def test_splash_refuses_a_backend_without_tpu():
+    q, k, v = _inputs()
+    with pytest.raises(RuntimeError, match="config.model.attention='splash' is the TPU Pallas kernel"):
+        splash_attention(q, k, v, _segments(), causal=True)
+
+
+def test_segment_layout_offsets_and_lengths():
+    segments = jnp.asarray([[1, 1, 2, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    offsets, lengths, undescribed = segment_layout(segments, max_segments=3)
+    np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1], [-1, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[2, 3, -1], [8, -1, -1], [-1, -1, -1]])
+    np.testing.assert_array_equal(undescribed, [False, False, False])
+    # The default bound holds the most runs a row can have (1, 0, 2, 0, ...).
+    offsets, lengths, undescribed = segment_layout(jnp.asarray([[1, 0, 2, 0, 3]], jnp.int32))
+    np.testing.assert_array_equal(offsets, [[0, 2, 4, -1]])
+    np.testing.assert_array_equal(lengths, [[1, 1, 1]])
+    assert not bool(undescribed[0])
+
+
+def test_segment_layout_flags_rows_it_cannot_describe():
+    rows = jnp.asarray([[1, 2, 3, 4, 0, 0], [1, 1, 2, 2, 1, 1], [1, 1, 2, 2, 0, 0]], jnp.int32)
+    _, _, undescribed = segment_layout(rows, max_segments=3)
+    # Four runs over a bound of three; segment 1 split in two runs; a row that fits.
+    np.testing.assert_array_equal(undescribed, [True, True, False])
+
+
+def test_cudnn_refusals_name_the_setting():
+    q, k, v = _inputs()
+    with pytest.raises(NotImplementedError, match="does not take Valen branch trees"):
+        cudnn_attention(q, k, v, _segments(), _branches(), causal=True)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU with cuDNN"):
+            cudnn_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                            _segments(), causal=True)
