@@ -103,3 +103,15 @@ def test_cudnn_refusals_name_the_setting():
         with pytest.raises(RuntimeError, match="needs a CUDA GPU with cuDNN"):
             cudnn_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
                             _segments(), causal=True)
+
+
+def test_auto_on_gpu_runs_branch_trees_with_flash(monkeypatch):
+    # auto picks cudnn on a GPU, which refuses branch trees; a Valen row must run flash instead.
+    from valen_jax.models import attention
+    from valen_jax.models.attention_flash import flash_attention
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v = (x[:, :32].astype(jnp.bfloat16) for x in _inputs())
+    segments, branches = _segments()[:, :32], _branches()[:, :32]
+    got = attention.attend(q, k, v, segments, branches, causal=True, implementation="auto")
+    np.testing.assert_array_equal(got, flash_attention(q, k, v, segments, branches, causal=True))

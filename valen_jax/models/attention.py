@@ -107,6 +107,9 @@ def attend(q, k, v, segment_ids, branch_ids=None, *, causal: bool, implementatio
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
     chosen = resolve(implementation, q.shape[1])
+    if chosen == "cudnn" and implementation == "auto" and branch_ids is not None:
+        # cuDNN's packed layout cannot express a branch tree (cudnn_attention refuses it): Valen rows run flash.
+        chosen = "flash"
     if chosen == "cudnn" and implementation == "auto" and q.dtype not in (jnp.bfloat16, jnp.float16):
         # cuDNN's flash kernels take 16-bit inputs only; an f32 model on GPU runs the portable kernel.
         chosen = "flash"
