@@ -23,7 +23,7 @@ from tests.test_packing import make_piece
 from tests.train_runs import ROOT, env_with_devices, train_command
 from valen_jax import checkpoint, workdir_lock
 from valen_jax.config_schema import ConfigError, validate_config
-from valen_jax.data.assemble import AssemblyError
+from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec, PackIterDataset
 
 
@@ -230,3 +230,28 @@ def test_a_run_where_no_record_fits_stops_with_one_line(tmp_path):
     # (the progress bar's last refresh may follow the error line)
     assert [line for line in lines if line.startswith("AssemblyError")] == [next(
         line for line in lines if "none of the 96 training records fits a row" in line)]
+
+
+def test_a_valen_set_where_no_labeled_record_fits_is_refused_at_start_up_even_with_skip(tmp_path):
+    # Valen drops a row that does not fit; with none fitting, the loader used to wait for one forever.
+    from data_pipeline.conversion import convert
+    from valen_jax.data.sources import ShardSet
+    from valen_jax.data.valen_fit import check_training_set
+    from valen_jax.data.valen_rows import QuestionSpec
+    from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
+
+    convert("valen", ROOT / "data/smoke/valen/train.jsonl", tmp_path / "shards", ROOT / "data/tokenizer",
+            progress=False)
+    tokenizer = load_tokenizer(ROOT / "data/tokenizer")
+    cfg = ModelConfig(vocab_size=padded_vocab(len(tokenizer)), dim=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=8, mlp_dim=8, score_head=True,
+                      image_pad_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                      vision=VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=8, num_layers=1,
+                                          num_heads=1, mlp_dim=8))
+    media = {"max_pixels": 64 * 64, "max_frames": 4}
+    question = QuestionSpec("question", 4, 8, training=True)
+    shards = ShardSet.open(tmp_path / "shards")
+    fitting = check_training_set(shards, RowSpec.of(256, 256, tokenizer, cfg, media), question, "skip")
+    assert fitting.records == 6 and len(fitting.unfit) < 6
+    with pytest.raises(ConfigError, match=r"6 of 6 records do not fit.*No record is left to train on"):
+        check_training_set(shards, RowSpec.of(16, 256, tokenizer, cfg, media), question, "skip")

@@ -73,6 +73,9 @@ def check_training_set(sources: Sources, spec: RowSpec, qspec: QuestionSpec, ove
     message = report.message(spec, qspec)
     if report.unfit and overlong == "error":
         raise ConfigError(f"{message}. Raise those limits, or set data.overlong=skip to drop these records")
+    if qspec.training and len(report.unfit) == report.records:
+        # Every row would be dropped: the loader would wait for one forever (issue 19).
+        raise ConfigError(f"{message}. No record is left to train on (none with labels fits): raise those limits")
     if report.unfit:
         log.warning("%s; data.overlong=skip: these records are skipped every epoch", message)
     else:
