@@ -35,11 +35,12 @@ def check_path(what: str, value: Any) -> None:
 
 
 def exit_on_bad_paths(**paths: Any) -> None:
-    """For a CLI's arguments (`--NAME=value` as NAME=value, a list for a repeated or positional one):
-    exit with one line on the first bad path."""
+    """For a CLI's arguments (`--some-name=value` as some_name=value; a positional one by its upper-case
+    metavar, e.g. PATH; a list for a repeated one): exit with one line on the first bad path."""
     for name, value in paths.items():
+        label = name if name.isupper() else "--" + name.replace("_", "-")
         try:
             for item in value if isinstance(value, (list, tuple)) else [value]:
-                check_path(f"--{name}", item)
+                check_path(label, item)
         except PathError as error:
             sys.exit(f"error: {error}")

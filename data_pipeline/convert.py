@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from data_pipeline import shards
 from data_pipeline.chat_templates import TRAINING_TEMPLATES
+from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.conversion import BEAM_RUNNERS, convert
 from data_pipeline.format_registry import CONVERT_OPTIONS, FORMATS, takers
 from data_pipeline.formats.errors import FormatError
@@ -83,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
                                 help=f"{option.meaning} ({shown})")
     args = parser.parse_args(argv)
+    exit_on_bad_paths(input=args.input, output=args.output, tokenizer=args.tokenizer)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in CONVERT_OPTIONS}
     try:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError, Problem
 
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write the format's JSON Schema (vakforge: vakforge.schema.json in the current folder) and exit",
     )
     args = parser.parse_args(argv)
+    exit_on_bad_paths(PATH=args.paths, export_schema=args.export_schema)
     if args.export_schema is not None:
         if FORMATS[args.fmt].schema is None or args.paths:
             with_schema = [name for name, spec in FORMATS.items() if spec.schema is not None]

@@ -255,3 +255,16 @@ def test_a_valen_set_where_no_labeled_record_fits_is_refused_at_start_up_even_wi
     assert fitting.records == 6 and len(fitting.unfit) < 6
     with pytest.raises(ConfigError, match=r"6 of 6 records do not fit.*No record is left to train on"):
         check_training_set(shards, RowSpec.of(16, 256, tokenizer, cfg, media), question, "skip")
+
+
+@pytest.mark.parametrize("cli, args", [
+    ("data_pipeline.validate", ["--format=chat", "{ok}", "{bad}"]),
+    ("data_pipeline.convert", ["--format=chat", "--input={bad}", "--output={ok}.shards", "--tokenizer=data/tokenizer"]),
+    ("valen_jax.predict", ["--workdir={ok}", "--data={bad}", "--output={ok}.answers"]),
+])
+def test_the_data_clis_refuse_a_path_with_a_newline_in_one_line(tmp_path, cli, args):
+    ok, bad = tmp_path / "ok.jsonl", f"{tmp_path}/x\n{tmp_path}/x.jsonl:1: messages: a forged problem"
+    label = {"data_pipeline.validate": "PATH", "data_pipeline.convert": "--input", "valen_jax.predict": "--data"}[cli]
+    lines = cli_lines([sys.executable, "-m", cli, *(a.format(ok=ok, bad=bad) for a in args)])
+    assert lines == [f"error: {label}: {bad!r} holds the control character '\\n'; "
+                     "paths with NUL, newlines or other control characters are refused"]

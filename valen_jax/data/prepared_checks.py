@@ -54,9 +54,10 @@ def check_prepared_run(config) -> None:
         raise ConfigError(f"config.data.format={formats['format']!r} and config.data.eval_format="
                           f"{formats['eval_format']!r}: a run on prepared rows validates on prepared rows, and a "
                           "run on chat examples on chat examples (seed 003); make both sets prepared, or neither")
-    from transformers import AutoTokenizer  # as shipped: no added tokens, its own template
+    # As shipped (no added tokens, its own template); a missing path is one line naming it.
+    from data_pipeline.tokenizer import from_pretrained
 
-    shipped = AutoTokenizer.from_pretrained(str(config.data.tokenizer))
+    shipped = from_pretrained(config.data.tokenizer)
     base = str(config.model.init_from or config.data.tokenizer)
     identity = base_model_identity(base)
     if identity is None:
