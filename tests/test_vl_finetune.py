@@ -2,8 +2,11 @@
 CLIs — `valen_jax.train --config=configs/vflash.py:hf` on the smoke recipe with the vision tower frozen
 through `train.param_groups`, then `valen_jax.evaluate` and `valen_jax.export` on the workdir — and the
 exported directory loaded by transformers gives our restored model's logits on a training row with images.
+A second run, `configs/valen.py:hf` on the same checkpoint (images and a video clip), is answered by
+`valen_jax.predict`.
 
-One training run (module fixture) serves every test here; the checks are split so a failure names its stage.
+One VFlash run (module fixture) serves the tests before the last; the checks are split so a failure names
+its stage.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ pytestmark = pytest.mark.slow
 
 FAMILY = "qwen2_5_vl"
 STEPS = 3
-RECIPE = ROOT / "data/smoke/vflash/recipe.json"
 EVAL = ROOT / "data/smoke/vflash/eval.jsonl"
 VALEN = ROOT / "data/smoke/valen/train.jsonl"
 FROZEN_TOWER = '({"pattern": "vision/.*", "frozen": True},)'
