@@ -5,6 +5,11 @@ can check it (offsets and lengths from segment ids, rows it cannot describe flag
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +120,34 @@ def test_auto_on_gpu_runs_branch_trees_with_flash(monkeypatch):
     segments, branches = _segments()[:, :32], _branches()[:, :32]
     got = attention.attend(q, k, v, segments, branches, causal=True, implementation="auto")
     np.testing.assert_array_equal(got, flash_attention(q, k, v, segments, branches, causal=True))
+
+
+_SHARDED_CHECK = """
+import jax, jax.numpy as jnp, numpy as np
+from tests.test_attention_accel import _branches, _inputs, _segments, _value_and_grads
+from valen_jax import sharding
+from valen_jax.models.attention import reference
+from valen_jax.models.attention_accel import splash_attention
+q, k, v = _inputs()
+segments, branches = _segments(), _branches()
+want, want_grads = _value_and_grads(lambda q, k, v: reference(q, k, v, segments, branches, causal=True), q, k, v)
+mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2})
+with jax.set_mesh(mesh):
+    traced = jax.make_jaxpr(lambda q: splash_attention(q, k, v, segments, branches, causal=True, interpret=True))(q)
+    assert "shard_map" in str(traced), "the kernel must run per shard"
+    got, got_grads = jax.jit(lambda q, k, v: _value_and_grads(
+        lambda q, k, v: splash_attention(q, k, v, segments, branches, causal=True, interpret=True), q, k, v))(q, k, v)
+np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+for g, w in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+print("sharded splash ok")
+"""
+
+
+@pytest.mark.slow  # ~40 s here: a fresh process with 4 simulated devices, the Pallas interpreter per shard
+def test_splash_runs_per_shard_on_a_mesh():
+    # Rows over data, heads over tensor (4 and 2 heads split in 2): the kernel runs in a shard_map.
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _SHARDED_CHECK], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "sharded splash ok" in done.stdout, done.stderr[-3000:]

@@ -171,12 +171,52 @@ def splash_attention(q, k, v, segment_ids, branch_ids=None, *, causal: bool, int
                      block: int | None = None):
     """The seam's attention with the Pallas TPU splash kernel (`interpret=True`: Pallas interpreter,
     any backend, for tests). The row is padded to a multiple of the tile (`block`, default from the
-    length) with ids that see nothing, and cut back."""
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    length) with ids that see nothing, and cut back. Under a multi-device mesh (`jax.set_mesh`, as the
+    train step runs) the kernel runs per shard in a shard_map: XLA cannot partition a Mosaic kernel."""
     if not interpret and jax.default_backend() != "tpu":
         raise RuntimeError(f"config.model.attention='splash' is the TPU Pallas kernel; this backend is "
                            f"{jax.default_backend()!r} (use 'cudnn' on GPU, 'flash' or 'blockwise' elsewhere)")
+    local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return local(q, k, v, segment_ids, branch_ids)
+    return _over_mesh(local, mesh, q, k, v, segment_ids, branch_ids)
+
+
+def _over_mesh(local, mesh, q, k, v, segment_ids, branch_ids):
+    """`local` per shard: rows split like the model's activations ("batch" → data × fsdp), heads split
+    over "tensor" when both head counts divide by it (else every tensor shard computes all heads)."""
+    from jax.sharding import PartitionSpec
+
+    from valen_jax.sharding import DEFAULT_RULES
+
+    def present(axes):
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+    rows = present(DEFAULT_RULES["batch"])
+    row_shards = int(np.prod([mesh.shape[a] for a in rows]))
+    if q.shape[0] % row_shards:
+        raise ValueError(f"splash_attention: {q.shape[0]} rows do not split over the mesh axes {rows} "
+                         f"({row_shards} shards); make the batch a multiple of {row_shards}")
+    heads = present(DEFAULT_RULES["heads"])
+    head_shards = int(np.prod([mesh.shape[a] for a in heads]))
+    if q.shape[2] % head_shards or k.shape[2] % head_shards:
+        heads = ()
+    row_spec = rows or None
+    qkv = PartitionSpec(row_spec, None, heads or None, None)
+    ids = PartitionSpec(row_spec, None)
+    if branch_ids is None:
+        run = jax.shard_map(lambda q, k, v, s: local(q, k, v, s, None), mesh=mesh,
+                            in_specs=(qkv, qkv, qkv, ids), out_specs=qkv, check_vma=False)
+        return run(q, k, v, segment_ids)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, ids, ids), out_specs=qkv, check_vma=False)
+    return run(q, k, v, segment_ids, branch_ids)
+
+
+def _splash_local(q, k, v, segment_ids, branch_ids, *, causal: bool, interpret: bool, block: int | None):
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
     groups = heads // kv_heads
     block = splash_block(length) if block is None else block
     padded = -(-length // block) * block
