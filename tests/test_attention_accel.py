@@ -151,3 +151,21 @@ def test_splash_runs_per_shard_on_a_mesh():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", _SHARDED_CHECK], cwd=root, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "sharded splash ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_cudnn_arguments_pass_jax_cudnn_checks(monkeypatch):
+    # No GPU here: pretend one (cuDNN 9.10, Hopper) so the call goes through JAX's own layout/dtype
+    # checks of the packed layout, forward and backward, down to abstract shapes (nothing is lowered).
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    q = jax.ShapeDtypeStruct((2, 128, HEADS, HEAD_DIM), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 128, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    segments = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    for causal in (True, False):
+        def loss(q, k, v, s, causal=causal):
+            return jnp.sum(cudnn_attention(q, k, v, s, causal=causal).astype(jnp.float32))
+        grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, segments)
+        assert [(g.shape, g.dtype) for g in grads] == [(x.shape, jnp.bfloat16) for x in (q, kv, kv)]
