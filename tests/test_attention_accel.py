@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 
 from valen_jax.models.attention import reference
-from valen_jax.models.attention_accel import cudnn_attention, segment_layout, splash_attention, splash_block
+from valen_jax.models.attention_accel import (
+    CUDNN_MAX_SEGMENTS,
+    cudnn_attention,
+    segment_layout,
+    splash_attention,
+    splash_block,
+)
 
 # 120 tokens: not a multiple of the 128 tile, so the padding of the row to the tile is exercised too.
 LENGTH, HEADS, KV_HEADS, HEAD_DIM = 120, 4, 2, 64
@@ -86,11 +92,18 @@ def test_segment_layout_offsets_and_lengths():
     np.testing.assert_array_equal(offsets, [[0, 2, -1, -1], [0, -1, -1, -1], [-1, -1, -1, -1]])
     np.testing.assert_array_equal(lengths, [[2, 3, -1], [8, -1, -1], [-1, -1, -1]])
     np.testing.assert_array_equal(undescribed, [False, False, False])
-    # The default bound holds the most runs a row can have (1, 0, 2, 0, ...).
+    # A short row's bound is the most runs it can hold (1, 0, 2, 0, ...).
     offsets, lengths, undescribed = segment_layout(jnp.asarray([[1, 0, 2, 0, 3]], jnp.int32))
     np.testing.assert_array_equal(offsets, [[0, 2, 4, -1]])
     np.testing.assert_array_equal(lengths, [[1, 1, 1]])
     assert not bool(undescribed[0])
+    # A long row: CUDNN_MAX_SEGMENTS runs fit, one more is flagged.
+    runs = np.zeros((2, 2 * (CUDNN_MAX_SEGMENTS + 1)), np.int32)
+    runs[0, : 2 * CUDNN_MAX_SEGMENTS : 2] = np.arange(1, CUDNN_MAX_SEGMENTS + 1)
+    runs[1, ::2] = np.arange(1, CUDNN_MAX_SEGMENTS + 2)
+    offsets, _, undescribed = segment_layout(jnp.asarray(runs))
+    assert offsets.shape == (2, CUDNN_MAX_SEGMENTS + 1)
+    np.testing.assert_array_equal(undescribed, [False, True])
 
 
 def test_segment_layout_flags_rows_it_cannot_describe():

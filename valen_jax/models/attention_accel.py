@@ -38,6 +38,10 @@ _NO_QUERY = _INT32_MIN + 1
 _NO_KEY = _INT32_MIN
 # Pairs (segment, branch) are encoded as segment * (T + 1) + branch in int32.
 _MAX_BRANCH_TREE_LENGTH = 46_000
+# Runs of segments per row cuDNN's packed layout is built for. It is a static shape: cuDNN walks
+# rows x this many slots, so T/2 (always enough) would make it scan thousands of empty slots per row.
+# Decoder rows hold at most data.max_segments (default 16) examples; vision rows one run per media item.
+CUDNN_MAX_SEGMENTS = 64
 
 
 def splash_block(length: int) -> int:
@@ -248,9 +252,9 @@ def segment_layout(segment_ids, max_segments: int | None = None):
     runs of equal non-zero ids, -1 past a row's last run (what fused_attention_stablehlo takes), and
     a bool [B] that is True where a row cannot be described: more than M runs, or an id that comes
     back after another (packing writes 1, 2, 3, ... in order, so this flags foreign ids).
-    M defaults to (T + 1) // 2, the most runs a row of T tokens can hold."""
+    M defaults to CUDNN_MAX_SEGMENTS, at most (T + 1) // 2 (the most runs a row can hold)."""
     batch, length = segment_ids.shape
-    limit = (length + 1) // 2 if max_segments is None else int(max_segments)
+    limit = min(CUDNN_MAX_SEGMENTS if max_segments is None else int(max_segments), (length + 1) // 2)
     ids = segment_ids.astype(jnp.int32)
     previous = jnp.pad(ids, ((0, 0), (1, 0)), constant_values=0)[:, :-1]
     following = jnp.pad(ids, ((0, 0), (0, 1)), constant_values=0)[:, 1:]
@@ -274,7 +278,7 @@ def cudnn_attention(q, k, v, segment_ids, branch_ids=None, *, causal: bool, max_
     """The seam's attention with cuDNN flash attention (GPU, bf16/f16). Packed segments go in as
     cuDNN's per-row offsets/lengths (no mask array); a row those cannot describe (see
     `segment_layout`) comes out NaN, so the run stops on a non-finite loss instead of training on a
-    wrong mask. `max_segments` bounds the runs per row (default (T + 1) // 2, always enough)."""
+    wrong mask. `max_segments` bounds the runs per row (default CUDNN_MAX_SEGMENTS)."""
     if branch_ids is not None:
         raise NotImplementedError(
             "config.model.attention='cudnn' does not take Valen branch trees (branch_ids): cuDNN's packed "
