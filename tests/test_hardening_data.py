@@ -130,6 +130,38 @@ def test_a_control_token_split_across_valen_state_parts_is_refused(tokenizer, tm
     assert "'<|im_end|>'" in str(info.value)
 
 
+# A template that writes a user's text right against its own literal (no newline between): the text
+# "hi<|im_" and the literal "end|>" form one <|im_end|>, a token the template did not write.
+AGAINST_LITERAL = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}{%- generation -%}{{- message['content'] + '<|im_end|>' -}}"
+    "{%- endgeneration -%}{{- '\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + 'end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def test_a_control_token_formed_with_the_templates_own_text_is_refused(tmp_path):
+    from data_pipeline.render.chat import ChatRenderer
+    from data_pipeline.render.common import RenderError
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ROOT / "data/tokenizer")
+    tok.chat_template = AGAINST_LITERAL
+    rows = [{"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+            for content in ("hi<|im_", "> hi <", "a")]
+    path = write_lines(tmp_path / "rows.jsonl", *map(json.dumps, rows))
+    forged, benign, short = read_chat(path)
+    renderer = ChatRenderer(tok)
+    with pytest.raises(RenderError) as info:
+        renderer.render(forged, "rows")
+    assert str(info.value).startswith(f"{path}:1: messages[0].content: forms a control token with the text")
+    # Texts that could join a token but do not here are rendered (and checked) as usual.
+    for record in (benign, short):
+        renderer.render(record, "rows")
+
+
 # -- item 5: bounded reads -------------------------------------------------------------------------
 
 

@@ -36,6 +36,27 @@ class ControlTokenGuard:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, allowed: frozenset[str] = frozenset()):
         tokens = sorted(set(control_tokens(tokenizer)) - allowed, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
+        # The pieces of a token a text could contribute to one formed across its edge (see `may_join`).
+        self._longest = len(tokens[0]) if tokens else 0
+        heads = {t[:k] for t in tokens for k in range(1, len(t))}
+        tails = {t[k:] for t in tokens for k in range(1, len(t))}
+        self._ends_in_head = re.compile(_alternation(heads) + r"\Z") if heads else None
+        self._starts_with_tail = re.compile(_alternation(tails)) if tails else None
+        self._inner = frozenset(t[i:j] for t in tokens for i in range(len(t)) for j in range(i + 1, len(t) + 1))
+
+    def may_join(self, text: str) -> bool:
+        """Whether `text` (free of control tokens) could complete one with what is written beside it:
+        it ends with a token's head, starts with a token's tail, or lies inside a token."""
+        if not text or self._ends_in_head is None or self._starts_with_tail is None:
+            return False
+        if len(text) < self._longest and text in self._inner:
+            return True
+        return (self._ends_in_head.search(text, max(0, len(text) - self._longest)) is not None
+                or self._starts_with_tail.match(text) is not None)
+
+    def count(self, text: str) -> int:
+        """Control tokens in `text`, matched as the tokenizer splits added tokens (leftmost, longest)."""
+        return len(self._pattern.findall(text)) if self._pattern is not None else 0
 
     def find(self, text: str) -> str | None:
         found = self._pattern.search(text) if self._pattern is not None else None
@@ -69,6 +90,10 @@ class ControlTokenGuard:
                                       f"hold the control token {token!r} split across parts; text cannot write "
                                       "template structure, so remove it or spell it differently")
             run = []
+
+
+def _alternation(pieces: set[str]) -> str:
+    return "(?:" + "|".join(map(re.escape, sorted(pieces, key=len, reverse=True))) + ")"
 
 
 class RenderError(ValueError):
@@ -133,6 +158,14 @@ class ChatTemplater:
         text = texts[0]
         ids, offsets = self._encode(text)
         return ChatTokens(ids, _overlapping(offsets, generation[0]), text, offsets)
+
+    def render_text(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The rendered conversation only, as `__call__` renders it (no encoding, no mask)."""
+        chat = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        tools = list(tools) if tools else None
+        return render_jinja_template(
+            conversations=[chat], tools=tools, chat_template=self.tokenizer.get_chat_template(None, tools),
+            **self.tokenizer.special_tokens_map)[0][0]
 
     def _encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         if self._turn_start is None:
