@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from valen_jax.models.layers import causal_attention
-from valen_jax.models.transformer import attention_mask
+from valen_jax.models.attention import reference_mask
+from valen_jax.models.attention_blockwise import attention_block_size, blockwise_attention
 
 
 def _inputs(length, heads, kv_heads, seed=0, head_dim=8, batch=2):
@@ -40,7 +40,8 @@ def _branch_tree(length):
 @pytest.mark.parametrize("length,chunk,heads,kv_heads", [(37, 8, 4, 2), (64, 64, 4, 4), (50, 16, 6, 1), (9, 128, 2, 1)])
 def test_blockwise_causal_attention_equals_full_attention(length, chunk, heads, kv_heads):
     q, k, v = _inputs(length, heads, kv_heads)
-    mask = attention_mask(_packed_segments(length))
+    segments = _packed_segments(length)
+    mask = reference_mask(segments)
 
     def loss(fn):
         def value(q, k, v):
@@ -49,7 +50,7 @@ def test_blockwise_causal_attention_equals_full_attention(length, chunk, heads, 
         return jax.value_and_grad(value, argnums=(0, 1, 2), has_aux=True)
 
     (_, want), want_grads = loss(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask))(q, k, v)
-    (_, got), got_grads = loss(lambda q, k, v: causal_attention(q, k, v, mask, chunk))(q, k, v)
+    (_, got), got_grads = loss(lambda q, k, v: blockwise_attention(q, k, v, segments, causal=True, chunk=chunk))(q, k, v)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
@@ -59,21 +60,23 @@ def test_blockwise_attention_keeps_branches_apart():
     length = 48
     branch_ids, segments = _branch_tree(length)
     q, k, v = _inputs(length, 4, 2, seed=1, batch=1)
-    mask = attention_mask(segments, branch_ids)
+    mask = reference_mask(segments, branch_ids)
     want = jax.nn.dot_product_attention(q, k, v, mask=mask)
-    np.testing.assert_allclose(causal_attention(q, k, v, mask, 16), want, atol=2e-6, rtol=2e-5)
+
+    def attend(q, k, v):
+        return blockwise_attention(q, k, v, segments, branch_ids, causal=True, chunk=16)
+
+    np.testing.assert_allclose(attend(q, k, v), want, atol=2e-6, rtol=2e-5)
     # Changing branch 3's keys and values leaves branches 1 and 2 (and the prefix) unchanged.
     third = np.asarray(branch_ids[0]) == 3
     k2 = k.at[:, third].add(1.0)
     v2 = v.at[:, third].add(1.0)
-    before, after = causal_attention(q, k, v, mask, 16), causal_attention(q, k2, v2, mask, 16)
+    before, after = attend(q, k, v), attend(q, k2, v2)
     np.testing.assert_array_equal(np.asarray(after)[:, ~third], np.asarray(before)[:, ~third])
     assert not np.allclose(np.asarray(after)[:, third], np.asarray(before)[:, third])
 
 
 def test_block_size_keeps_at_most_eight_blocks_of_multiples_of_64():
-    from valen_jax.models.layers import attention_block_size
-
     for length in (1, 9, 512, 600, 2048, 8192, 10000):
         size = attention_block_size(length)
         assert size % 64 == 0 and -(-length // size) <= 8
@@ -104,11 +107,11 @@ def test_gated_silu_backward_matches_autodiff(dtype):
 
 def test_blockwise_attention_in_bfloat16_follows_float32():
     q, k, v = _inputs(40, 4, 2, seed=2)
-    mask = attention_mask(_packed_segments(40))
+    segments = _packed_segments(40)
 
     def grads(dtype):
         def value(q, k, v):
-            out = causal_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, 16)
+            out = blockwise_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), segments, causal=True, chunk=16)
             assert out.dtype == dtype
             return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32)))
         return jax.grad(value, argnums=(0, 1, 2))(q, k, v)

@@ -21,8 +21,8 @@ from valen_jax.data.packing import (
     piece_of,
     row_of,
 )
+from valen_jax.models.attention import reference_mask as attention_mask
 from valen_jax.models.config import VisionConfig
-from valen_jax.models.transformer import attention_mask
 
 IMAGE_PAD = 99
 # merge 2 → 4 patches per media-slot token; patch_dim = 1·1·1·3.

@@ -17,6 +17,7 @@ from ml_collections import config_dict
 from data_pipeline.cli_paths import PathError, check_path
 from valen_jax import losses, optim
 from valen_jax.data.vision_processor import MEDIA_DEFAULTS
+from valen_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,9 @@ def _model() -> dict[str, Any]:
         # Compute dtype; parameters (and so Adam's updates) stay float32 master weights.
         "dtype": "float32", "param_dtype": "float32",
         "remat": False, "scan_layers": False,
+        # Attention kernel of every layer, decoder and vision (valen_jax.models.attention): auto picks
+        # blockwise on CPU, cudnn on GPU, splash on TPU, and logs its choice.
+        "attention": "auto",
         # A `defaults("vision")` group, or None for a text-only model.
         "vision": None,
     }
@@ -234,6 +238,9 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
     for key in ("dtype", "param_dtype"):
         if config.model[key] not in DTYPES:
             raise ConfigError(f"config.model.{key}={config.model[key]!r}; choose one of {', '.join(DTYPES)}")
+    if config.model.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(f"config.model.attention={config.model.attention!r}; choose one of "
+                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if config.model.param_dtype != "float32":
         # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
         raise ConfigError("config.model.param_dtype must be float32 (master weights); "

@@ -90,6 +90,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     remat: bool = False  # recompute each block in the backward pass: activations O(1 layer)
     scan_layers: bool = False  # one stacked block under nnx.scan: compile time independent of depth
+    # config.model.attention: which kernel every Attention (decoder and vision) runs; attention.IMPLEMENTATIONS.
+    attention: str = "auto"
     dtype: str = "float32"
     param_dtype: str = "float32"
     image_pad_id: int = -1

@@ -6,7 +6,6 @@ mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
 from valen_jax.sharding import constrain
 
@@ -127,100 +127,20 @@ def mrope(x, positions, theta: float, section: tuple[int, ...], interleaved: boo
     return rotate(x, chosen * inv_freq)
 
 
-# Query positions per block in `causal_attention`: blocks of 64 measured best on CPU (against
-# 128 and 256) at 512 tokens; longer rows get at most 8 blocks, each a multiple of 64, so the
-# unrolled graph (and compile time) stays small while about 44% of the work is still skipped.
-ATTENTION_BLOCK = 64
-ATTENTION_MAX_BLOCKS = 8
-
-
-def attention_block_size(length: int) -> int:
-    return ATTENTION_BLOCK * math.ceil(math.ceil(length / ATTENTION_MAX_BLOCKS) / ATTENTION_BLOCK)
-
-
-def causal_attention(q, k, v, mask, chunk: int | None = None):
-    """Softmax attention for a mask that never allows a key after its query (causal, packed, branch trees).
-
-    q: [B, T, N, H]; k, v: [B, T, K, H] with N a multiple of K (grouped-query); mask: bool
-    [B, 1, T, T]. Queries are processed in blocks of `chunk` positions (default:
-    `attention_block_size(T)`), each against the keys up to its last position only: the blocks
-    above the diagonal, all masked, are never computed, nor their backward, which removes close
-    to half the work of a full [T, T] product. Exact with respect to full attention, since
-    those blocks carry zero weight.
-
-    Layout: keys and values are transposed once to [B, K, T, H] and queries to [B, K, T, G, H],
-    so each block's query rows (position, group) are contiguous and every product is a plain
-    batched matmul over (B, K) with no per-block transposes. Scores and softmax in f32.
-    """
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    groups = heads // kv_heads
-    chunk = chunk or attention_block_size(length)
-    queries = q.reshape(batch, length, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    # Split (not slice) along positions: the backward of a split is one concatenation, where
-    # slices would each pad their gradient back to full length before summing.
-    cuts = list(range(chunk, length, chunk))
-    query_blocks = jnp.split(queries, cuts, axis=2)
-    key_blocks, value_blocks = jnp.split(keys, cuts, axis=2), jnp.split(values, cuts, axis=2)
-    scale = head_dim ** -0.5
-    outputs = []
-    for i, block_queries in enumerate(query_blocks):
-        start = i * chunk
-        end = start + block_queries.shape[2]
-        rows = block_queries.reshape(batch, kv_heads, (end - start) * groups, head_dim)
-        prefix_keys = jnp.concatenate(key_blocks[:i + 1], axis=2) if i else key_blocks[0]
-        prefix_values = jnp.concatenate(value_blocks[:i + 1], axis=2) if i else value_blocks[0]
-        block = _attend_block(rows, prefix_keys, prefix_values, mask[:, :, start:end, :end], scale)
-        outputs.append(block.reshape(batch, kv_heads, end - start, groups, head_dim))
-    out = jnp.concatenate(outputs, axis=2)  # [B, K, T, G, H]
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, length, heads, head_dim)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attend_block(rows, keys, values, mask, scale):
-    """One query block: rows [B, K, R, H] (R = positions x groups) against keys/values [B, K, S, H]."""
-    return _attend_block_forward(rows, keys, values, mask, scale)[0]
-
-
-def _attend_block_forward(rows, keys, values, mask, scale):
-    batch, kv_heads, count, _ = rows.shape
-    positions, length = mask.shape[2], mask.shape[3]
-    scores = jnp.einsum("bkrh,bksh->bkrs", rows, keys, preferred_element_type=jnp.float32)
-    scores = scores.reshape(batch, kv_heads, positions, count // positions, length) * scale
-    scores = jnp.where(mask[:, :, :, None, :], scores, -jnp.inf)  # every row keeps its diagonal
-    weights = jax.nn.softmax(scores, axis=-1).reshape(batch, kv_heads, count, length)
-    out = jnp.einsum("bkrs,bksh->bkrh", weights.astype(values.dtype), values)
-    return out, (rows, keys, values, weights, out)
-
-
-def _attend_block_backward(scale, residuals, d_out):
-    # Softmax backward from the output side: Σ_s p·dp = Σ_h dO·O, a [R, H] product instead of a
-    # pass over the [R, S] scores; masked weights are exactly 0, so no select is needed.
-    rows, keys, values, weights, out = residuals
-    d_values = jnp.einsum("bkrs,bkrh->bksh", weights.astype(d_out.dtype), d_out)
-    d_weights = jnp.einsum("bkrh,bksh->bkrs", d_out, values, preferred_element_type=jnp.float32)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    d_scores = (weights * (d_weights - delta) * scale).astype(rows.dtype)
-    d_rows = jnp.einsum("bkrs,bksh->bkrh", d_scores, keys)
-    d_keys = jnp.einsum("bkrs,bkrh->bksh", d_scores, rows)
-    return d_rows, d_keys, d_values, None
-
-
-_attend_block.defvjp(_attend_block_forward, _attend_block_backward)
-
-
 class Attention(nnx.Module):
     """Multi-head attention with grouped key/value heads.
 
-    `causal=True` (the decoder) requires masks that never let a query see a later key and skips
-    the work above the diagonal (`causal_attention`); `causal=False` (the vision encoder)
-    takes any mask.
+    The mask comes from ids (`attention.attend`): `causal=True` for the decoder, `causal=False`
+    (the vision encoders: bidirectional within a segment). `implementation` is
+    config.model.attention (`attention.IMPLEMENTATIONS`).
     """
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
                  dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6,
-                 causal: bool = True, mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
+                 causal: bool = True, mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False,
+                 implementation: str = "auto"):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation {implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} key/value heads")
         self.q = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), param_dtype)
@@ -242,9 +162,10 @@ class Attention(nnx.Module):
         self.causal = causal
         self.mrope_section = tuple(mrope_section) if mrope_section else None
         self.mrope_interleaved = mrope_interleaved
+        self.implementation = implementation
 
-    def __call__(self, x, positions, mask):
-        """x: [B, T, D]; positions: [B, T]; mask: bool [B, 1, T, T], True where attention is allowed."""
+    def __call__(self, x, positions, segment_ids, branch_ids=None):
+        """x: [B, T, D]; positions: [B, T] (or [B, T, A]); segment_ids, branch_ids: int [B, T] (`attention.attend`)."""
         x = x.astype(self.dtype)
         q = dense(x, self.q[...].astype(self.dtype))
         k = dense(x, self.k[...].astype(self.dtype))
@@ -262,10 +183,7 @@ class Attention(nnx.Module):
             q = rope(q, positions, self.rope_theta, self.rope_scaling)
             k = rope(k, positions, self.rope_theta, self.rope_scaling)
         q = constrain(q, ("batch", "length", "act_heads", None))
-        if self.causal:
-            out = causal_attention(q, k, v, mask)
-        else:
-            out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = attend(q, k, v, segment_ids, branch_ids, causal=self.causal, implementation=self.implementation)
         return dense(out, self.o[...].astype(self.dtype), in_dims=2)
 
 
@@ -309,16 +227,16 @@ class Block(nnx.Module):
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
                  dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None,
-                 mrope_interleaved=False):
+                 mrope_interleaved=False, attention="auto"):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
                               rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section,
-                              mrope_interleaved=mrope_interleaved)
+                              mrope_interleaved=mrope_interleaved, implementation=attention)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
 
-    def __call__(self, x, positions, mask):
-        x = x + self.attn(self.attn_norm(x), positions, mask).astype(x.dtype)
+    def __call__(self, x, positions, segment_ids, branch_ids=None):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, branch_ids).astype(x.dtype)
         x = constrain(x, ("batch", "length", "act_embed"))
         return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)

@@ -7,10 +7,11 @@ window) → one matmul (the Conv3d with stride = kernel) → LayerNorm blocks wi
 concatenated, Linear → GELU → Linear into the decoder width).
 
 Attention stays within one frame of one media item: HF's `cu_seqlens` split a video per
-temporal patch, so the mask here is "same segment and same t". Qwen2.5-VL uses RMSNorm and a
+temporal patch, so attention here is "same segment and same t". Qwen2.5-VL uses RMSNorm and a
 biased SwiGLU MLP, and all blocks but `fullatt_blocks` attend within windows of
 window_size / patch_size patches a side (HF permutes patches into windows and back; the same
-windows as a mask give the same result without moving anything). Qwen3-VL's tower is Qwen2-VL's
+windows as ids give the same result without moving anything). Both are one id per patch
+(`cell_segments`) handed to `attention.attend` as segment ids: no [P, P] mask is built. Qwen3-VL's tower is Qwen2-VL's
 with a patch-embedding bias, a learned square position table resampled bilinearly to each grid,
 and "deepstack" mergers whose outputs the decoder adds after its first layers.
 """
@@ -21,9 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import VisionConfig, dtype_of
 from valen_jax.models.layers import RMSNorm, dense, inverse_frequencies, param, rotate
-from valen_jax.models.vision import media_mask
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -63,25 +64,40 @@ def vision_rope(x, positions, theta: float):
     return rotate(x, jnp.concatenate([pos[..., 1:2] * inv_freq, pos[..., 2:3] * inv_freq], axis=-1))  # [B, P, H/2]
 
 
-def frame_mask(positions, segments, window: int = 0):
-    """Patches attend within their own media item and frame (and `window`² patch window when > 0);
-    padding (0) only to itself."""
-    # media_mask's pairs narrowed to one frame (and window); every patch keeps itself.
-    keep = positions[:, :, None, 0] == positions[:, None, :, 0]
-    if window:
-        cell = positions[..., 1:] // window  # windows start at row/column 0 (HF pads at the far edges)
-        keep &= jnp.all(cell[:, :, None, :] == cell[:, None, :, :], axis=-1)
-    keep |= jnp.eye(segments.shape[1], dtype=bool)
-    return media_mask(segments) & keep[:, None, :, :]
+def cell_segments(positions, segments, window: int = 0):
+    """One attention segment id per patch: equal for patches of the same media item and frame (and
+    `window`² patch window when > 0), 0 for padding (segment 0), which then attends only to itself.
+
+    A dense rank of the key (segment, t[, h // window, w // window]) computed by one sort along the
+    row and a scatter back: O(P log P), where comparing every pair would build the [P, P] mask.
+    """
+    keys = [segments, positions[..., 0]]
+    if window:  # windows start at row/column 0 (HF pads at the far edges)
+        keys += [positions[..., 1] // window, positions[..., 2] // window]
+    batch, count = segments.shape
+    order = jnp.broadcast_to(jnp.arange(count, dtype=jnp.int32), (batch, count))
+    *ordered, perm = jax.lax.sort([*keys, order], dimension=1, num_keys=len(keys))
+    changed = jnp.zeros((batch, count - 1), bool)
+    for key in ordered:
+        changed |= key[:, 1:] != key[:, :-1]
+    rank = jnp.cumsum(jnp.concatenate([jnp.ones((batch, 1), jnp.int32), changed.astype(jnp.int32)], axis=1), axis=1)
+    ids = jnp.zeros_like(rank).at[jnp.arange(batch)[:, None], perm].set(rank)
+    return jnp.where(segments > 0, ids, 0)
+
+
+def _segment_max(values, segments):
+    """Each patch's largest value over its own segment, [B, P] (segment ids are 0..P: the k-th media item)."""
+    count = segments.shape[1] + 1
+    top = jax.vmap(lambda v, s: jax.ops.segment_max(v, s, num_segments=count))(values, segments)
+    return jnp.take_along_axis(top, segments, axis=1)
 
 
 def resampled_positions(table, positions, segments, side: int):
     """HF `get_vision_interpolation_indices_and_weights` (bilinear, align_corners): each patch's entry of the
     side × side table resampled to its item's (h, w) grid, read off the largest row/column in its segment."""
-    same = segments[:, :, None] == segments[:, None, :]
     rows, cols = positions[..., 1], positions[..., 2]
-    heights = jnp.max(jnp.where(same, rows[:, None, :], 0), axis=-1) + 1
-    widths = jnp.max(jnp.where(same, cols[:, None, :], 0), axis=-1) + 1
+    heights = jnp.maximum(_segment_max(rows, segments), 0) + 1
+    widths = jnp.maximum(_segment_max(cols, segments), 0) + 1
     offsets = jnp.arange(2)
 
     def taps(index, size):
@@ -120,7 +136,9 @@ class Merger(nnx.Module):
 
 
 class QwenVisionBlock(nnx.Module):
-    def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs, attention: str = "auto"):
+        if attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation {attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
         d, n = cfg.dim, cfg.num_heads
         h = d // n
         self.swiglu = cfg.family == "qwen2_5_vl"
@@ -143,14 +161,16 @@ class QwenVisionBlock(nnx.Module):
         self.act = activation(cfg.hidden_act)
         self.theta = cfg.rope_theta
         self.dtype = dtype
+        self.attention = attention
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, positions, segment_ids):
+        """segment_ids [B, P]: `cell_segments`, patches attend within equal ids (bidirectional)."""
         cdt = self.dtype
         y = self.norm1(x).astype(cdt)
         qkv = jnp.einsum("bpd,dsnh->bpsnh", y, self.qkv[...].astype(cdt)) + self.qkv_bias[...].astype(cdt)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = vision_rope(q, positions, self.theta), vision_rope(k, positions, self.theta)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = attend(q, k, v, segment_ids, causal=False, implementation=self.attention)
         x = x + (dense(out, self.proj[...].astype(cdt), in_dims=2) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
         y = self.norm2(x).astype(cdt)
 
@@ -166,7 +186,8 @@ class QwenVisionEncoder(nnx.Module):
     """Same call as `vision.VisionEncoder`: (patches, positions, segments) → [B, P / merge², text_dim]; with
     deepstack layers (Qwen3-VL) → (that, [one such array per deepstack layer])."""
 
-    def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs,
+                 attention: str = "auto"):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
@@ -175,7 +196,7 @@ class QwenVisionEncoder(nnx.Module):
             self.patch_bias = param(rngs, (cfg.dim,), ("norm",), pdt, "zeros")
             self.pos_embed = param(rngs, (cfg.num_position_embeddings, cfg.dim), ("patch", "embed"), pdt)
             self.deepstack = nnx.List([Merger(cfg, text_dim, LayerNorm, True, pdt, rngs) for _ in cfg.deepstack_layers])
-        self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs, attention) for _ in range(cfg.num_layers)])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
         self.ln_q = (RMSNorm if cfg.family == "qwen2_5_vl" else LayerNorm)(cfg.dim, 1e-6, pdt, rngs)
         self.merge_in = param(rngs, (merged, merged), ("embed", "mlp"), pdt)
@@ -194,11 +215,11 @@ class QwenVisionEncoder(nnx.Module):
             x = x + self.patch_bias[...].astype(cdt)
             x = x + resampled_positions(self.pos_embed[...], positions, segments, side).astype(cdt)
         deep = []
-        mask = frame_mask(positions, segments)
+        frames = cell_segments(positions, segments)
         window = cfg.window_size // cfg.patch_size // cfg.merge_size * cfg.merge_size if cfg.window_size else 0
-        window_mask = frame_mask(positions, segments, window) if window else mask
+        windows = cell_segments(positions, segments, window) if window else frames
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, mask if not window or i in cfg.fullatt_blocks else window_mask)
+            x = block(x, positions, frames if not window or i in cfg.fullatt_blocks else windows)
             if qwen3 and i in cfg.deepstack_layers:
                 deep.append(self.deepstack[cfg.deepstack_layers.index(i)](x, cdt))
         x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)

@@ -14,37 +14,18 @@ from valen_jax.models.vision import VisionEncoder
 from valen_jax.sharding import constrain
 
 
-def attention_mask(segment_ids, branch_ids=None):
-    """Causal within a segment; padding (segment 0) attends only to itself.
-
-    Packing puts several examples in one row; equal segment ids keep them apart (DESIGN).
-    With `branch_ids` (0 = shared prefix, k > 0 = branch k) a Valen branch tree is one row:
-    each branch sees the prefix and itself only, so its scores equal those of a separate
-    sequence prefix + branch (positions restart after the prefix, set by the loader).
-    """
-    length = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
-    allowed = same & causal
-    if branch_ids is not None:
-        key_branch = branch_ids[:, None, :]
-        allowed &= (key_branch == 0) | (key_branch == branch_ids[:, :, None])
-    diagonal = jnp.eye(length, dtype=bool)
-    return (allowed | diagonal)[:, None, :, :]
-
-
 def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
                  param_dtype=dtype_of(cfg.param_dtype), rngs=rngs, qk_norm=cfg.qk_norm,
                  rope_scaling=cfg.rope_scaling, mrope_section=cfg.mrope_section,
-                 mrope_interleaved=cfg.mrope_interleaved)
+                 mrope_interleaved=cfg.mrope_interleaved, attention=cfg.attention)
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
     if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
-    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs)
+        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
+    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -81,10 +62,11 @@ class Transformer(nnx.Module):
                              "scan_layers=True is not implemented for them")
         self.score_head = ScoreHead(cfg.dim, pdt, rngs) if cfg.score_head else None
 
-    def _run_layers(self, x, positions, mask, deepstack=()):
-        """`deepstack`: [B, T, D] additions after layers 0, 1, ... (Qwen3-VL; zero outside media slots)."""
+    def _run_layers(self, x, positions, ids, deepstack=()):
+        """`ids`: (segment_ids, branch_ids or None), from which each layer's attention builds its mask.
+        `deepstack`: [B, T, D] additions after layers 0, 1, ... (Qwen3-VL; zero outside media slots)."""
         def run(block, h):
-            return block(h, positions, mask)
+            return block(h, positions, *ids)
 
         if self.cfg.remat:
             run = nnx.remat(run)
@@ -143,7 +125,7 @@ class Transformer(nnx.Module):
                              f"got shape {positions.shape}")
         x, deepstack = self._embed(tokens, vision_inputs)
         x = constrain(x, ("batch", "length", "act_embed"))
-        x = self._run_layers(x, positions, attention_mask(segment_ids, branch_ids), deepstack)
+        x = self._run_layers(x, positions, (segment_ids, branch_ids), deepstack)
         return self.final_norm(x)
 
     def head_matrix(self):

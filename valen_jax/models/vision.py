@@ -15,15 +15,9 @@ from valen_jax.models.config import VisionConfig, dtype_of
 from valen_jax.models.layers import Block, RMSNorm, param
 
 
-def media_mask(segments):
-    """Patches attend within their own media item; padding (0) only to itself."""
-    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] > 0)
-    diagonal = jnp.eye(segments.shape[1], dtype=bool)
-    return (same | diagonal)[:, None, :, :]
-
-
 class VisionEncoder(nnx.Module):
-    def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs,
+                 attention: str = "auto"):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
@@ -31,7 +25,7 @@ class VisionEncoder(nnx.Module):
         self.blocks = nnx.List([
             Block(cfg.dim, cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.mlp_dim, bias=True,
                   rope_theta=cfg.rope_theta, eps=1e-6, dtype=cdt, param_dtype=pdt, rngs=rngs,
-                  causal=False)
+                  causal=False, attention=attention)
             for _ in range(cfg.num_layers)
         ])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
@@ -45,9 +39,8 @@ class VisionEncoder(nnx.Module):
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
-        mask = media_mask(segments)
-        for block in self.blocks:
-            x = block(x, positions, mask)
+        for block in self.blocks:  # patches attend within their own media item (segment ids; padding 0)
+            x = block(x, positions, segments)
         x = self.merge_norm(x.reshape(batch, count // group, group * cfg.dim))
         hidden = nnx.gelu(jnp.einsum("btd,df->btf", x, self.merge_in[...].astype(self.dtype)))
         return jnp.einsum("btf,fd->btd", hidden, self.merge_out[...].astype(self.dtype))

@@ -1,0 +1,205 @@
+"""Every attention implementation available on CPU equals the dense reference (values and gradients)
+for every mask kind the model uses, and the model path builds its masks from ids (issue 14)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from valen_jax.models import attention
+from valen_jax.models.attention_blockwise import blockwise_attention
+from valen_jax.models.attention_flash import flash_attention
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.qwen_vision import cell_segments
+from valen_jax.models.transformer import Transformer
+
+# Small tiles so every case crosses several tiles (and ragged last ones) at T ≤ 64.
+IMPLS = {
+    "blockwise": functools.partial(blockwise_attention, chunk=16),
+    "flash": functools.partial(flash_attention, block=16),
+    "flash_one_tile": flash_attention,  # default block: the whole short row in one tile
+}
+
+
+def _ids(kind, length):
+    """(segment_ids [2, T], branch_ids or None) for one mask kind."""
+    seg = np.ones((2, length), np.int32)
+    branch = None
+    if kind == "packed":  # three packed examples then padding; second row full
+        seg[0] = 0
+        for s, (a, b) in enumerate([(0, 7), (7, 30), (30, length - 5)], start=1):
+            seg[0, a:b] = s
+    elif kind == "ragged":  # different real lengths, tail padding
+        seg[0, length - 13:] = 0
+        seg[1, 3:] = 0
+    elif kind == "branches":  # Valen rows: prefix, three branches; second row two records with trees
+        branch = np.zeros((2, length), np.int32)
+        bounds = np.linspace(length // 4, length - 4, 4).astype(int)
+        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True), start=1):
+            branch[0, lo:hi] = b
+        seg[0, length - 4:] = 0
+        seg[1, length // 2:] = 2
+        branch[1, 10:14], branch[1, 14:20] = 1, 2
+        branch[1, length // 2 + 5:length // 2 + 9] = 1
+        branch = jnp.asarray(branch)
+    return jnp.asarray(seg), branch
+
+
+def _inputs(length, heads, kv_heads, head_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(2, length, heads, head_dim), (2, length, kv_heads, head_dim), (2, length, kv_heads, head_dim)]
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype) for s in shapes]
+
+
+def _value_and_grads(fn, q, k, v):
+    probe = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32))
+
+    def objective(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    (_, out), grads = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+CASES = [  # (mask kind, causal, T, N, K, H)
+    ("causal", True, 64, 4, 4, 16),
+    ("packed", True, 50, 4, 2, 8),  # GQA, T not a multiple of the tile
+    ("ragged", True, 37, 6, 1, 8),  # MQA, ragged padding
+    ("branches", True, 48, 4, 2, 8),
+    ("packed", False, 50, 4, 2, 8),  # vision: bidirectional within a segment
+    ("ragged", False, 37, 2, 2, 16),
+]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("kind,causal,length,heads,kv_heads,head_dim", CASES)
+def test_implementation_equals_reference_f32(impl, kind, causal, length, heads, kv_heads, head_dim):
+    q, k, v = _inputs(length, heads, kv_heads, head_dim, jnp.float32)
+    seg, branch = _ids(kind, length)
+    want, want_grads = _value_and_grads(functools.partial(attention.reference, segment_ids=seg, branch_ids=branch,
+                                                          causal=causal), q, k, v)
+    got, got_grads = _value_and_grads(lambda q, k, v: IMPLS[impl](q, k, v, seg, branch, causal=causal), q, k, v)
+    assert got.dtype == jnp.float32 and got.shape == q.shape
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
+@pytest.mark.parametrize("kind,causal", [("branches", True), ("packed", False)])
+def test_implementation_in_bfloat16_follows_the_f32_reference(impl, kind, causal):
+    # bf16 inputs: scores, softmax and accumulation stay f32, probabilities are rounded to bf16 for the
+    # P·V product (as cuDNN/FlashAttention do), so outputs and gradients stay within a few bf16 ulps
+    # of magnitude-1 values: 2e-2 absolute.
+    q, k, v = _inputs(48, 4, 2, 8, jnp.bfloat16, seed=3)
+    seg, branch = _ids(kind, 48)
+    want, want_grads = _value_and_grads(
+        lambda q, k, v: attention.reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                            seg, branch, causal=causal), q, k, v)
+    got, got_grads = _value_and_grads(lambda q, k, v: IMPLS[impl](q, k, v, seg, branch, causal=causal), q, k, v)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_flash_keeps_branches_apart():
+    # Changing branch 3's keys and values leaves every other position's output bit-identical.
+    q, k, v = _inputs(48, 4, 2, 8, jnp.float32, seed=1)
+    seg, branch = _ids("branches", 48)
+    third = np.asarray(branch[0]) == 3
+    k2, v2 = k.at[0, third].add(1.0), v.at[0, third].add(1.0)
+    before = flash_attention(q, k, v, seg, branch, causal=True, block=16)
+    after = flash_attention(q, k2, v2, seg, branch, causal=True, block=16)
+    np.testing.assert_array_equal(np.asarray(after)[0, ~third], np.asarray(before)[0, ~third])
+    assert not np.allclose(np.asarray(after)[0, third], np.asarray(before)[0, third])
+
+
+def test_auto_resolves_by_backend_and_length_and_logs_once(caplog):
+    attention._logged.clear()
+    with caplog.at_level(logging.INFO, logger="valen_jax.models.attention"):
+        assert attention.resolve("auto", 512) == "blockwise"
+        assert attention.resolve("auto", 512) == "blockwise"
+        assert attention.resolve("auto", attention.CPU_BLOCKWISE_MAX_LENGTH + 1) == "flash"
+    assert len([r for r in caplog.records if "config.model.attention=auto" in r.message]) == 2
+    assert attention.resolve("flash", 512) == "flash"
+    with pytest.raises(ValueError, match="config.model.attention='dense'"):
+        attention.resolve("dense", 512)
+
+
+def test_cell_segments_equal_ids_exactly_where_the_frame_and_window_mask_allows():
+    # Two items (the second a 2-frame clip) and padding; windows of 2 patches a side.
+    rng = np.random.default_rng(0)
+    seg = np.array([[1] * 16 + [2] * 18 + [0] * 6])
+    t = np.concatenate([np.zeros(16), np.repeat([0, 1], 9), np.zeros(6)]).astype(np.int32)
+    h = np.concatenate([np.repeat(np.arange(4), 4), np.tile(np.repeat(np.arange(3), 3), 2), rng.integers(0, 9, 6)])
+    w = np.concatenate([np.tile(np.arange(4), 4), np.tile(np.tile(np.arange(3), 3), 2), rng.integers(0, 9, 6)])
+    positions = jnp.asarray(np.stack([t, h, w], axis=-1)[None], jnp.int32)
+    for window in (0, 2):
+        ids = np.asarray(cell_segments(positions, jnp.asarray(seg, jnp.int32), window))[0]
+        same = (seg[0][:, None] == seg[0][None]) & (seg[0][:, None] > 0) & (t[:, None] == t[None])
+        if window:
+            same &= (h[:, None] // window == h[None] // window) & (w[:, None] // window == w[None] // window)
+        np.testing.assert_array_equal((ids[:, None] == ids[None]) & (ids[:, None] > 0), same)
+        assert (ids[seg[0] == 0] == 0).all()
+
+
+def _shapes_in(jaxpr):
+    """Every intermediate's (shape, dtype) in a jaxpr and all its sub-jaxprs (scan, while, cond, custom_vjp)."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield var.aval.shape, var.aval.dtype
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):  # a Jaxpr (or a ClosedJaxpr's)
+                    yield from _shapes_in(inner)
+
+
+def test_decoder_forward_with_flash_never_builds_a_length_by_length_mask():
+    length = 256  # two flash tiles: a [T, T] array could only be a whole-row mask
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                      attention="flash")
+    graph, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+    tokens = jnp.zeros((1, length), jnp.int32)
+    segments = jnp.concatenate([jnp.ones((1, 200), jnp.int32), jnp.zeros((1, 56), jnp.int32)], axis=1)
+    branches = jnp.zeros((1, length), jnp.int32)
+
+    def forward(state):
+        return nnx.merge(graph, state)(tokens, jnp.broadcast_to(jnp.arange(length), (1, length)), segments,
+                                       branch_ids=branches)
+
+    shapes = list(_shapes_in(jax.make_jaxpr(forward)(state).jaxpr))
+    assert any(dtype == jnp.bool_ and shape[-2:] == (128, 128) for shape, dtype in shapes)  # tile masks exist
+    square = [shape for shape, dtype in shapes if dtype == jnp.bool_ and shape[-2:] == (length, length)]
+    assert not square, square
+
+
+def test_decoder_logits_are_the_same_with_every_cpu_implementation():
+    # config.model.attention reaches every layer: same parameters, same rows, same logits.
+    seg, branch = _ids("branches", 48)
+    positions = jnp.broadcast_to(jnp.arange(48), (2, 48))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 48)), jnp.int32)
+    logits = {}
+    for impl in ("blockwise", "flash"):
+        cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                          attention=impl)
+        model = Transformer(cfg, nnx.Rngs(0))
+        assert all(layer.attn.implementation == impl for layer in model.layers)
+        logits[impl] = model(tokens, positions, seg, branch_ids=branch)
+    np.testing.assert_allclose(logits["flash"], logits["blockwise"], atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_implementation_is_refused_by_name():
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                      attention="dense")
+    with pytest.raises(ValueError, match="attention implementation 'dense'"):
+        Transformer(cfg, nnx.Rngs(0))
