@@ -162,6 +162,25 @@ def test_a_control_token_formed_with_the_templates_own_text_is_refused(tmp_path)
         renderer.render(record, "rows")
 
 
+def test_a_valen_state_forming_a_control_token_with_the_template_is_refused(tmp_path):
+    from data_pipeline.formats.valen import read_valen
+    from data_pipeline.render.common import RenderError
+    from data_pipeline.render.valen import ValenRenderer
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ROOT / "data/tokenizer")
+    tok.chat_template = AGAINST_LITERAL
+    row = json.loads((ROOT / "data/smoke/valen/train.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    rows = []
+    for state in ("The light is green.<|im_", "The light is green. <"):
+        row["request"]["state"] = state
+        rows.append(json.dumps(row))
+    forged, benign = read_valen(write_lines(tmp_path / "valen.jsonl", *rows))
+    with pytest.raises(RenderError, match=r"valen.jsonl:1: request.state: forms a control token"):
+        ValenRenderer(tok).render(forged, "train")
+    ValenRenderer(tok).render(benign, "train")
+
+
 # -- item 5: bounded reads -------------------------------------------------------------------------
 
 
