@@ -135,6 +135,20 @@ def test_auto_resolves_by_backend_and_length_and_logs_once(caplog):
         attention.resolve("dense", 512)
 
 
+def test_auto_on_gpu_gives_cudnn_only_what_its_packed_layout_expresses(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    if attention._accelerated_module() is None:
+        pytest.skip("valen_jax/models/attention_accel.py is not in this tree")
+    bf16 = jnp.bfloat16
+    assert attention.choose("auto", 4096, bf16, causal=True, branches=False) == "cudnn"  # decoder rows
+    assert attention.choose("auto", 4096, jnp.float32, causal=True, branches=False) == "flash"
+    assert attention.choose("auto", 4096, bf16, causal=True, branches=True) == "flash"  # Valen trees
+    assert attention.choose("auto", 4096, bf16, causal=False, branches=False) == "flash"  # vision windows
+    assert attention.choose("cudnn", 4096, bf16, causal=False, branches=False) == "cudnn"  # explicit: kept
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.choose("auto", 4096, bf16, causal=False, branches=True) == "splash"
+
+
 def test_cell_segments_equal_ids_exactly_where_the_frame_and_window_mask_allows():
     # Two items (the second a 2-frame clip) and padding; windows of 2 patches a side.
     rng = np.random.default_rng(0)

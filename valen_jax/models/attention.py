@@ -98,6 +98,29 @@ def resolve(implementation: str, seq_len: int) -> str:
     return chosen
 
 
+def choose(implementation: str, seq_len: int, dtype, *, causal: bool, branches: bool) -> str:
+    """`resolve`, then what `auto` does for one call: on GPU cuDNN takes only what its packed layout
+    expresses, so `flash` gets the rest: f32 inputs (cuDNN is 16-bit only), branch trees (not
+    contiguous segments), and bidirectional (vision) rows, whose frame/window ids
+    (`qwen_vision.cell_segments`) are neither contiguous runs nor bounded by cuDNN's 64 runs a row.
+    An explicit choice is never changed (the kernel refuses what it cannot do, by name)."""
+    chosen = resolve(implementation, seq_len)
+    if implementation != "auto" or chosen != "cudnn":
+        return chosen
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        why = f"{jnp.dtype(dtype).name} inputs (cuDNN takes bf16/f16 only)"
+    elif branches:
+        why = "branch trees (cuDNN's packed layout holds contiguous segments only)"
+    elif not causal:
+        why = "bidirectional (vision) rows: frame/window ids are not contiguous runs"
+    else:
+        return chosen
+    if ("cudnn", why) not in _logged:
+        _logged.add(("cudnn", why))
+        log.info("config.model.attention=auto: flash instead of cudnn for %s", why)
+    return "flash"
+
+
 def attend(q, k, v, segment_ids, branch_ids=None, *, causal: bool, implementation: str = "auto"):
     """q [B, T, N, H]; k, v [B, T, K, H] (N a multiple of K: grouped-query); segment_ids int32 [B, T]
     (0 = padding, which attends only to itself); branch_ids int32 [B, T] or None (0 = shared prefix,
@@ -106,16 +129,7 @@ def attend(q, k, v, segment_ids, branch_ids=None, *, causal: bool, implementatio
     and (branch_ids is None or kb == 0 or kb == qb); plus the diagonal always."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
-    chosen = resolve(implementation, q.shape[1])
-    if chosen == "cudnn" and implementation == "auto" and branch_ids is not None:
-        # cuDNN's packed layout cannot express a branch tree (cudnn_attention refuses it): Valen rows run flash.
-        chosen = "flash"
-    if chosen == "cudnn" and implementation == "auto" and q.dtype not in (jnp.bfloat16, jnp.float16):
-        # cuDNN's flash kernels take 16-bit inputs only; an f32 model on GPU runs the portable kernel.
-        chosen = "flash"
-        if ("cudnn-f32", str(q.dtype)) not in _logged:
-            _logged.add(("cudnn-f32", str(q.dtype)))
-            log.info("config.model.attention=auto: flash for %s inputs (cuDNN takes bf16/f16 only)", q.dtype)
+    chosen = choose(implementation, q.shape[1], q.dtype, causal=causal, branches=branch_ids is not None)
     if chosen in _ACCELERATED:
         accel = _accelerated_module()
         if accel is None:
