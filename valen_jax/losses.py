@@ -7,12 +7,14 @@ big batch exactly (up to summation order).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from valen_jax.sharding import constrain
+from valen_jax.sharding import constrain, logical_to_spec
 
 OBJECTIVES = ("tokens", "branches", "drafter")
 LOSS_REDUCTIONS = ("state_mean", "question_mean")
@@ -44,37 +46,84 @@ def token_losses(logits, targets, weights) -> dict[str, jax.Array]:
             "weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 
-def head_token_losses(hidden, head, targets, weights) -> dict[str, jax.Array]:
-    """`token_losses(hidden @ head, ...)` for training, with a hand-written backward.
+# Budget for one chunk's f32 logits on one device: the training loss never holds more of the
+# [tokens, V] logits than this (plus the same again for the backward's softmax − one-hot). Large
+# enough that a chunk's matmuls stay efficient (Qwen's 152k vocabulary: ~110 tokens a chunk, a
+# 32k vocabulary ~520), small next to the activations at long sequence lengths.
+CHUNK_BYTES = 64 * 2**20
+# A problem whose whole logits fit in this many bytes per device takes one chunk: no loop, the
+# fastest form on CPU (`benchmarks/train_step.py`'s 8×512 tokens × 32k vocabulary, 512 MiB).
+SINGLE_CHUNK_BYTES = 512 * 2**20
+
+
+def head_token_losses(hidden, head, targets, weights, chunk_length: int | None = None) -> dict[str, jax.Array]:
+    """`token_losses(hidden @ head, ...)` for training, token-tiled, with a hand-written backward.
 
     hidden: [B, T, D] (compute dtype); head: [D, V] (compute dtype); targets int [B, T];
     weights f32 [B, T]. Same `ce`, `z` and `weight` sums and the same gradients as autodiff
-    through `token_losses`, in fewer passes over the [B·T, V] logits, which dominate the memory
-    traffic of a small model's step: the forward takes the row maximum once (for the
-    normaliser and the hit count), and the backward forms softmax − one-hot in one elementwise
-    pass (autodiff scatters the one-hot into a separate buffer and transposes it) before the two
-    matmuls. `correct` counts a hit when the target's logit equals its row's maximum, without a
-    separate argmax pass; it differs from `token_losses` only on exact ties (which count as
-    hits here), a training-time progress figure; evaluation uses `token_losses`.
+    through `token_losses`, without ever holding the whole [B·T, V] logits: the sequence is cut
+    into chunks of `chunk_length` positions (all B rows at once, so the batch sharding is kept);
+    the forward computes each chunk's logits, its sums and its log-normaliser, and keeps only
+    the log-normalisers ([B, T] f32) for the backward, which recomputes each chunk's logits,
+    forms softmax − one-hot in one elementwise pass, and accumulates d_hidden chunk by chunk and
+    d_head (f32) across chunks. Peak logits memory is one chunk's, O(chunk · V), not O(T · V).
+    `chunk_length=None` derives it from `CHUNK_BYTES` (one chunk when the whole problem is within
+    `SINGLE_CHUNK_BYTES`); a length that does not divide T leaves a shorter last chunk.
+
+    `correct` counts a hit when the target's logit equals its row's maximum, without a separate
+    argmax pass; it differs from `token_losses` only on exact ties (which count as hits here), a
+    training-time progress figure; evaluation uses `token_losses`.
     """
-    return _head_token_losses(hidden, head, targets, weights.astype(jnp.float32))
+    batch, length, _ = hidden.shape
+    if chunk_length is None:
+        chunk_length = default_chunk_length(batch, length, head.shape[-1])
+    if chunk_length < 1:
+        raise ValueError(f"head_token_losses: chunk_length must be ≥ 1, got {chunk_length}")
+    return _tiled_losses(hidden, head, targets, weights.astype(jnp.float32), min(int(chunk_length), length))
 
 
-def _head_forward(hidden, head, targets, weights):
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    logits = constrain(jnp.dot(rows, head, preferred_element_type=jnp.float32), ("batch", "act_vocab"))
-    flat_targets, flat_weights = targets.reshape(-1), weights.reshape(-1)
+def _batch_shards(batch: int) -> int:
+    """Devices the rows are split over (mesh axes of the `batch` rule), 1 outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = logical_to_spec(("batch",))[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    shards = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+    return shards if batch % shards == 0 else 1
+
+
+def default_chunk_length(batch: int, length: int, vocab: int) -> int:
+    """Sequence positions per chunk so one chunk's f32 logits on one device stay within CHUNK_BYTES."""
+    rows = max(1, batch // _batch_shards(batch))
+    if rows * length * vocab * 4 <= SINGLE_CHUNK_BYTES:
+        return length
+    positions = max(1, CHUNK_BYTES // (4 * vocab * rows))
+    if positions >= 8:
+        positions -= positions % 8  # whole sublanes for the accelerators' matmul tiles
+    return min(positions, length)
+
+
+def _chunk_logits(rows, head):
+    return constrain(jnp.dot(rows, head, preferred_element_type=jnp.float32), ("batch", "act_vocab"))
+
+
+def _chunk_forward(rows, head, targets, weights):
+    """One chunk: rows [M, D], targets/weights [M] → (its four sums, log Z [M], logits [M, V] f32)."""
+    logits = _chunk_logits(rows, head)
     row_max = jnp.max(logits, axis=-1)
     log_z = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
-    target_logit = jnp.take_along_axis(logits, flat_targets[:, None], axis=-1)[:, 0]
+    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     hit = (target_logit >= row_max).astype(jnp.float32)
-    sums = {"ce": jnp.sum((log_z - target_logit) * flat_weights), "z": jnp.sum(jnp.square(log_z) * flat_weights),
-            "weight": jnp.sum(flat_weights), "correct": jnp.sum(hit * flat_weights)}
-    return sums, (rows, head, logits, log_z, flat_targets, flat_weights, hidden.shape)
+    sums = {"ce": jnp.sum((log_z - target_logit) * weights), "z": jnp.sum(jnp.square(log_z) * weights),
+            "weight": jnp.sum(weights), "correct": jnp.sum(hit * weights)}
+    return sums, log_z, logits
 
 
-def _head_backward(residuals, cotangents):
-    rows, head, logits, log_z, targets, weights, hidden_shape = residuals
+def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None):
+    """One chunk's (d_rows [M, D] in the rows' dtype, d_head [D, V] f32); `logits` recomputed unless given."""
+    if logits is None:
+        logits = _chunk_logits(rows, head)
     # d/dlogits of Σw(log Z − logit_t)·g_ce + Σw·log Z²·g_z  =  softmax·w(g_ce + 2 g_z log Z) − one-hot·w·g_ce
     scale = weights * (cotangents["ce"] + 2.0 * cotangents["z"] * log_z)
     target_scale = weights * cotangents["ce"]
@@ -82,20 +131,80 @@ def _head_backward(residuals, cotangents):
     d_logits = jnp.exp(logits - log_z[:, None]) * scale[:, None] - jnp.where(is_target, target_scale[:, None], 0.0)
     d_logits = d_logits.astype(rows.dtype)
     d_rows = jnp.dot(d_logits, head.T, preferred_element_type=jnp.float32).astype(rows.dtype)
-    # The [D, N] transpose of the rows is materialised (the barrier stops XLA folding it back
-    # into the dot): a plain [D, N] @ [N, V] product runs ~9% faster on XLA:CPU than the
-    # transposed-operand form, for a copy of only D·N values.
+    # The [D, M] transpose of the rows is materialised (the barrier stops XLA folding it back
+    # into the dot): a plain [D, M] @ [M, V] product runs ~9% faster on XLA:CPU than the
+    # transposed-operand form, for a copy of only D·M values.
     rows_t = jax.lax.optimization_barrier(rows.T)
-    d_head = jnp.dot(rows_t, d_logits, preferred_element_type=jnp.float32).astype(head.dtype)
-    return d_rows.reshape(hidden_shape), d_head, None, None
+    return d_rows, jnp.dot(rows_t, d_logits, preferred_element_type=jnp.float32)
 
 
-@jax.custom_vjp
-def _head_token_losses(hidden, head, targets, weights):
-    return _head_forward(hidden, head, targets, weights)[0]
+def _pieces(hidden, targets, weights, start, size):
+    """Positions [start, start + size) of every row, flattened to [B·size, ...] (start may be traced)."""
+    batch, _, dim = hidden.shape
+
+    def take(x, tail):
+        return jax.lax.dynamic_slice(x, (0, start) + (0,) * len(tail), (batch, size) + tail)
+
+    return (take(hidden, (dim,)).reshape(batch * size, dim), take(targets, ()).reshape(-1),
+            take(weights, ()).reshape(-1))
 
 
-_head_token_losses.defvjp(_head_forward, _head_backward)
+def _tiled_forward(hidden, head, targets, weights, chunk):
+    batch, length, dim = hidden.shape
+    if chunk == length:
+        # One chunk (a small problem): keep its logits for the backward rather than recompute them.
+        rows, flat_targets, flat_weights = hidden.reshape(-1, dim), targets.reshape(-1), weights.reshape(-1)
+        sums, log_z, logits = _chunk_forward(rows, head, flat_targets, flat_weights)
+        return sums, (hidden, head, targets, weights, log_z, logits)
+    count, tail = divmod(length, chunk)
+
+    def one(carry, index):
+        rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, index * chunk, chunk)
+        sums, log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights)
+        return jax.tree.map(jnp.add, carry, sums), log_z.reshape(batch, chunk)
+
+    zero = {name: jnp.zeros((), jnp.float32) for name in ("ce", "z", "weight", "correct")}
+    sums, stacked = jax.lax.scan(one, zero, jnp.arange(count))
+    log_z = jnp.moveaxis(stacked, 0, 1).reshape(batch, count * chunk)
+    if tail:
+        rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, count * chunk, tail)
+        last, tail_log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights)
+        sums = jax.tree.map(jnp.add, sums, last)
+        log_z = jnp.concatenate([log_z, tail_log_z.reshape(batch, tail)], axis=1)
+    return sums, (hidden, head, targets, weights, log_z, None)
+
+
+def _tiled_backward(chunk, residuals, cotangents):
+    hidden, head, targets, weights, log_z, logits = residuals
+    batch, length, dim = hidden.shape
+    if logits is not None:  # the one-chunk form
+        d_rows, d_head = _chunk_backward(hidden.reshape(-1, dim), head, targets.reshape(-1), weights.reshape(-1),
+                                         log_z, cotangents, logits)
+        return d_rows.reshape(hidden.shape), d_head.astype(head.dtype), None, None
+    count, tail = divmod(length, chunk)
+
+    def grads(carry, start, size):
+        d_hidden, d_head = carry
+        rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, start, size)
+        chunk_log_z = jax.lax.dynamic_slice(log_z, (0, start), (batch, size)).reshape(-1)
+        d_rows, d_head_part = _chunk_backward(rows, head, chunk_targets, chunk_weights, chunk_log_z, cotangents)
+        d_hidden = jax.lax.dynamic_update_slice(d_hidden, d_rows.reshape(batch, size, dim), (0, start, 0))
+        return d_hidden, d_head + d_head_part
+
+    carry = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(head.shape, jnp.float32))
+    carry, _ = jax.lax.scan(lambda c, index: (grads(c, index * chunk, chunk), None), carry, jnp.arange(count))
+    if tail:
+        carry = grads(carry, count * chunk, tail)
+    d_hidden, d_head = carry
+    return d_hidden, d_head.astype(head.dtype), None, None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiled_losses(hidden, head, targets, weights, chunk):
+    return _tiled_forward(hidden, head, targets, weights, chunk)[0]
+
+
+_tiled_losses.defvjp(_tiled_forward, _tiled_backward)
 
 
 def branch_cross_entropy(log_probs, labels, labeled):
