@@ -16,9 +16,11 @@ and return what `attention.reference` returns, without a dense [T, T] mask:
   residuals, which gives exactly that pass's share of the gradient of the full softmax (the
   ring-attention identity); dq/dk/dv are the sums. That backward calls the kernel module's
   `_splash_attention_bwd` (pinned JAX; tests/test_attention_accel.py runs it in interpret mode).
+  On a multi-device mesh the kernel runs per shard inside a shard_map (XLA cannot partition it).
 * `cudnn_attention`: cuDNN flash attention in its packed layout (per-row segment offsets and lengths,
-  `PADDING_CAUSAL`), built from the segment ids; padding rows are set to their own value (what the
-  reference gives them). Branch trees are refused: cuDNN's packed layout expresses contiguous
+  `PADDING_CAUSAL`), built from the segment ids (up to CUDNN_MAX_SEGMENTS runs per row); padding
+  rows are set to their own value (what the reference gives them). Untested on a GPU so far: only
+  its arguments are checked, against JAX's own cuDNN checks, on CPU. Branch trees are refused: cuDNN's packed layout expresses contiguous
   segments only, and a two-pass merge would need cuDNN's private backward, which no GPU here could
   test; `attend(implementation="auto")` runs them with `flash` on GPU.
 """
