@@ -15,8 +15,8 @@ from flax import nnx
 from valen_jax.models import attention
 from valen_jax.models.attention_blockwise import blockwise_attention
 from valen_jax.models.attention_flash import flash_attention
-from valen_jax.models.config import ModelConfig
-from valen_jax.models.qwen_vision import cell_segments
+from valen_jax.models.config import ModelConfig, VisionConfig
+from valen_jax.models.qwen_vision import QwenVisionEncoder, cell_segments
 from valen_jax.models.transformer import Transformer
 
 # Small tiles so every case crosses several tiles (and ragged last ones) at T ≤ 64.
@@ -193,7 +193,28 @@ def test_decoder_forward_with_flash_never_builds_a_length_by_length_mask():
 
     shapes = list(_shapes_in(jax.make_jaxpr(forward)(state).jaxpr))
     assert any(dtype == jnp.bool_ and shape[-2:] == (128, 128) for shape, dtype in shapes)  # tile masks exist
-    square = [shape for shape, dtype in shapes if dtype == jnp.bool_ and shape[-2:] == (length, length)]
+    square = [(shape, dtype) for shape, dtype in shapes if shape[-2:] == (length, length)]
+    assert not square, square
+
+
+def test_windowed_vision_tower_with_flash_never_builds_a_patch_by_patch_array():
+    # Qwen2.5-VL: window blocks and full blocks; one 16 x 16 image and padding, 256 patches.
+    cfg = VisionConfig(patch_size=2, merge_size=2, temporal_patch_size=1, dim=32, num_layers=2, num_heads=2,
+                       mlp_dim=32, family="qwen2_5_vl", hidden_act="silu", window_size=8, fullatt_blocks=(1,))
+    graph, state = nnx.split(QwenVisionEncoder(cfg, 16, "float32", "float32", nnx.Rngs(0), attention="flash"))
+    count = 256
+    grid = np.stack(np.meshgrid(np.arange(15), np.arange(15), indexing="ij"), -1).reshape(-1, 2)[:count - 32]
+    positions = np.zeros((1, count, 3), np.int32)
+    positions[0, :len(grid), 1:] = grid
+    segments = (np.arange(count) < len(grid)).astype(np.int32)[None]
+    patches = jnp.zeros((1, count, cfg.patch_dim), jnp.float32)
+
+    def forward(state):
+        return nnx.merge(graph, state)(patches, jnp.asarray(positions), jnp.asarray(segments))
+
+    shapes = list(_shapes_in(jax.make_jaxpr(forward)(state).jaxpr))
+    assert any(dtype == jnp.bool_ and shape[-2:] == (128, 128) for shape, dtype in shapes)
+    square = [(shape, dtype) for shape, dtype in shapes if shape[-2:] == (count, count)]
     assert not square, square
 
 
