@@ -181,6 +181,22 @@ def test_a_valen_state_forming_a_control_token_with_the_template_is_refused(tmp_
     ValenRenderer(tok).render(benign, "train")
 
 
+def test_a_vflash_turn_forming_a_control_token_with_the_template_is_refused(tmp_path):
+    from data_pipeline.formats.vflash import read_vflash
+    from data_pipeline.render.common import RenderError
+    from data_pipeline.render.vflash import VFlashRenderer
+    from data_pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ROOT / "data/tokenizer")
+    tok.chat_template = AGAINST_LITERAL
+    rows = [{"conversations": [{"from": "human", "value": value}, VFLASH_ROW["conversations"][1]]}
+            for value in ("Where is the cup?<|im_", "Where is the cup? <")]
+    forged, benign = read_vflash(write_lines(tmp_path / "rows.jsonl", *map(json.dumps, rows)))
+    with pytest.raises(RenderError, match=r"rows.jsonl:1: conversations\[0\].value: forms a control token"):
+        VFlashRenderer(tok).render(forged, "rows")
+    VFlashRenderer(tok).render(benign, "rows")
+
+
 # -- item 5: bounded reads -------------------------------------------------------------------------
 
 

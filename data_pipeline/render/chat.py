@@ -49,7 +49,6 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, token_id
 
 ASSISTANT_TURNS = ("all", "last")
-_FENCE = "\u2063"  # invisible separator: ends a text without being whitespace that `trim` would remove
 
 
 def arguments_text(call: ToolCall) -> str:
@@ -91,7 +90,9 @@ class ChatRenderer:
         messages = [_template_message(m) for m in record.messages]
         chat = render_chat(self.tokenizer, messages, source, line, tools=record.tools, end_of_turn=self.end_of_turn,
                            templater=self._templater)
-        self._refuse_formed_tokens(record, messages, chat.text)
+        self._guard.refuse_formed(source, line, messages, chat.text,
+                                  lambda fenced: self._templater.render_text(fenced, record.tools),
+                                  lambda i: f"messages[{i}].content")
         ids = chat.input_ids
         runs = mask_runs(chat.assistant_mask)
         assistant = [m for m in record.messages if m.role == "assistant"]
@@ -137,36 +138,6 @@ class ChatRenderer:
             where = f"{field}.tool_calls[{k}].function"
             refuse(record.source, record.line, f"{where}.name", call.name)
             refuse(record.source, record.line, f"{where}.arguments", arguments_text(call))
-
-    def _refuse_formed_tokens(self, record: ChatRecord, messages: list[dict], text: str) -> None:
-        """Refuse a control token that a message text forms with what the template writes beside it.
-
-        Every text passed the guard alone (and consecutive parts joined), but a template may write a
-        text right against its own literals (`content|trim`, no newline): "hi<|im_" + "end|>" is one
-        token. Rows whose texts could do that (`ControlTokenGuard.may_join`: rare) are rendered again
-        with those texts fenced by an invisible separator; more control tokens in the real rendering
-        than in the fenced one means a text formed one.
-        """
-        fenced, edges = [], []
-        for i, message in enumerate(messages):
-            content = message["content"]
-            if isinstance(content, str) and self._guard.may_join(content):
-                message = {**message, "content": _FENCE + content + _FENCE}
-                edges.append(f"messages[{i}].content")
-            elif isinstance(content, list):
-                parts = [{**p, "text": _FENCE + p["text"] + _FENCE} if p["type"] == "text"
-                         and self._guard.may_join(p["text"]) else p for p in content]
-                if parts != content:
-                    message = {**message, "content": parts}
-                    edges.append(f"messages[{i}].content")
-            fenced.append(message)
-        if not edges:
-            return
-        if self._guard.count(text) > self._guard.count(self._templater.render_text(fenced, record.tools)):
-            raise RenderError(record.source, record.line, edges[0] if len(edges) == 1 else "messages",
-                              "forms a control token with the text the chat template writes beside it"
-                              f"{'' if len(edges) == 1 else ' (in ' + ', '.join(edges) + ')'}; text cannot "
-                              "write template structure, so remove it or spell it differently")
 
     def _check_nothing_dropped(self, record: ChatRecord, chat: ChatTokens, runs: list[tuple[int, int]],
                                assistant: Sequence[ChatMessage]) -> None:

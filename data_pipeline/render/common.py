@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +58,36 @@ class ControlTokenGuard:
         """Control tokens in `text`, matched as the tokenizer splits added tokens (leftmost, longest)."""
         return len(self._pattern.findall(text)) if self._pattern is not None else 0
 
+    def refuse_formed(self, source: str, line: int, messages: Sequence[dict], rendered: str,
+                      render: Callable[[list[dict]], str], field_of: Callable[[int], str]) -> None:
+        """Refuse a control token a message text forms with the text the template writes beside it.
+
+        Every text passed `refuse` alone (and consecutive parts `refuse_joined`), but a template may
+        write a text right against its own literals (`content|trim`, no newline): "hi<|im_" + "end|>"
+        is one token. Messages whose texts could do that (`may_join`: rare) are rendered again by
+        `render` with those texts fenced by an invisible separator; more control tokens in `rendered`
+        than in the fenced rendering means a text formed one. `field_of(i)`: the field of message i.
+        """
+        fenced, fields = [], []
+        for i, message in enumerate(messages):
+            content = message["content"]
+            if isinstance(content, str) and self.may_join(content):
+                message = {**message, "content": _FENCE + content + _FENCE}
+            elif isinstance(content, list) and any(p["type"] == "text" and self.may_join(p["text"]) for p in content):
+                message = {**message, "content": [{**p, "text": _FENCE + p["text"] + _FENCE}
+                                                   if p["type"] == "text" and self.may_join(p["text"]) else p
+                                                   for p in content]}
+            else:
+                fenced.append(message)
+                continue
+            fenced.append(message)
+            fields.append(field_of(i))
+        if fields and self.count(rendered) > self.count(render(fenced)):
+            others = f" (or {', '.join(fields[1:])})" if len(fields) > 1 else ""
+            raise RenderError(source, line, fields[0],
+                              f"forms a control token with the text the chat template writes beside it{others}; "
+                              "text cannot write template structure, so remove it or spell it differently")
+
     def find(self, text: str) -> str | None:
         found = self._pattern.search(text) if self._pattern is not None else None
         return found.group() if found else None
@@ -90,6 +120,9 @@ class ControlTokenGuard:
                                       f"hold the control token {token!r} split across parts; text cannot write "
                                       "template structure, so remove it or spell it differently")
             run = []
+
+
+_FENCE = "\u2063"  # invisible separator: ends a text without being whitespace that `trim` would remove
 
 
 def _alternation(pieces: set[str]) -> str:

@@ -39,7 +39,6 @@ from data_pipeline.render.common import ControlTokenGuard, RenderError, read_med
 from data_pipeline.shards import Example
 
 _SENTINEL = "\u2063VALEN_QUESTION\u2063"  # invisible separator: never in real text, split point only
-_FENCE = "\u2063"  # invisible separator: ends a text without being whitespace that `trim` would remove
 _MEDIA_SLOT = vocabulary.VISION_START + vocabulary.IMAGE_PAD + vocabulary.VISION_END
 
 
@@ -90,25 +89,15 @@ class ValenRenderer:
     def _prefix_and_suffix(self, record: ValenRecord) -> tuple[np.ndarray, np.ndarray]:
         messages = self._state_messages(record) + [{"role": "user", "content": _SENTINEL}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        self._refuse_formed_tokens(record, messages, text)
+        self._guard.refuse_formed(record.source, record.line, messages, text,
+                                  lambda fenced: self.tokenizer.apply_chat_template(fenced, tokenize=False),
+                                  lambda i: "request.state" if isinstance(record.state, str)
+                                  else f"request.state.messages[{i}].content")
         prefix, sentinel, suffix = text.partition(_SENTINEL)
         if not sentinel:
             raise RenderError(record.source, record.line, "request.state", "the chat template dropped the question turn")
         # The branch is scored at the end-of-turn token: trailing newlines after it add nothing.
         return self._encode(prefix), self._encode(suffix.rstrip("\n"))
-
-    def _refuse_formed_tokens(self, record: ValenRecord, messages: list[dict], text: str) -> None:
-        """A state text that forms a control token with the template's own text beside it is refused
-        (as `ChatRenderer._refuse_formed_tokens`: render again with such texts fenced, compare counts)."""
-        joining = [i for i, m in enumerate(messages) if self._guard.may_join(m["content"])]
-        if not joining:
-            return
-        fenced = [{**m, "content": _FENCE + m["content"] + _FENCE} if i in joining else m
-                  for i, m in enumerate(messages)]
-        if self._guard.count(text) > self._guard.count(self.tokenizer.apply_chat_template(fenced, tokenize=False)):
-            raise RenderError(record.source, record.line, "request.state",
-                              "forms a control token with the text the chat template writes beside it; text "
-                              "cannot write template structure, so remove it or spell it differently")
 
     def render(self, record: ValenRecord, entry: str) -> Example:
         state_ids, suffix_ids = self._prefix_and_suffix(record)

@@ -28,6 +28,7 @@ from data_pipeline import examples, vocabulary
 from data_pipeline.examples import PRIMITIVE_KINDS
 from data_pipeline.formats.vflash import VFlashRecord
 from data_pipeline.render.common import (
+    ChatTemplater,
     ControlTokenGuard,
     MediaBlob,
     RenderError,
@@ -67,6 +68,9 @@ class VFlashRenderer:
             for turn in record.turns
         ]
         chat = render_chat(self.tokenizer, messages, record.source, record.line)
+        self._guard.refuse_formed(record.source, record.line, messages, chat.text,
+                                  lambda fenced: ChatTemplater(self.tokenizer).render_text(fenced),
+                                  lambda i: f"conversations[{i}].value")
         ids = chat.input_ids
         slots = int((ids == self.image_pad_id).sum())
         if slots != len(record.media):
