@@ -88,7 +88,7 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str, name: str) ->
                 config.model.vision[key] = ml_collections.config_dict.placeholder(type(config.model.vision[key]))
         config.model.init_from = ml_collections.config_dict.placeholder(str)
         config.model.dtype = "bfloat16"
-        config.model.remat = True
+        config.model.remat = "full"
         config.model.scan_layers = True
         config.train.learning_rate = 2e-5
         config.train.steps = 1000

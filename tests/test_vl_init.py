@@ -57,7 +57,7 @@ def test_init_from_a_vl_checkpoint_imports_the_whole_model(vl_checkpoint, family
     assert model_cfg.vision == ref_cfg.vision and model_cfg.vision.family == family
     assert (model_cfg.mrope_section, model_cfg.mrope_interleaved) == (ref_cfg.mrope_section, ref_cfg.mrope_interleaved)
     assert (model_cfg.image_pad_id, model_cfg.video_pad_id) == (info["image_token_id"], info["video_token_id"])
-    assert (model_cfg.dtype, model_cfg.remat) == ("bfloat16", True)  # the run's settings, not the checkpoint's
+    assert (model_cfg.dtype, model_cfg.remat) == ("bfloat16", "full")  # the run's settings, not the checkpoint's
     # 404 checkpoint rows + 1024 added primitive tokens, padded to a multiple of 128.
     assert len(tokenizer) == info["vocab_size"] + 1024 and model_cfg.vocab_size == 1536
     # The :hf variant scans layers; Qwen3-VL's deepstack cannot be scanned, so its run unrolls them, saying so.

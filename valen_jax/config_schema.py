@@ -18,6 +18,7 @@ from data_pipeline.cli_paths import PathError, check_path
 from valen_jax import losses, optim
 from valen_jax.data.vision_processor import MEDIA_DEFAULTS
 from valen_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from valen_jax.models.remat import REMAT_POLICIES
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,9 @@ def _model() -> dict[str, Any]:
         "rope_theta": 10000.0, "tie_embeddings": True,
         # Compute dtype; parameters (and so Adam's updates) stay float32 master weights.
         "dtype": "float32", "param_dtype": "float32",
-        "remat": False, "scan_layers": False,
+        # What each decoder layer keeps for the backward (valen_jax.models.remat): "none", "full"
+        # (recompute the layer), "save_dots" (keep the weight matmuls' outputs), "offload" (those, in host memory).
+        "remat": "none", "scan_layers": False,
         # Attention kernel of every layer, decoder and vision (valen_jax.models.attention): auto picks
         # blockwise on CPU, cudnn on GPU, splash on TPU, and logs its choice.
         "attention": "auto",
@@ -241,6 +244,8 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
     if config.model.attention not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigError(f"config.model.attention={config.model.attention!r}; choose one of "
                           f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    if config.model.remat not in REMAT_POLICIES:
+        raise ConfigError(f"config.model.remat={config.model.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
     if config.model.param_dtype != "float32":
         # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
         raise ConfigError("config.model.param_dtype must be float32 (master weights); "

@@ -58,7 +58,7 @@ def _fresh_vision(group: ml_collections.ConfigDict | None) -> VisionConfig | Non
 
 def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
     m = config.model
-    common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=bool(m.remat), scan_layers=bool(m.scan_layers),
+    common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=bool(m.scan_layers),
                   attention=m.attention,
                   # Valen's scored branches need the scalar head; other tasks never build it.
                   score_head=float(config.loss.weights.get("branches", 0.0)) > 0)

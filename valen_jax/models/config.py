@@ -8,6 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from valen_jax.models.remat import remat_name
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -88,7 +90,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm of each query/key head before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True
-    remat: bool = False  # recompute each block in the backward pass: activations O(1 layer)
+    # What each layer keeps for the backward pass: none | full | save_dots | offload (models/remat.py).
+    # Older checkpoint metas hold a bool: True is "full", False "none".
+    remat: str = "none"
     scan_layers: bool = False  # one stacked block under nnx.scan: compile time independent of depth
     # config.model.attention: which kernel every Attention (decoder and vision) runs; attention.IMPLEMENTATIONS.
     attention: str = "auto"
@@ -101,6 +105,9 @@ class ModelConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: pairs cycle t, h, w instead of running in sections
     score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "remat", remat_name(self.remat))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,6 +10,7 @@ from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.models.heads import ScoreHead
 from valen_jax.models.layers import Block, RMSNorm, param
 from valen_jax.models.qwen_vision import QwenVisionEncoder
+from valen_jax.models.remat import checkpoint_policy
 from valen_jax.models.vision import VisionEncoder
 from valen_jax.sharding import constrain
 
@@ -68,8 +69,8 @@ class Transformer(nnx.Module):
         def run(block, h):
             return block(h, positions, *ids)
 
-        if self.cfg.remat:
-            run = nnx.remat(run)
+        if self.cfg.remat != "none":  # models/remat.py: what each layer keeps for the backward
+            run = nnx.remat(run, policy=checkpoint_policy(self.cfg.remat))
         if not self.cfg.scan_layers:
             for i, layer in enumerate(self.layers):
                 x = run(layer, x)
