@@ -10,8 +10,9 @@ vocab 151,936, tied embeddings, Qwen2 q/k/v biases) and each attention implement
 warm-up + `--steps` steps on one random batch, and reports step time, tokens/s, peak device memory
 (`device.memory_stats()`, fresh per child; on CPU the compiled step's own memory analysis), and MFU
 against the datasheet peak (`valen_jax.metrics.peak_flops_per_device`; on CPU a measured matmul).
-The batch is sized to the device: the largest row count whose compiled step fits in 85% of device
-memory, from a batch-1 compile's memory analysis (`--batch` overrides). The pre-update loss and gradient norm
+The batch is sized to the device from a batch-1 compile's memory analysis: rows × its temp memory +
+its fixed memory within 85% of device memory (conservative: some temp, e.g. gradients, does not grow
+with rows; `--batch` overrides). The pre-update loss and gradient norm
 of every implementation on the same batch-1 rows (same parameters) must agree (`TOLERANCE`), else
 exit status 1.
 Last line: `mfu=X attention=NAME` (the best implementation on the largest model run).

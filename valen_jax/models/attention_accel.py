@@ -256,7 +256,8 @@ def segment_layout(segment_ids, max_segments: int | None = None):
     back after another (packing writes 1, 2, 3, ... in order, so this flags foreign ids).
     M defaults to CUDNN_MAX_SEGMENTS, at most (T + 1) // 2 (the most runs a row can hold)."""
     batch, length = segment_ids.shape
-    limit = min(CUDNN_MAX_SEGMENTS if max_segments is None else int(max_segments), (length + 1) // 2)
+    # At least 2 slots: with one, cuDNN takes its unpacked path, which reads lengths of rank 1.
+    limit = max(2, min(CUDNN_MAX_SEGMENTS if max_segments is None else int(max_segments), (length + 1) // 2))
     ids = segment_ids.astype(jnp.int32)
     previous = jnp.pad(ids, ((0, 0), (1, 0)), constant_values=0)[:, :-1]
     following = jnp.pad(ids, ((0, 0), (0, 1)), constant_values=0)[:, 1:]
