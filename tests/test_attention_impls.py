@@ -4,7 +4,10 @@ for every mask kind the model uses, and the model path builds its masks from ids
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.train_runs import ROOT, env_with_devices
 from valen_jax.models import attention
 from valen_jax.models.attention_blockwise import blockwise_attention
 from valen_jax.models.attention_flash import flash_attention
@@ -238,3 +242,46 @@ def test_an_unknown_implementation_is_refused_by_name():
                       attention="dense")
     with pytest.raises(ValueError, match="attention implementation 'dense'"):
         Transformer(cfg, nnx.Rngs(0))
+
+
+SHARDED_FLASH = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from valen_jax import sharding
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.transformer import abstract_model, init_params
+
+cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+                  attention="flash")
+mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+graphdef, abstract = abstract_model(cfg)
+params = init_params(cfg, 0, nnx.to_pure_dict(sharding.state_shardings(abstract, mesh)))
+local = jax.device_put(params, jax.devices()[0])
+rng = np.random.default_rng(0)
+tokens = rng.integers(0, 256, (8, 40)).astype(np.int32)
+positions = np.tile(np.arange(40, dtype=np.int32), (8, 1))
+segments = np.repeat(np.array([[1] * 15 + [2] * 20 + [0] * 5]), 8, axis=0).astype(np.int32)
+branches = np.zeros((8, 40), np.int32); branches[:, 5:10], branches[:, 10:15] = 1, 2
+
+def loss(p, t, pos, s, b):
+    return jnp.mean(nnx.merge(graphdef, p)(t, pos, s, branch_ids=b) ** 2)
+
+grad = jax.value_and_grad(loss)
+want, want_grads = jax.jit(grad)(local, tokens, positions, segments, branches)
+batch = sharding.global_batch({"t": tokens, "p": positions, "s": segments, "b": branches}, mesh)
+with jax.set_mesh(mesh):
+    got, got_grads = jax.jit(grad)(params, batch["t"], batch["p"], batch["s"], batch["b"])
+diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(np.asarray(a) - np.asarray(b)))), got_grads, want_grads)
+print(json.dumps({"loss_diff": abs(float(got) - float(want)), "grad_diff": max(jax.tree.leaves(diffs))}))
+"""
+
+
+def test_flash_on_a_data_fsdp_tensor_mesh_equals_one_device():
+    # The tiles' reshapes and loops must partition under the model's shardings (rows over data x fsdp,
+    # heads over tensor) without changing the loss or its gradients.
+    result = subprocess.run([sys.executable, "-c", SHARDED_FLASH], cwd=ROOT, env=env_with_devices(8),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["loss_diff"] < 1e-6 and report["grad_diff"] < 1e-5, report
