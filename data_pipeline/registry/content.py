@@ -9,7 +9,8 @@ digest (registration returns the existing version) and any change gives a new on
 - chat: each image part's `path` is replaced by `sha256:HEX` of the image (seed 003, "Images");
   each image is its own blob, so a second version reusing images uploads only its text.
 - valen, vflash, vakforge: media files the examples name (any string naming a file inside the
-  JSONL's folder) are blobs kept under their relative path; the examples are stored as written.
+  JSONL's folder, e.g. vakforge audio and redaction logs) and vakforge's splits.json are blobs kept
+  under their relative path; the examples keep the paths as written.
 - prepared: the zip as given (a directory is refused: register the zip describe_prepared writes).
 - recipe: refused; register each annotation file (a recipe is a list of files with options).
 
@@ -26,13 +27,14 @@ from pathlib import Path
 
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError
+from data_pipeline.formats.vakforge_splits import SPLITS_FILE
 from data_pipeline.registry.references import RegistryError
 from data_pipeline.registry.store import sha256_hex
 
 MIB = 1 << 20
 DEFAULT_UPLOAD_LIMIT = 256 * MIB
 IMAGE_PREFIX = "sha256:"
-_JSONL_FORMATS = ("chat", "valen", "vflash", "vakforge")
+_COMPANIONS = {"vakforge": (SPLITS_FILE,)}
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,11 @@ def _prepare_jsonl(path: Path, fmt: str) -> Prepared:
     for _, obj in _lines(path):
         visit(obj)
         out.append(canonical_json(obj))
+    # Files a format reads beside the JSONL without the examples naming them (seed 002: vakforge's
+    # splits.json next to the manifest).
+    for companion in _COMPANIONS.get(fmt, ()):
+        if (path.parent / companion).is_file():
+            media[companion] = hasher(os.path.realpath(path.parent / companion))
     examples = ("\n".join(out) + "\n").encode()
     return Prepared(fmt, examples, media=media, size=len(examples) + sum(b.size for b in media.values()))
 
