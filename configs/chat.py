@@ -27,5 +27,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     data = common.data_group("chat", "data/smoke/chat/train.jsonl", "data/smoke/chat/eval.jsonl", "chat",
                              seq_len=512, max_patches=128, train_options={"assistant_turns": "all"},
                              eval_options={"assistant_turns": "all"})
+    # The generated smoke eval.jsonl repeats two training rows (train.jsonl:6 and :32, one with its image):
+    # known overlap, trained anyway and recorded (valen_jax/data/separation.py) until data/make_chat_smoke.py
+    # draws eval rows apart from train's.
+    data.allow_overlap = True
     config = common.base_config("chat", data, vision=True)
     return common.apply_variant(config, variant, "configs/chat.py")

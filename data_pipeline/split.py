@@ -255,7 +255,7 @@ def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, flo
         raise SplitError(f"{input_path}: {relative} rows name media relative to {input_path.parent}; write the "
                          f"splits there (--output-dir={input_path.parent}, with --prefix to keep names apart)")
     targets = {name: output_dir / f"{prefix}{name}.jsonl" for name in fractions}
-    for name, target in targets.items():
+    for target in targets.values():
         if target.resolve() == input_path.resolve():
             raise SplitError(f"{target}: would overwrite --input; choose another --output-dir or --prefix")
     for name, target in targets.items():

@@ -57,7 +57,8 @@ def test_training_counts_and_reports_the_records_it_drops_for_having_no_labels(t
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records + unlabeled), encoding="utf-8")
     workdir = tmp_path / "run"
-    result = run_train("configs/valen.py:tiny", workdir, f"--config.data.train={data}", f"--config.data.eval={data}",
+    held_out = ROOT / "data/smoke/valen/eval.jsonl"  # eval = train would be refused (seed 003 separation)
+    result = run_train("configs/valen.py:tiny", workdir, f"--config.data.train={data}", f"--config.data.eval={held_out}",
                        "--config.train.steps=1", "--config.train.checkpoint_every=1", "--config.eval.at_end=False")
     assert "records without labels (never trained on, media not read): 2" in result.stdout
     assert "4 records with labels, 2 without" in result.stderr  # the start-up log line

@@ -49,6 +49,12 @@ def _data() -> dict[str, Any]:
         # Valen (seed 000): "question" (branch tree) or "shared_state"; row capacity in questions and
         # candidates. Unused by the token formats.
         "valen_mode": "question", "max_questions": 8, "max_candidates": 16,
+        # Seed 003: train and eval must not share examples, Valen group_ids, media or vakforge
+        # conversations; True trains anyway and records the overlap counts (valen_jax/data/separation.py).
+        "allow_overlap": False,
+        # data.train / data.eval may be registry references (ns/name[:vN|:alias|@sha256:…]): the registry
+        # URL ("" = $VALEN_REGISTRY or the user cache) and the namespace of a reference without one.
+        "registry": "", "namespace": "",
     }
 
 

@@ -40,6 +40,8 @@ from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec
 from valen_jax.data.pipeline import TokenAssembly, build_dataset, component_seed
 from valen_jax.data.prepared_checks import check_prepared_run
+from valen_jax.data.references import resolve_config_data
+from valen_jax.data.separation import check_separation
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.sources import mixture_of, sampling_indices
 from valen_jax.data.valen_fit import check_training_set
@@ -107,15 +109,18 @@ def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfi
 
 def run(config, workdir: str | Path) -> dict:
     validate_config(config)
-    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     workdir = Path(workdir).resolve()
+    # Seed 003: registry references resolved (a resumed run: to the versions its checkpoint recorded)
+    # before any device is claimed; an unknown one is refused here.
+    references = resolve_config_data(config, workdir)
+    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     workdir.mkdir(parents=True, exist_ok=True)
     # Before anything is written there: a second trainer on this workdir is refused (issue 19).
     with workdir_lock.exclusive(workdir):
-        return _train(config, workdir)
+        return _train(config, workdir, references)
 
 
-def _train(config, workdir: Path) -> dict:
+def _train(config, workdir: Path, references: dict | None = None) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     model_cfg = model_config(config, tokenizer)
@@ -125,6 +130,12 @@ def _train(config, workdir: Path) -> dict:
     train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
                               config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
     log.info("train shards: %s", summary(train_set))
+    # Seed 003: train and eval kept apart, checked on the shards before the step compiles. The eval
+    # shards land where evaluation during and after training reads them (WORKDIR/eval_shards).
+    eval_set = ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
+                             config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
+    overlap = check_separation(train_set, eval_set, allow_overlap=bool(config.data.allow_overlap),
+                               train_name=str(config.data.train), eval_name=str(config.data.eval))
 
     mesh = sharding.make_mesh(config.mesh)
     check_batch_split(config, mesh)
@@ -150,6 +161,8 @@ def _train(config, workdir: Path) -> dict:
         "media_kwargs": media_kwargs, "media_kwargs_sources": media_sources,
         "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
         "shards": {"train": train_set.manifest.data},
+        **({"data_references": references} if references else {}),
+        **({"train_eval_overlap": overlap} if overlap else {}),
         **({"records_without_labels": unlabeled} if unlabeled is not None else {}),
         "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
         "config": json.loads(config.to_json_best_effort()),
@@ -214,6 +227,8 @@ def _train(config, workdir: Path) -> dict:
             values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
                                        peak * jax.device_count()))
             values["examples_seen"] = step * config.data.global_batch
+            if step == first_step + 1:  # allowed overlap (config.data.allow_overlap), once per run
+                values.update({f"overlap_{kind}": float(count) for kind, count in overlap.items()})
             if evaluate_now:
                 values.update(evaluator(state["params"]))
             losses.append((step, values["loss"]))
