@@ -4,6 +4,8 @@
         --output=runs/vflash-smoke/eval/report.json
     python -m valen_jax.evaluate --workdir=runs/valen-smoke --data=data/smoke/valen/train.jsonl \
         --output=runs/valen-smoke/eval/report.json --mode=shared_state
+    python -m valen_jax.evaluate --workdir=runs/valen-smoke --data=smoke/valen-eval:v1 --registry=/tmp/registry \
+        --output=/tmp/report.json   # a registry reference (seed 003): the report names the exact version
 
 Model config, `media_kwargs`, tokenizer and training config come from the checkpoint (the latest
 step unless `--step`). The data's format is the checkpoint's `data.eval_format` unless `--format`
@@ -33,6 +35,7 @@ import jax
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
+from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation import registry
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.workdir import Restored
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--data", required=True, help="JSONL, recipe or shard directory")
+    parser.add_argument("--data", required=True, help="JSONL, recipe, shard directory or registry reference (ns/name:v3)")
     parser.add_argument("--output", required=True, help="report.json to write")
     parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
@@ -108,14 +111,20 @@ def main(argv=None) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
     parser.add_argument("--samples", type=int, default=8, help="decoded answers listed in the report")
+    parser.add_argument("--registry", default=None,
+                        help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
+    parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
     args = parser.parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    report = evaluate_workdir(args.workdir, args.data, args.step, args.format, mode=args.mode,
+    data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
+    report = evaluate_workdir(args.workdir, data, args.step, args.format, mode=args.mode,
                               max_examples=args.max_examples, batch_size=args.batch_size,
                               max_new_tokens=args.max_new_tokens, samples=args.samples)
+    if reference is not None:
+        report["data_reference"] = reference  # the exact version evaluated (seed 003)
     write_report(report, args.output)
     print(f"{args.output}: {summary(report)}")
     return 0

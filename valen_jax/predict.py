@@ -31,6 +31,7 @@ import jax
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
+from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
 
@@ -66,19 +67,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--data", required=True, help="Valen JSONL or shard directory")
+    parser.add_argument("--data", required=True, help="Valen JSONL, shard directory or registry reference (ns/name:v3)")
     parser.add_argument("--output", required=True, help="answers.jsonl to write")
     parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
                         help="sequence mode (default: the checkpoint's data.valen_mode)")
     parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
+    parser.add_argument("--registry", default=None,
+                        help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
+    parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
     args = parser.parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    mode, lines = predict_workdir(args.workdir, args.data, args.step, args.format, args.mode, args.batch_size)
+    data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
+    mode, lines = predict_workdir(args.workdir, data, args.step, args.format, args.mode, args.batch_size)
     write_answers(lines, args.output)
     questions = sum(len(line["answers"]) for line in lines)
     print(f"{args.output}: {len(lines)} records, {questions} questions answered ({mode} mode)")

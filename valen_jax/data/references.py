@@ -122,3 +122,19 @@ def resolve_config_data(config, workdir: str | Path | None = None) -> dict[str, 
                 config.data[key] = type(value)(items)
                 found[key] = records
     return found
+
+
+def resolve_cli_data(data: str, registry_url: str | None = None, namespace: str | None = None
+                     ) -> tuple[str, dict[str, Any] | None]:
+    """`--data` of evaluate/predict: a registry reference becomes (its version's local file, the record
+    of what it resolved to); a path is returned as is. An unknown reference exits with one line."""
+    from data_pipeline.registry import RegistryError, is_reference, open_registry
+    if not is_reference(data):
+        return data, None
+    try:
+        resolved = open_registry(registry_url or None).resolve(data, default_namespace=namespace or None)
+    except RegistryError as error:
+        raise SystemExit(f"--data={data}: {error}") from None
+    log.info("--data=%s resolved to %s (%s)", data, resolved.reference, resolved.digest)
+    return str(resolved.path), {"written": data, "reference": resolved.reference, "version": int(resolved.version),
+                                "digest": resolved.digest, "format": resolved.format}
