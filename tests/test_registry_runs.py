@@ -128,3 +128,14 @@ def test_a_run_from_an_alias_resumes_on_the_recorded_version_after_the_alias_mov
         assert meta["data_references"]["train"]["reference"] == "smoke/valen:v1"
         assert meta["data_references"]["train"]["digest"] == first.digest
         assert meta["shards"]["train"]["counts"]["records"] == 4  # v1's 4 records, not v2's 3
+
+
+def test_evaluate_and_predict_data_references(registry, tmp_path):
+    from valen_jax.data.references import resolve_cli_data
+
+    reg, first, _ = registry
+    assert resolve_cli_data(str(VALEN / "eval.jsonl"), str(tmp_path / "registry")) == (str(VALEN / "eval.jsonl"), None)
+    path, record = resolve_cli_data("valen:cand", str(tmp_path / "registry"), "smoke")
+    assert path == str(first.path) and record["reference"] == "smoke/valen:v1" and record["digest"] == first.digest
+    with pytest.raises(SystemExit, match="--data=smoke/valen:v7"):
+        resolve_cli_data("smoke/valen:v7", str(tmp_path / "registry"))
