@@ -13,7 +13,8 @@ Layout written under `--out` (default `data/smoke`):
   `eval.jsonl` (16 rows, scenes not used in training) and `recipe.json`, whose `root` is "."
   (media paths are relative to the recipe's folder; annotation paths are too).
 * `valen/` (seed 000, "Data format"): `train.jsonl` (6 records, 15 questions, 13 labeled),
-  `text.jsonl` (its text-only records, byte-identical lines) and `assets/` (one PNG, one mp4).
+  `text.jsonl` (its text-only records, byte-identical lines), the held-out `eval.jsonl` (2 text records
+  of other group_ids, configs/valen.py's eval set) and `assets/` (one PNG, one mp4).
 
 Geometry conventions of the synthetic scenes (what the labels are computed from):
 
@@ -818,10 +819,39 @@ def make_valen(root: Path) -> dict[str, int]:
                 assert math.isclose(sum(target["probabilities"].values()), 1.0, abs_tol=1e-6)
     lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in records]
     text_lines = [line for line, r in zip(lines, records, strict=True) if r["meta"]["modality"] == "text"]
-    for name, chunk in (("train.jsonl", lines), ("text.jsonl", text_lines)):
+    held_out = [json.dumps(r, ensure_ascii=False) + "\n" for r in VALEN_HELD_OUT]
+    for name, chunk in (("train.jsonl", lines), ("text.jsonl", text_lines), ("eval.jsonl", held_out)):
         with (root / name).open("w", encoding="utf-8", newline="\n") as f:
             f.writelines(chunk)
-    return {"train.jsonl": len(lines), "text.jsonl": len(text_lines)}
+    return {"train.jsonl": len(lines), "text.jsonl": len(text_lines), "eval.jsonl": len(held_out)}
+
+
+# configs/valen.py's held-out set (seed 003: train and eval kept apart): text records of group_ids
+# and states that train.jsonl does not hold, every question type.
+VALEN_HELD_OUT = [
+    {"group_id": "crosswalk-signal-101",
+     "request": {"state": "The pedestrian signal shows a red standing figure.", "questions": {
+         "signal": {"type": "choice", "instructions": "Choose the pedestrian signal shown.",
+                    "criteria": {"walk": "Walking figure", "stop": "Standing figure", "off": "Signal dark"}},
+         "cross": {"type": "noul", "instructions": "Only a walking figure permits crossing. Is crossing permitted?"},
+         "risk": {"type": "score", "instructions": "Rate the risk of crossing now.",
+                  "criteria": ["Low: walking figure", "Medium: signal dark", "High: standing figure"]}}},
+     "targets": {"signal": {"probabilities": {"walk": 0.0, "stop": 1.0, "off": 0.0}},
+                 "cross": {"probabilities": {"true": 0.0, "false": 1.0}},
+                 "risk": {"probabilities": {"0": 0.0, "1": 0.0, "2": 1.0}}},
+     "assets": [],
+     "meta": {"record_id": "valen-heldout-001", "domain": "traffic", "modality": "text", "language_bucket": "en"}},
+    {"group_id": "kettle-boil-101",
+     "request": {"state": "The kettle has boiled and switched itself off; steam is fading.", "questions": {
+         "hazard": {"type": "choice", "instructions": "Choose the main hazard right now.",
+                    "criteria": {"burn": "Hot surface or steam", "fire": "Open flame", "none": "No hazard"}},
+         "safe": {"type": "noul", "instructions": "Is it safe to touch the kettle body with bare hands?"}}},
+     "targets": {"hazard": {"probabilities": {"burn": 1.0, "fire": 0.0, "none": 0.0}},
+                 "safe": {"probabilities": {"true": 0.0, "false": 1.0}}},
+     "assets": [],
+     "meta": {"record_id": "valen-heldout-002", "domain": "home_safety", "modality": "text",
+              "language_bucket": "en"}},
+]
 
 
 def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, dict[str, int]]:
