@@ -47,10 +47,13 @@ def token_losses(logits, targets, weights) -> dict[str, jax.Array]:
 
 
 # Budget for one chunk's f32 logits on one device: the training loss never holds more of the
-# [tokens, V] logits than this (plus the same again for the backward's softmax − one-hot). Large
-# enough that a chunk's matmuls stay efficient (Qwen's 152k vocabulary: ~110 tokens a chunk, a
-# 32k vocabulary ~520), small next to the activations at long sequence lengths.
-CHUNK_BYTES = 64 * 2**20
+# [tokens, V] logits than this (plus about as much again for the backward's softmax − one-hot),
+# against 18.5 GiB for the whole logits of one 32k-token row at Qwen's 152k vocabulary. Not
+# smaller: every chunk's backward reads and writes the f32 [D, V] head-gradient accumulator, about
+# ¾·C FLOP per byte moved for C tokens a chunk, and accelerators need ~200 FLOP/byte (H200: ~1 PFLOP/s
+# bf16 over 4.8 TB/s) to stay compute-bound; 128 MiB gives 216 tokens a chunk at V = 152k (1048
+# at a 32k vocabulary).
+CHUNK_BYTES = 128 * 2**20
 # A problem whose whole logits fit in this many bytes per device takes one chunk: no loop, the
 # fastest form on CPU (`benchmarks/train_step.py`'s 8×512 tokens × 32k vocabulary, 512 MiB).
 SINGLE_CHUNK_BYTES = 512 * 2**20
