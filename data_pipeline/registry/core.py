@@ -44,7 +44,7 @@ class Resolved:
 
 
 class MissingImagesError(RegistryError):
-    """--no-upload: images the registry does not hold (nothing was registered)."""
+    """--no-upload: images (or media files) the registry does not hold (nothing was registered)."""
 
     def __init__(self, path: Path, missing: list[content.LocalBlob]):
         self.missing = missing
@@ -100,16 +100,16 @@ class Registry:
         manifest = prepared.manifest()
         digest = content.manifest_digest(manifest)
         existing = self._by_digest(ref, digest)
+        # Images (chat) and media files (valen, vflash, vakforge) alike: blobs the index records as held.
+        needed = {**prepared.images, **{blob.hexdigest: blob for blob in prepared.media.values()}}
         if existing is None:
-            held = self._held(prepared.images)
-            missing = [blob for hexdigest, blob in prepared.images.items() if hexdigest not in held]
+            held = self._held(needed)
+            missing = [blob for hexdigest, blob in needed.items() if hexdigest not in held]
             if not upload and missing:
                 raise MissingImagesError(file, missing)
             # Blobs first (each renamed into place whole); the version row only after all of them.
             self.blobs.put(prepared.examples_hex, prepared.examples)
             for blob in missing if upload else ():
-                self.blobs.put(blob.hexdigest, blob.source.read_bytes())
-            for blob in prepared.media.values():
                 self.blobs.put(blob.hexdigest, blob.source.read_bytes())
         with self.index.write() as conn:
             version = self._by_digest(ref, digest)  # another process may have registered it meanwhile
@@ -117,12 +117,12 @@ class Registry:
             if new:
                 if upload:
                     conn.executemany("INSERT OR IGNORE INTO blobs VALUES (?, ?, ?)",
-                                     [(b.hexdigest, b.size, b.suffix) for b in prepared.images.values()])
-                unheld = set(prepared.images) - self._held(prepared.images)
+                                     [(b.hexdigest, b.size, b.suffix) for b in needed.values()])
+                unheld = set(needed) - self._held(needed)
                 if unheld:
-                    first = min(unheld, key=prepared.image_lines.__getitem__)
-                    raise RegistryError(f"{file}:{prepared.image_lines[first]}: image sha256:{first} is not "
-                                        f"held by the registry ({len(unheld)} such images)")
+                    first = min(unheld, key=lambda h: prepared.image_lines.get(h, 0))
+                    raise RegistryError(f"{file}:{prepared.image_lines.get(first, 0)}: {needed[first].source} "
+                                        f"(sha256:{first}) is not held by the registry ({len(unheld)} such files)")
                 conn.execute("INSERT OR IGNORE INTO datasets VALUES (?, ?, ?)", (ref.namespace, ref.name, now()))
                 (top,) = conn.execute("SELECT COALESCE(MAX(version), 0) FROM versions WHERE namespace=? AND name=?",
                                       (ref.namespace, ref.name)).fetchone()
