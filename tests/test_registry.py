@@ -310,3 +310,17 @@ def test_concurrent_registrations_from_four_processes(tmp_path):
     assert len({registry.resolve(f"team/shared:v{i}").digest for i in range(1, 5)}) == 4
     with sqlite3.connect(str(Path(url) / "index.sqlite")) as conn:
         assert conn.execute("SELECT COUNT(*) FROM versions").fetchone() == (5,)
+
+
+def test_registry_location_flag_then_environment_then_user_cache(tmp_path, monkeypatch):
+    from data_pipeline.registry import registry_location
+    monkeypatch.setenv("VALEN_REGISTRY", str(tmp_path / "from-env"))
+    assert registry_location("gs://team/registry") == "gs://team/registry"
+    assert registry_location() == str(tmp_path / "from-env")
+    monkeypatch.delenv("VALEN_REGISTRY")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert registry_location() == str(tmp_path / "cache" / "valen" / "registry")
+    data = _write_jsonl(tmp_path / "x.jsonl", [_row("x")])
+    open_registry().register("env/x", data, "chat")  # the default location, under the user cache
+    assert (tmp_path / "cache" / "valen" / "registry" / "index.sqlite").is_file()
+    assert open_registry(f"file://{tmp_path}/cache/valen/registry").resolve("env/x").version == 1
