@@ -324,3 +324,21 @@ def test_registry_location_flag_then_environment_then_user_cache(tmp_path, monke
     open_registry().register("env/x", data, "chat")  # the default location, under the user cache
     assert (tmp_path / "cache" / "valen" / "registry" / "index.sqlite").is_file()
     assert open_registry(f"file://{tmp_path}/cache/valen/registry").resolve("env/x").version == 1
+
+
+def test_an_example_naming_an_image_the_registry_does_not_hold_is_refused(registry, tmp_path, make_png, monkeypatch):
+    # The commit's own check: even when the check before uploading is fooled (here: told every
+    # image is held), the transaction refuses a version naming an image the index does not hold.
+    make_png("g/images/a.png")
+    data = _write_jsonl(tmp_path / "g" / "train.jsonl", [_row("a"), _row("b", "images/a.png")])
+    real, calls = type(registry)._held, []
+
+    def fooled_once(self, needed):
+        calls.append(1)
+        return set(needed) if len(calls) == 1 else real(self, needed)
+
+    monkeypatch.setattr(type(registry), "_held", fooled_once)
+    with pytest.raises(RegistryError, match=r"train.jsonl:2: .*a.png \(sha256:[0-9a-f]{64}\) is not held"):
+        registry.register("vis/unheld", data, "chat", upload=False)
+    with pytest.raises(RegistryError, match="vis/unheld"):
+        registry.resolve("vis/unheld")
