@@ -174,6 +174,7 @@ def cli_lines(command: list[str]) -> list[str]:
     return result.stderr.splitlines()
 
 
+@pytest.mark.slow  # train CLI subprocesses
 def test_cli_paths_with_a_newline_are_refused_in_one_line_not_forged_into_two(tmp_path):
     forged = "E0000 forged.py:1] a second error line"
     workdir = tmp_path / f"run\n{forged}"
@@ -187,6 +188,7 @@ def test_cli_paths_with_a_newline_are_refused_in_one_line_not_forged_into_two(tm
                      "character '\\n'; paths with NUL, newlines or other control characters are refused"]
 
 
+@pytest.mark.slow  # train CLI subprocesses
 def test_a_missing_tokenizer_is_one_line_naming_the_path_not_a_page_of_hub_errors(tmp_path, monkeypatch):
     with pytest.raises(TokenizerError) as error:
         load_tokenizer(tmp_path / "no-such-tokenizer")
