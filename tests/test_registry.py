@@ -39,8 +39,10 @@ def registry(tmp_path):
     return open_registry(str(tmp_path / "registry"))
 
 
-def _versions(reg, qualified):
-    return [row["version"] for row in reg.versions(qualified)]
+def _stored_examples(registry, version: int) -> bytes:
+    """The examples of a version as the blob store holds them (its chunks, joined)."""
+    manifest = json.loads(registry.index.read("SELECT manifest FROM versions WHERE version=?", (version,))[0][0])
+    return b"".join(registry.blobs.get(hexdigest) for hexdigest in manifest["examples"])
 
 
 def test_register_is_idempotent_adds_versions_and_resolves_every_reference_form(registry, tmp_path):
@@ -150,8 +152,7 @@ def test_images_are_stored_once_by_hash_and_a_second_version_uploads_only_text(r
     make_png("d/images/a_copy.png", (4, 3))  # the same bytes under another name
     rows = [_row("r1", "images/a.png"), _row("r2", "images/b.png"), _row("r3", "images/a_copy.png")]
     v1 = registry.register("vis/set", _write_jsonl(tmp_path / "d" / "train.jsonl", rows), "chat")
-    stored = [json.loads(line) for line in registry.blobs.get(
-        json.loads(registry.index.read("SELECT manifest FROM versions")[0][0])["examples"]).decode().splitlines()]
+    stored = [json.loads(line) for line in _stored_examples(registry, 1).decode().splitlines()]
     paths = [row["messages"][0]["content"][1]["path"] for row in stored]
     assert all(p.startswith("sha256:") for p in paths) and paths[0] == paths[2] != paths[1]
     assert registry.index.read("SELECT COUNT(*) FROM blobs")[0][0] == 2
@@ -160,9 +161,21 @@ def test_images_are_stored_once_by_hash_and_a_second_version_uploads_only_text(r
     before = registry.blobs.uploaded_bytes
     rows[1] = _row("r2 changed", "images/b.png")
     v2 = registry.register("vis/set", _write_jsonl(tmp_path / "d" / "train2.jsonl", rows), "chat")
-    examples = json.loads(registry.index.read("SELECT manifest FROM versions WHERE version=2")[0][0])["examples"]
     assert v2.reference == "vis/set:v2"
-    assert registry.blobs.uploaded_bytes - before == len(registry.blobs.get(examples))  # only the text
+    assert registry.blobs.uploaded_bytes - before == len(_stored_examples(registry, 2))  # only the text
+
+
+def test_a_version_changing_a_few_rows_uploads_only_the_chunks_holding_them(registry, tmp_path):
+    rows = [_row(f"row {i}") for i in range(3000)]
+    registry.register("big/set", _write_jsonl(tmp_path / "v1.jsonl", rows), "chat")
+    assert len(json.loads(registry.index.read("SELECT manifest FROM versions")[0][0])["examples"]) > 4
+    before = registry.blobs.uploaded_bytes
+    rows[1234] = _row("row 1234, corrected")
+    v2 = registry.register("big/set", _write_jsonl(tmp_path / "v2.jsonl", rows), "chat")
+    uploaded, text = registry.blobs.uploaded_bytes - before, _stored_examples(registry, 2)
+    assert 0 < uploaded < len(text) / 4
+    assert text.decode().splitlines()[1234] == json.dumps(rows[1234], separators=(",", ":"))
+    assert FORMATS["chat"].validate(v2.path, True).startswith("3000 records OK")
 
 
 def test_no_upload_reports_missing_images_and_registers_nothing_until_pushed(registry, tmp_path, make_png, capsys):

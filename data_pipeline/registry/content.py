@@ -1,11 +1,14 @@
 """What a registered version holds, and how it becomes a local file again.
 
-A version is a manifest: the format, the examples blob (its SHA-256), and the media blobs it uses.
+A version is a manifest: the format, the examples' blobs (their SHA-256s), and the media blobs it uses.
 Its digest is the SHA-256 of the manifest's canonical JSON, so the same examples give the same
 digest (registration returns the existing version) and any change gives a new one.
 
 - JSONL formats are stored one canonical JSON line per example (key order kept, no whitespace,
   blank lines dropped), so re-serialising a file does not make a new version.
+- JSONL examples are cut into chunks of rows at content-defined boundaries (after a row whose
+  CRC-32 ends in 8 zero bits: ~270 rows a chunk, 16 to 4096), so a version that changes some rows
+  uploads only the chunks holding them, and the boundaries elsewhere stay where they were.
 - chat: each image part's `path` is replaced by `sha256:HEX` of the image (seed 003, "Images");
   each image is its own blob, so a second version reusing images uploads only its text.
 - valen, vflash, vakforge: media files the examples name (any string naming a file inside the
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,18 +59,46 @@ class Prepared:
     images: dict[str, LocalBlob] = field(default_factory=dict)  # hexdigest -> blob (chat)
     image_lines: dict[str, int] = field(default_factory=dict)  # hexdigest -> first line naming it
     size: int = 0  # bytes of the upload: examples + every media file or image they use
+    _chunks: list[tuple[str, bytes]] | None = None
 
-    @property
-    def examples_hex(self) -> str:
-        return sha256_hex(self.examples)
+    def chunks(self) -> list[tuple[str, bytes]]:
+        """The examples as (sha256 hex, bytes) blobs; their concatenation is `examples`."""
+        if self.fmt == "prepared":
+            return [(sha256_hex(self.examples), self.examples)]
+        if self._chunks is None:
+            self._chunks = [(sha256_hex(chunk), chunk) for chunk in _row_chunks(self.examples)]
+        return self._chunks
 
     def manifest(self) -> dict:
         return {
             "format": self.fmt,
-            "examples": self.examples_hex,
+            "examples": [hexdigest for hexdigest, _ in self.chunks()],
             "images": sorted(self.images),
             "media": {written: blob.hexdigest for written, blob in sorted(self.media.items())},
         }
+
+
+_CHUNK_MASK = 0xFF  # a boundary after ~1 row in 256
+_CHUNK_ROWS = 4096  # and after at most this many rows
+
+
+_CHUNK_MIN_ROWS = 16  # so runs of repeated rows (all boundaries, or none) do not make tiny chunks
+
+
+def _row_chunks(examples: bytes) -> list[bytes]:
+    chunks, start, line, rows = [], 0, 0, 0
+    position = examples.find(b"\n")
+    while position != -1:
+        rows += 1
+        boundary = rows >= _CHUNK_MIN_ROWS and zlib.crc32(examples[line:position]) & _CHUNK_MASK == 0
+        if boundary or rows == _CHUNK_ROWS:
+            chunks.append(examples[start:position + 1])
+            start, rows = position + 1, 0
+        line = position + 1
+        position = examples.find(b"\n", line)
+    if start < len(examples):
+        chunks.append(examples[start:])
+    return chunks
 
 
 def manifest_digest(manifest: dict) -> str:
@@ -202,7 +234,7 @@ def materialise(folder: Path, manifest: dict, get_blob, suffixes: dict[str, str]
     """
     fmt = manifest["format"]
     folder.mkdir(parents=True)
-    examples = get_blob(manifest["examples"])
+    examples = b"".join(get_blob(hexdigest) for hexdigest in manifest["examples"])
     if fmt == "prepared":
         target = folder / "prepared.zip"
         target.write_bytes(examples)

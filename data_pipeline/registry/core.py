@@ -108,7 +108,8 @@ class Registry:
             if not upload and missing:
                 raise MissingImagesError(file, missing)
             # Blobs first (each renamed into place whole); the version row only after all of them.
-            self.blobs.put(prepared.examples_hex, prepared.examples)
+            for hexdigest, chunk in prepared.chunks():
+                self.blobs.put(hexdigest, chunk)
             for blob in missing if upload else ():
                 self.blobs.put(blob.hexdigest, blob.source.read_bytes())
         with self.index.write() as conn:
