@@ -32,7 +32,7 @@ BRANCHES_ONLY = {"tokens": 0.0, "branches": 1.0, "drafter": 0.0}
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-    # Train on the 6 smoke records (text, image and video); evaluate on 2 held-out records of other
+    # Train on the 6 smoke records (text, image and video); evaluate on 4 held-out records of other
     # group_ids (seed 003: train and eval kept apart; the run checks it before compiling).
     data = common.data_group("valen", "data/smoke/valen/train.jsonl", "data/smoke/valen/eval.jsonl", "valen",
                              seq_len=256, max_patches=256, global_batch=4)

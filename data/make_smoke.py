@@ -13,7 +13,7 @@ Layout written under `--out` (default `data/smoke`):
   `eval.jsonl` (16 rows, scenes not used in training) and `recipe.json`, whose `root` is "."
   (media paths are relative to the recipe's folder; annotation paths are too).
 * `valen/` (seed 000, "Data format"): `train.jsonl` (6 records, 15 questions, 13 labeled),
-  `text.jsonl` (its text-only records, byte-identical lines), the held-out `eval.jsonl` (2 text records
+  `text.jsonl` (its text-only records, byte-identical lines), the held-out `eval.jsonl` (4 text records
   of other group_ids, configs/valen.py's eval set) and `assets/` (one PNG, one mp4).
 
 Geometry conventions of the synthetic scenes (what the labels are computed from):
@@ -851,6 +851,24 @@ VALEN_HELD_OUT = [
      "assets": [],
      "meta": {"record_id": "valen-heldout-002", "domain": "home_safety", "modality": "text",
               "language_bucket": "en"}},
+    {"group_id": "snow-boots-101",
+     "request": {"state": "Heavy snow is falling and the pavement is icy.", "questions": {
+         "footwear": {"type": "choice", "instructions": "Choose the footwear to wear outside.",
+                      "criteria": {"boots": "Winter boots", "sandals": "Sandals", "slippers": "Slippers"}},
+         "slippery": {"type": "noul", "instructions": "Is the pavement likely to be slippery?"}}},
+     "targets": {"footwear": {"probabilities": {"boots": 1.0, "sandals": 0.0, "slippers": 0.0}},
+                 "slippery": {"probabilities": {"true": 1.0, "false": 0.0}}},
+     "assets": [],
+     "meta": {"record_id": "valen-heldout-003", "domain": "weather", "modality": "text", "language_bucket": "en"}},
+    {"group_id": "review-blender-101",
+     "request": {"state": "Review: the blender is loud but crushes ice well; I would buy it again.", "questions": {
+         "satisfaction": {"type": "score", "instructions": "Rate the reviewer's satisfaction.",
+                          "criteria": ["Very unhappy", "Unhappy", "Neutral", "Happy", "Very happy"]},
+         "refund": {"type": "noul", "instructions": "Does the reviewer ask for a refund?"}}},
+     "targets": {"satisfaction": {"probabilities": {"0": 0.0, "1": 0.0, "2": 0.0, "3": 1.0, "4": 0.0}},
+                 "refund": {"probabilities": {"true": 0.0, "false": 1.0}}},
+     "assets": [],
+     "meta": {"record_id": "valen-heldout-004", "domain": "reviews", "modality": "text", "language_bucket": "en"}},
 ]
 
 
