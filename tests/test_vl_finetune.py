@@ -137,6 +137,19 @@ def test_the_export_states_the_runs_processor_settings(run, exported):
     assert stated == {key: tuple(v) if isinstance(v, list) else v for key, v in meta["media_kwargs"].items()}
 
 
+def test_the_export_states_the_tokenizers_special_ids(exported):
+    """transformers falls back to Qwen's hub ids (151643...) for ids config.json omits: outside this vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    config = AutoConfig.from_pretrained(exported)
+    assert (config.text_config.eos_token_id, config.text_config.pad_token_id) == (tokenizer.eos_token_id,
+                                                                                  tokenizer.pad_token_id)
+    assert config.vision_start_token_id == tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    assert config.vision_end_token_id == tokenizer.convert_tokens_to_ids("<|vision_end|>")
+    assert max(config.vision_start_token_id, tokenizer.eos_token_id) < config.text_config.vocab_size
+
+
 def test_frozen_tower_is_bitwise_the_checkpoints_and_the_decoder_trained(run, exported):
     base = _state_dict(run[0])
     trained = _state_dict(exported)

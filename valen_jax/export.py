@@ -29,8 +29,15 @@ from pathlib import Path
 
 from flax import nnx
 
+from data_pipeline import vocabulary
+from data_pipeline.tokenizer import token_id
 from valen_jax import checkpoint
-from valen_jax.data.vision_processor import IMAGE_PROCESSOR_FILE, RESCALE_FACTOR, VIDEO_PIXELS_PER, VIDEO_PROCESSOR_FILE
+from valen_jax.data.vision_processor import (
+    IMAGE_PROCESSOR_FILE,
+    RESCALE_FACTOR,
+    VIDEO_PIXELS_PER,
+    VIDEO_PROCESSOR_FILE,
+)
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig
@@ -87,6 +94,26 @@ def processor_files(model_cfg: ModelConfig, media_kwargs: dict) -> dict[str, dic
     return {IMAGE_PROCESSOR_FILE: image, VIDEO_PROCESSOR_FILE: video}
 
 
+def special_token_ids(tokenizer, model_cfg: ModelConfig) -> dict[str, int]:
+    """The ids transformers reads from config.json for generation and media: without them it falls back to
+    the Qwen hub ids (151643...), outside the vocabulary of any other tokenizer."""
+    ids = {key: getattr(tokenizer, key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(tokenizer, key) is not None}
+    if model_cfg.vision is not None:
+        ids["vision_start_token_id"] = token_id(tokenizer, vocabulary.VISION_START)
+        ids["vision_end_token_id"] = token_id(tokenizer, vocabulary.VISION_END)
+    return {key: int(value) for key, value in ids.items()}
+
+
+def _state_token_ids(config_path: Path, tokenizer, model_cfg: ModelConfig) -> None:
+    config = json.loads(config_path.read_text())
+    ids = special_token_ids(tokenizer, model_cfg)
+    config.update(ids)
+    if "text_config" in config:  # the decoder's own config reads them there (generation, padding)
+        config["text_config"].update({k: v for k, v in ids.items() if not k.startswith("vision_")})
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def export(workdir: str | Path, output: str | Path, step: int | None = None) -> Path:
     """Write the workdir's checkpoint at `step` (default: the latest) to `output` as an HF checkpoint."""
     workdir, output = Path(workdir), Path(output)
@@ -103,6 +130,7 @@ def export(workdir: str | Path, output: str | Path, step: int | None = None) -> 
                     "exported model gives the decoder's token logits only")
     model = nnx.merge(restored.graphdef, restored.params)
     hf.save_pretrained(model, output)
+    _state_token_ids(output / "config.json", restored.tokenizer, model_cfg)
     # The tokenizer exactly as the run used it (restore checked its fingerprint against the checkpoint's).
     shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
     if model_cfg.vision is not None:
