@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+# The session-wide tiny Qwen-VL checkpoints (tests/vl_checkpoints.py), for every test that asks for them.
+pytest_plugins = ["tests.vl_checkpoints"]
+
 
 @pytest.fixture
 def make_png(tmp_path: Path):

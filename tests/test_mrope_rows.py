@@ -23,7 +23,7 @@ from data_pipeline.render.valen import ValenRenderer  # noqa: E402
 from data_pipeline.shards import Example  # noqa: E402
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.train_runs import ROOT  # noqa: E402
-from tests.vl_checkpoints import FAMILIES, vl_checkpoint  # noqa: E402, F401
+from tests.vl_checkpoints import FAMILIES  # noqa: E402
 from valen_jax.data.assemble import RowSpec, assemble, expand_media_slots, load_media  # noqa: E402
 from valen_jax.data.packing import piece_of, row_of  # noqa: E402
 from valen_jax.data.valen_rows import QuestionSpec, valen_row  # noqa: E402

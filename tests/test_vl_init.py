@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.train_runs import ROOT  # noqa: E402
-from tests.vl_checkpoints import FAMILIES, vl_checkpoint  # noqa: E402, F401
+from tests.vl_checkpoints import FAMILIES  # noqa: E402
 from valen_jax import optim, sharding  # noqa: E402
 from valen_jax.config_schema import ConfigError, validate_config  # noqa: E402
 from valen_jax.models import build, hf  # noqa: E402
@@ -72,7 +72,7 @@ def test_init_from_a_vl_checkpoint_imports_the_whole_model(vl_checkpoint, family
     np.testing.assert_array_equal(ours.pop("embed"), hf.extend_rows(expected.pop("embed"), 1536, pieces))
     ours_layers, expected_layers = ours.pop("layers"), expected.pop("layers")
     for i in range(ref_cfg.num_layers):
-        layer = jax.tree.map(lambda a: a[i], ours_layers) if model_cfg.scan_layers else ours_layers[i]
+        layer = jax.tree.map(lambda a, i=i: a[i], ours_layers) if model_cfg.scan_layers else ours_layers[i]
         jax.tree.map(np.testing.assert_array_equal, layer, expected_layers[i])
     # Everything else, the whole vision tower included, is the checkpoint's, unchanged.
     assert jax.tree.structure(ours) == jax.tree.structure(expected)
