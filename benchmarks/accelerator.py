@@ -89,22 +89,16 @@ def run_child(args) -> None:
     """One (model, attention) pair in a fresh process: its own compile cache and peak-memory counter."""
     import jax
     import jax.numpy as jnp
-    import ml_collections
+    from step_setup import train_layout
 
     from valen_jax import sharding
     from valen_jax.metrics import model_flops_per_step, peak_flops_per_device
     from valen_jax.models.transformer import init_params
-    from valen_jax.optim import build_optimizer
-    from valen_jax.step import TrainLayout, make_train_step
+    from valen_jax.step import make_train_step
 
     name, attention = args.child.split(":")
     cfg = model_config(name, attention, args.smoke, remat=not args.no_remat)
-    train = ml_collections.ConfigDict(dict(learning_rate=1e-5, warmup_steps=10, steps=1000,
-                                           end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
-                                           adam_b2=0.95, weight_decay=0.0, decay="cosine", param_groups=[]))
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    tx, schedule = build_optimizer(train)
-    layout = TrainLayout(cfg, tx, mesh)
+    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-5)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     # CPU has no memory limit to size against; it sizes against 256 MiB so the path runs (--smoke).

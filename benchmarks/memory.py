@@ -34,14 +34,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
+from step_setup import train_layout
 
 from valen_jax import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.remat import REMAT_POLICIES
-from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout, make_train_step
+from valen_jax.step import make_train_step
 
 GIB = 1024**3
 MODELS = {
@@ -74,12 +73,7 @@ def model_config(args) -> ModelConfig:
 
 def compile_step(cfg: ModelConfig, length: int):
     """The compiled train step for one row of `length` tokens (abstract inputs only)."""
-    train = ml_collections.ConfigDict(dict(learning_rate=1e-5, warmup_steps=10, steps=1000,
-                                           end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
-                                           adam_b2=0.95, weight_decay=0.0, decay="cosine", param_groups=[]))
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    tx, schedule = build_optimizer(train)
-    layout = TrainLayout(cfg, tx, mesh)
+    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-5)
     shapes = {"tokens": ((1, length), jnp.int32), "targets": ((1, length), jnp.int32),
               "target_weights": ((1, length), jnp.float32), "positions": ((1, length), jnp.int32),
               "segment_ids": ((1, length), jnp.int32), "patches": ((1, 0, 0), jnp.float32),

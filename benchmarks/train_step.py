@@ -18,15 +18,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
+from step_setup import train_layout
 
 from valen_jax import sharding
 from valen_jax.metrics import measured_matmul_flops, model_flops_per_step
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
-from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout, make_train_step
+from valen_jax.step import make_train_step
 
 
 def parse_args():
@@ -47,13 +46,7 @@ def parse_args():
 
 
 def jax_step_time(cfg: ModelConfig, batch: dict, steps: int) -> float:
-    train = ml_collections.ConfigDict(dict(learning_rate=1e-4, warmup_steps=10, steps=1000,
-                                           end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
-                                           adam_b2=0.95, weight_decay=0.0, decay="cosine",
-                                           param_groups=[]))
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    tx, schedule = build_optimizer(train)
-    layout = TrainLayout(cfg, tx, mesh)
+    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-4)
     params = init_params(cfg, 0, layout.param_shardings)
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
     device_batch = sharding.global_batch(batch, mesh)
