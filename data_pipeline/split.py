@@ -170,15 +170,22 @@ def group_rows(fmt: str, path: Path, rows: list[tuple[int, str, dict]]) -> tuple
     return [index[r] for r in roots], relative
 
 
-def assign(group_sizes: list[int], fractions: dict[str, float], seed: int) -> list[str]:
+def assign(group_sizes: list[int], fractions: dict[str, float], seed: int,
+           fixed: dict[int, str] | None = None) -> list[str]:
     """The split of each group: groups in a seeded random order, each given to the split furthest below
-    its share of the rows dealt so far (ties: the order of --fractions)."""
+    its share of the rows dealt so far (ties: the order of --fractions). `fixed` groups (index -> split)
+    keep their split and count first, so the others fill around them."""
+    fixed = fixed or {}
     order = np.random.default_rng(seed).permutation(len(group_sizes))
     names = list(fractions)
     counts = dict.fromkeys(names, 0)
     chosen = [""] * len(group_sizes)
     dealt = 0
-    for g in order:
+    for g, name in fixed.items():
+        chosen[g] = name
+        counts[name] += group_sizes[g]
+        dealt += group_sizes[g]
+    for g in (g for g in order if g not in fixed):
         size = group_sizes[g]
         after = dealt + size
         name = max(names, key=lambda n: (fractions[n] * after - counts[n], -names.index(n)))
