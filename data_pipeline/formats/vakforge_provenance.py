@@ -10,6 +10,8 @@ Decisions where the seed leaves room:
   exempt from having to be redacted, not from having their claim checked.
 - Tool JSON is checked value by value (strings, numbers, keys that are not identifiers), and a
   finding names the JSON path and the range in that value, e.g. `turns[3].tool_call.arguments.phone`.
+- `meta.redaction_skipped: true` (written by `vakforge prepare --skip-redaction`) stands in for the
+  redaction a real row otherwise needs; it requires `pii_redacted: false` and source 'real'.
 - A redaction log must be the log of this conversation (`conversation_id`, when given) and its
   spans must name existing turns; span offsets refer to the text before redaction, so they are not
   compared with the redacted text.
@@ -63,11 +65,19 @@ def check_provenance(conv: VakforgeConversation, base: Path, allow_unconsented: 
         problem("meta.license", "required when consent is 'public_license': name the licence")
     if meta.consent == "synthetic" and meta.source != "synthetic":
         problem("meta.consent", f"'synthetic' is only valid with source 'synthetic', not {meta.source!r}")
-    if meta.source == "real":
+    if meta.redaction_skipped:
+        # Seed 002: prepare skips redaction only under --skip-redaction, which marks the rows. A
+        # marked real row holds personal data; it validates, and the mark stays for later tools.
+        if meta.source != "real":
+            problem("meta.redaction_skipped", f"only rows of source 'real' are redacted, not {meta.source!r}")
+        if meta.pii_redacted:
+            problem("meta.pii_redacted", "must be false when redaction_skipped is true: the text was not redacted")
+    elif meta.source == "real":
         if not meta.pii_redacted:
             problem("meta.pii_redacted", "must be true for source 'real': redaction is not optional for real data")
         if meta.redaction_log is None:
             problem("meta.redaction_log", "required for source 'real': a log naming what was removed")
+    if meta.source == "real":
         if conv.audio is not None and meta.voice_consent_ref is None:
             problem(
                 "meta.voice_consent_ref",

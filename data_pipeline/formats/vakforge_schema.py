@@ -139,6 +139,8 @@ class Meta(_Record):
     license: NonEmpty | None = None
     pii_redacted: bool
     redaction_log: NonEmpty | None = None
+    # Seed 002: `prepare --skip-redaction` "logs a loud warning and marks the rows"; this is the mark.
+    redaction_skipped: bool = False
     transcription: Transcription | None = None
     diarization: Diarization | None = None
     speakers: Speakers | None = None
