@@ -120,3 +120,11 @@ def test_tone_replaces_exactly_its_range_and_is_idempotent(tmp_path):
     assert (tmp_path / "again.wav").read_bytes() == path.read_bytes()
     pcm, read_rate = read_wav_pcm16(path)
     assert read_rate == rate and pcm.shape == (rate, 2)
+
+
+def test_espeak_reports_where_each_word_starts():
+    text = "Book a visit for tomorrow morning."
+    speech, words = ESpeak.engine().speak_words(text, Voice("en", "f2", 65))
+    assert [text[c:].split()[0] for c, _ in words] == text.split()
+    times = [t for _, t in words]
+    assert times == sorted(times) and times[0] == 0 and times[-1] < len(speech) / ESpeak.engine().sample_rate

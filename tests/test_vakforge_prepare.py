@@ -208,29 +208,27 @@ def test_real_row_is_redacted_and_the_values_appear_nowhere(prepared):
             assert value not in prepared["printed"][name]
 
 
-def test_the_tone_replaces_each_spoken_span_and_nothing_else(raw, prepared):
+def test_the_tone_covers_the_turn_that_said_the_value_on_its_speakers_channel_only(raw, prepared):
     row = _rows(prepared["first"])["conv_real_0001"]
     log = json.loads((prepared["first"] / row["meta"]["redaction_log"]).read_text())
     spoken = [s for s in log["spans"] if s["field"] == "text"]
     assert sorted(s["type"] for s in spoken) == ["email", "phone"]
-    assert all(s["turn"] == 1 and s["audio"]["method"] == "tone" for s in spoken)
     turn = _rows(raw)["conv_real_0001"]["turns"][1]
+    margin = prepare.TONE_MARGIN_S
     for s in spoken:
-        # The span's place in the turn, by characters, lies inside its tone.
-        share = (s["start"] / len(turn["text"]), s["end"] / len(turn["text"]))
-        span_s = [turn["start"] + (turn["end"] - turn["start"]) * x for x in share]
-        assert turn["start"] <= s["audio"]["start_s"] <= span_s[0] and span_s[1] <= s["audio"]["end_s"] <= turn["end"]
-        assert s["audio"]["end_s"] - s["audio"]["start_s"] >= span_s[1] - span_s[0]
+        assert s["turn"] == 1
+        assert s["audio"] == {"start_s": round(turn["start"] - margin, 3), "end_s": round(turn["end"] + margin, 3),
+                              "method": "tone"}
     pcm, rate = read_wav_pcm16(prepared["first"] / "audio/conv_real_0001.wav")
     reference = to_pcm16(resample(decode(raw / "uploads/call_0001.wav")).samples)
-    toned = np.zeros(len(pcm), bool)
-    for s in spoken:
-        first, last = int(np.floor(s["audio"]["start_s"] * rate)), int(np.ceil(s["audio"]["end_s"] * rate))
-        expected = to_pcm16(tone(last - first, rate, first))
-        for channel in range(pcm.shape[1]):  # every channel: phone lines echo the speaker
-            assert np.array_equal(pcm[first:last, channel], expected)
-        toned[first:last] = True
-    assert toned.any() and np.array_equal(pcm[~toned], reference[~toned])
+    audio = spoken[0]["audio"]
+    first, last = int(np.floor(audio["start_s"] * rate)), int(np.ceil(audio["end_s"] * rate))
+    user = 0  # channel_map {"0": "user", "1": "agent"}
+    assert np.array_equal(pcm[first:last, user], to_pcm16(tone(last - first, rate, first)))
+    untouched = np.ones(len(pcm), bool)
+    untouched[first:last] = False
+    assert np.array_equal(pcm[untouched], reference[untouched])
+    assert np.array_equal(pcm[:, 1], reference[:, 1])  # the agent's leg keeps every sample
 
 
 def test_rerunning_prepare_on_its_output_changes_nothing(prepared):

@@ -23,7 +23,20 @@ _ESPEAK_CHARS_UTF8 = 1
 _EE_OK = 0
 _RATE, _PITCH, _RANGE = 1, 3, 4
 
-_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
+_EVENT_LIST_TERMINATED, _EVENT_WORD = 0, 1
+
+
+class _Event(ctypes.Structure):
+    """espeak_EVENT (speak_lib.h); `id` is a union of int, const char* and char[8]."""
+
+    _fields_ = [
+        ("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
+        ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
+        ("user_data", ctypes.c_void_p), ("id", ctypes.c_char * 8),
+    ]
+
+
+_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
 
 
 @dataclass(frozen=True)
@@ -69,10 +82,17 @@ class ESpeak:
         self.sample_rate = rate
         self._lib = lib
         self._chunks: list[np.ndarray] = []
+        self._words: list[tuple[int, int]] = []
 
-        def collect(wav, count, _events):
+        def collect(wav, count, events):
             if count > 0:
                 self._chunks.append(np.ctypeslib.as_array(wav, shape=(count,)).copy())
+            k = 0
+            while events and events[k].type != _EVENT_LIST_TERMINATED:
+                if events[k].type == _EVENT_WORD:
+                    # text_position counts characters from 1; audio_position is milliseconds.
+                    self._words.append((events[k].text_position - 1, events[k].audio_position))
+                k += 1
             return 0
 
         self._callback = _CALLBACK(collect)  # kept referenced: the library calls it later
@@ -86,6 +106,10 @@ class ESpeak:
             return cls._instance
 
     def speak(self, text: str, voice: Voice) -> np.ndarray:
+        return self.speak_words(text, voice)[0]
+
+    def speak_words(self, text: str, voice: Voice) -> tuple[np.ndarray, list[tuple[int, float]]]:
+        """Samples, and (character index, start in seconds) of each word as eSpeak NG placed it."""
         with self._lock:
             lib = self._lib
             if lib.espeak_SetVoiceByName(voice.full_name.encode()) != _EE_OK:
@@ -93,11 +117,12 @@ class ESpeak:
             lib.espeak_SetParameter(_RATE, voice.rate_wpm, 0)
             lib.espeak_SetParameter(_PITCH, voice.pitch, 0)
             lib.espeak_SetParameter(_RANGE, 50, 0)
-            self._chunks = []
+            self._chunks, self._words = [], []
             raw = text.encode("utf-8") + b"\0"
             status = lib.espeak_Synth(raw, len(raw), 0, _POS_CHARACTER, 0, _ESPEAK_CHARS_UTF8, None, None)
             if status != _EE_OK:
                 raise RuntimeError(f"eSpeak NG could not render a turn (status {status})")
             lib.espeak_Synchronize()
             samples = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
-        return samples.astype(np.float32) / 32768.0
+            words = [(char, ms / 1000.0) for char, ms in self._words]
+        return samples.astype(np.float32) / 32768.0, words

@@ -19,13 +19,16 @@ to it. Nothing in RAW_DIR is written. DATA_DIR receives, all at once (see `datas
   this run's, each text span with `audio: {start_s, end_s, method: "tone"}`.
 - `splits.json`, copied from beside the input manifest.
 
-Where the tone goes. Transcripts time turns, not words, so a span is placed in proportion to its
-characters inside its turn's [start, end] and widened by `TONE_MARGIN_S` each side, clamped to the
-turn, on every channel: on phone lines the other channel carries an echo of the speaker, and a
-listener rarely talks over a number being read out. The precision is that of speaking rate being
-even across a turn: on eSpeak NG speech the proportional estimate lies within 0.3 s of the true
-word times (benchmarks/vakforge_prepare.py measures it); real speech pauses and hurries, hence the
-0.5 s margin. A turn shorter than its margins is toned whole.
+Where the tone goes. Transcripts time turns, not words, so the tone covers the whole time range of
+the turn that said the value, widened by `TONE_MARGIN_S` each side for diarization's imprecise
+boundaries (clamped to the recording), on the speaker's own channel of a dual-stream recording
+(the other channel is the other party's leg of the call, and toning it would erase their overlapping
+speech) or on the one channel of a mono recording. Placing a span by its share of the turn's
+characters was measured and rejected: spoken numbers and e-mail addresses take far longer than their
+characters suggest (a 10-digit phone number is read digit by digit), and on eSpeak NG speech the
+proportional estimate misses the words' true times by up to seconds (benchmarks/vakforge_prepare.py
+prints the figures). A whole turn is certain to hold the value; the cost is the turn's other words.
+Known limit: acoustic echo of the speaker on the other channel is not toned.
 
 `--skip-redaction` leaves real rows unredacted, prints a warning on stderr, and marks them
 `meta.pii_redacted: false` with `meta.redaction_skipped: true`; such rows still validate, and the
@@ -66,7 +69,7 @@ from data_pipeline.vakforge.dataset import (
     write_manifest,
 )
 
-TONE_MARGIN_S = 0.5
+TONE_MARGIN_S = 0.25
 # Seed 002: declared audio matches the file "±0.5 s".
 DURATION_TOLERANCE_S = 0.5
 
@@ -95,13 +98,19 @@ def _spoken(turn: dict) -> bool:
     return turn.get("speaker") in ("user", "agent") and "tool_call" not in turn and isinstance(turn.get("text"), str)
 
 
-def tone_range(turn: dict, start_char: int, end_char: int) -> tuple[float, float]:
-    """[start_s, end_s) of a span's tone: proportional by characters, widened, clamped to the turn."""
-    t0, t1 = float(turn["start"]), float(turn["end"])
-    length = max(len(turn["text"]), 1)
-    begin = t0 + (t1 - t0) * start_char / length - TONE_MARGIN_S
-    end = t0 + (t1 - t0) * end_char / length + TONE_MARGIN_S
-    return round(max(begin, t0), 3), round(min(end, t1), 3)
+def tone_range(turn: dict, duration_s: float) -> tuple[float, float]:
+    """[start_s, end_s) of the tone over a turn that said a redacted value (see the module docstring)."""
+    start = max(float(turn["start"]) - TONE_MARGIN_S, 0.0)
+    end = min(float(turn["end"]) + TONE_MARGIN_S, duration_s)
+    return round(start, 3), round(end, 3)
+
+
+def speaker_channel(record: dict, speaker: str) -> int | None:
+    """The channel index of `speaker` in a dual-stream recording; None (every channel) for mono."""
+    cmap = record["audio"].get("channel_map")
+    if not cmap:
+        return None
+    return int(next(channel for channel, who in cmap.items() if who == speaker))
 
 
 class Preparer:
@@ -194,9 +203,9 @@ class Preparer:
         for span in spans:
             turn_index = span.get("turn")
             if span.get("field") == "text" and turn_index is not None and recording is not None:
-                turn = record["turns"][turn_index]  # the ORIGINAL text: span offsets refer to it
-                start_s, end_s = tone_range(turn, span["start"], span["end"])
-                lay_tone(recording, start_s, end_s, channel=None)
+                turn = record["turns"][turn_index]
+                start_s, end_s = tone_range(turn, recording.duration_s)
+                lay_tone(recording, start_s, end_s, channel=speaker_channel(record, turn["speaker"]))
                 span["audio"] = {"start_s": start_s, "end_s": end_s, "method": "tone"}
                 self.summary.toned_spans += 1
         log_name = f"redactions/{row.id}.json"
