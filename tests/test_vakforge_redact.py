@@ -8,13 +8,14 @@ import copy
 import json
 import logging
 import re
+import socket
 from pathlib import Path
 
 import pytest
 
 from data_pipeline.formats.vakforge import read_vakforge
 from data_pipeline.formats.vakforge_pii import PACKS
-from data_pipeline.vakforge.redact import redact_record
+from data_pipeline.vakforge.redact import _analyzer, redact_record
 
 SMOKE = Path(__file__).resolve().parents[1] / "data" / "smoke" / "vakforge"
 
@@ -233,3 +234,38 @@ def test_nothing_is_logged_with_a_value(caplog):
 def test_unknown_locale():
     with pytest.raises(ValueError, match="not a registered locale pack"):
         redact_record(_record("en-US"), "fr-FR")
+
+
+def test_chinese_names_are_found_inside_unspaced_text():
+    record = _record("zh-CN")
+    record["turns"][4]["text"] = "好的，王伟先生，快递明天到。"
+    record["turns"][4]["entities"] = [{"type": "person_name", "text": "王伟", "start_char": 3, "end_char": 5}]
+    record["system_prompt"] = "客户王伟的快递。"
+    new, _ = redact_record(record, "zh-CN")
+    # The system prompt comes first in record order, so the name is <PERSON_NAME_1> everywhere.
+    assert new["system_prompt"] == "客户<PERSON_NAME_1>的快递。"
+    assert new["turns"][4]["text"] == "好的，<PERSON_NAME_1>先生，快递明天到。"
+    assert new["turns"][4]["entities"][0] == {"type": "person_name", "text": "<PERSON_NAME_1>",
+                                              "start_char": 3, "end_char": 18}
+    assert new["turns"][0]["text"].endswith("I am <PERSON_NAME_2>.")
+
+
+def test_a_latin_name_is_redacted_as_a_whole_word_only():
+    record = _record("en-IN")
+    record["turns"][4]["text"] = "Ravindra and Ravi both called."
+    record["turns"][4]["entities"] = [{"type": "person_name", "text": "Ravi", "start_char": 13, "end_char": 17}]
+    new, _ = redact_record(record, "en-IN")
+    assert new["turns"][4]["text"] == "Ravindra and <PERSON_NAME_2> both called."
+
+
+def test_building_and_running_the_analyzer_opens_no_connection(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("redaction tried to open a network connection")
+
+    # Name lookup comes first (and fails quietly offline), so refuse it too, not only connections.
+    for name in ("getaddrinfo", "gethostbyname", "create_connection"):
+        monkeypatch.setattr(socket, name, refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    _analyzer.cache_clear()  # a fresh Presidio engine and tldextract: nothing may be fetched
+    new, _ = redact_record(_record("en-GB"), "en-GB")
+    assert "tom.hale@example.co.uk" not in json.dumps(new)

@@ -170,9 +170,18 @@ class _Redactor:
             if result.entity_type in PRESIDIO_TYPES:
                 hits.append((_Hit(result.start, result.end, PRESIDIO_TYPES[result.entity_type]), 2))
         for value, kind in self.annotated:
-            for m in re.finditer(rf"(?<!\w){re.escape(value)}(?!\w)", text):
+            for m in _occurrences(value).finditer(text):
                 hits.append((_Hit(m.start(), m.end(), kind), 0))
         return hits
+
+
+@cache
+def _occurrences(value: str) -> re.Pattern[str]:
+    """Where an annotated value occurs as a whole: a Latin letter or digit at its edge must not touch
+    another ("Ravi" is not in "Ravindra"); Chinese is written without spaces, so a Han edge may."""
+    before = r"(?<![A-Za-z0-9])" if value[0].isascii() and value[0].isalnum() else ""
+    after = r"(?![A-Za-z0-9])" if value[-1].isascii() and value[-1].isalnum() else ""
+    return re.compile(before + re.escape(value) + after)
 
 
 def _merge(hits: list[tuple[_Hit, int]]) -> list[_Hit]:
