@@ -89,3 +89,18 @@ def test_an_unredacted_real_row_is_refused_and_nothing_is_written(tmp_path, caps
     err = capsys.readouterr().err
     assert f"{manifest}:1: id=conv_en_in_0005: meta.pii_redacted: a real row must be redacted" in err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_an_overlapping_turn_stays_overlapping_in_its_own_language_voice(tmp_path):
+    # conv_en_us_0001 without its recording: its last turn (Spanish) overlaps the agent's.
+    row = _rows(SMOKE / "vakforge.jsonl")["conv_en_us_0001"]
+    del row["audio"]
+    manifest = tmp_path / "in" / "vakforge.jsonl"
+    manifest.parent.mkdir()
+    manifest.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    (manifest.parent / "splits.json").write_text(json.dumps({"seed": 1, "splits": {"train": [row["id"]]}}))
+    assert synth.main([f"--manifest={manifest}", f"--out={tmp_path / 'out'}"]) == 0
+    turns = _rows(tmp_path / "out" / "vakforge.jsonl")["conv_en_us_0001"]["turns"]
+    last, agent = turns[-1], turns[-2]
+    assert last["overlap"] is True and last["lang"] == "es-US" and agent["start"] < last["start"] < agent["end"]
+    assert synth.voice_for(last["lang"], "user").name == "es"

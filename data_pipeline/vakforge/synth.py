@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.formats.errors import FormatError
+from data_pipeline.formats.errors import FormatError, Problem
 from data_pipeline.vakforge.audio import TARGET_RATE, Recording, resample, write_wav
 from data_pipeline.vakforge.dataset import (
     Row,
@@ -103,6 +103,9 @@ class Synthesizer:
 
     def copy(self, source: Path, written: str) -> None:
         target = self.stage / written
+        if target.exists():
+            # Two rows naming one file, or a copied file at a rendered row's audio/ID.wav.
+            raise FormatError([Problem(str(source), 0, "file", f"{written} is written twice; give each row its own file")])
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
 
@@ -141,6 +144,8 @@ class Synthesizer:
         for channel, first, speech in placed:
             samples[first:first + len(speech), channel] += speech
         path = f"audio/{row.id}.wav"
+        if (self.stage / path).exists():
+            raise FormatError([row.problem("audio", f"{path} is already taken by a copied row's audio")])
         (self.stage / "audio").mkdir(exist_ok=True)
         write_wav(self.stage / path, Recording(samples, TARGET_RATE))
         record["audio"] = {"path": path, "sample_rate": TARGET_RATE, "channels": 2, "channel_map": dict(CHANNEL_MAP),
