@@ -269,3 +269,21 @@ def test_building_and_running_the_analyzer_opens_no_connection(monkeypatch):
     _analyzer.cache_clear()  # a fresh Presidio engine and tldextract: nothing may be fetched
     new, _ = redact_record(_record("en-GB"), "en-GB")
     assert "tom.hale@example.co.uk" not in json.dumps(new)
+
+
+def test_an_entity_around_a_redaction_keeps_its_words_and_takes_the_placeholder():
+    text = "Note: call 98765 43210 after six, order NW-20417."
+    record = {"id": "c", "locale": "en-IN", "turns": [{"speaker": "user", "text": text, "entities": [
+        {"type": "instruction", "text": "call 98765 43210 after six", "normalized": {"phone": "9876543210"},
+         "start_char": 6, "end_char": 32},
+        {"type": "order_id", "text": "NW-20417", "start_char": 40, "end_char": 48},
+    ]}]}
+    new, spans = redact_record(record, "en-IN")
+    turn = new["turns"][0]
+    assert turn["text"] == "Note: call <PHONE_1> after six, order NW-20417."
+    assert turn["entities"] == [
+        {"type": "instruction", "text": "call <PHONE_1> after six", "normalized": "call <PHONE_1> after six",
+         "start_char": 6, "end_char": 30},
+        {"type": "order_id", "text": "NW-20417", "start_char": 38, "end_char": 46},
+    ]
+    assert spans == [{"turn": 0, "field": "text", "type": "phone", "start": 11, "end": 22, "placeholder": "<PHONE_1>"}]

@@ -117,7 +117,7 @@ _Moves = list[tuple[int, int, int, int]]
 
 
 class _Redactor:
-    def __init__(self, pack: LocalePack, annotated: list[str], placeholders: _Placeholders):
+    def __init__(self, pack: LocalePack, annotated: list[tuple[str, str]], placeholders: _Placeholders):
         self.pack = pack
         self.annotated = annotated
         self.placeholders = placeholders
