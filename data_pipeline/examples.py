@@ -102,7 +102,8 @@ _COMMON = (
 )
 META: dict[str, tuple[MetaField, ...]] = {
     TOKENS: _COMMON + (
-        MetaField("answers", list, "vflash: the assistant turns' text, for decoding metrics", False),
+        MetaField("answers", list, "vflash, chat, vakforge: the assistant turns' text, for decoding metrics "
+                  "(chat, vakforge: one per assistant message, '' for one that only calls tools)", False),
         MetaField("dense_scale", (int, float), "vflash: the dataset's dense-motion scale s in metres", False),
         MetaField("turns", int, "chat, vakforge: messages in the row", False),
         MetaField("trained_turns", int, "chat, vakforge: assistant messages carrying weight", False),
@@ -114,7 +115,8 @@ META: dict[str, tuple[MetaField, ...]] = {
         MetaField("domain", str, "vakforge: domain", False),
         MetaField("scenario", str, "vakforge: scenario", False, nullable=True),
         MetaField("split", str, "vakforge: the split of splits.json", False),
-        MetaField("entities", list, "vakforge: entities of the kept turns, offsets into messages", False),
+        MetaField("entities", list, "vakforge: entities of the kept turns, offsets into messages; `answer`: "
+                  "the assistant message (index into `answers`) an agent entity is in, null for a user's", False),
         MetaField("overlaps", dict, "vakforge: overlapping turns seen, merged, dropped", False),
         MetaField("skipped", dict, "what the renderer dropped deliberately, by reason (summed into the manifest)",
                   False),

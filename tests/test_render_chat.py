@@ -384,7 +384,7 @@ def test_smoke_chat_conversion_keeps_its_bytes(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     manifest = convert("chat", "data/smoke/chat/train.jsonl", tmp_path / "out", "data/tokenizer", progress=False)
     assert [s["sha256"] for s in manifest.data["shards"]] == [
-        "8effbb043cd32f736ae3ab89d23a90d14ae4696d72f37fb37f54609cee03dff9"]
+        "8f1216d633cb426926ede36cde80d50171c1555bafd17939ea9cf199cdbb6735"]
 
 
 # -- convert --------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ Arrays are those of VFlash, so the training loader reads chat shards unchanged:
 
 Meta: `format`, `source`, `line`, `entry`, `media`, `turns` (messages in the row),
 `trained_turns` (assistant messages carrying weight), `tool_calls` (one list per assistant message
-of `{"name", "arguments"}`, for exact-match evaluation). `arguments` is the JSON text as rendered,
-not an object: the shard header is written with sorted keys, which would reorder an object.
+of `{"name", "arguments"}`, for exact-match evaluation), `answers` (one text per assistant message,
+its text parts joined as the template writes them, '' for a message that only calls tools: the
+reference the evaluation compares a generated answer with, seed 003). `arguments` is the JSON text
+as rendered, not an object: the shard header is written with sorted keys, which would reorder an
+object.
 
 Decisions where the seed leaves room:
 - Loss policy (seed 003: "Use the run's loss policy to specify how to train on multi-turn or
@@ -121,7 +124,8 @@ class ChatRenderer:
             examples.TOKENS, arrays, format="chat", source=source, line=line, entry=entry,
             media=[blob.header() for blob in media], turns=len(record.messages), trained_turns=trained,
             tool_calls=[[{"name": c.name, "arguments": arguments_text(c)} for c in m.tool_calls]
-                        for m in assistant])
+                        for m in assistant],
+            answers=[_text_of(m.content) for m in assistant])
 
     def _check_message(self, record: ChatRecord, field: str, message: ChatMessage) -> None:
         refuse = self.refuse_control_tokens

@@ -21,7 +21,9 @@ into manifest.json's `counts`.
 Meta for evaluation breakdowns (seed 002: eval breaks down by locale and by source): `id`,
 `locale`, `language`, `data_source` (meta.source: real | synthetic | public), `domain`,
 `scenario`, `split`, and `entities` of the kept turns, with `message` (index in the rendered
-conversation) and offsets into that message's text (shifted when turns were joined).
+conversation), `answer` (for an agent's entity, the index of its assistant message among the
+assistant messages, as in meta `answers` and `tool_calls`; null for a user's) and offsets into that
+message's text (shifted when turns were joined).
 
 `split=` (convert `--split`) and the dataset's `manifest_hash`: see
 `data_pipeline.formats.vakforge_items`, which reads the conversations.
@@ -83,7 +85,10 @@ class VakforgeRenderer:
             "parameters": tool.parameters}} for tool in conv.tools)
         record = ChatRecord(item.source, item.line, tuple(chat_messages), tools)
         example = self.chat.render_record(record, entry)
+        answer_of = {k: sum(m.role == "assistant" for m in messages[:k]) for k, m in enumerate(messages)
+                     if m.role == "assistant"}
         for entity in entities:
+            entity["answer"] = answer_of.get(entity["message"])
             entity["message"] += offset
         return examples.extend(
             example, examples.TOKENS, format="vakforge", id=conv.id, locale=conv.locale,
