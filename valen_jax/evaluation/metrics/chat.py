@@ -18,6 +18,15 @@ For one assistant message with reference calls R and predicted calls C (`add_too
 Group metrics: `exact_match` = Σ exact / messages, `call_precision` = Σ matched / Σ len(C),
 `call_recall` = Σ matched / Σ len(R).
 
+Answers (`add_answer`, seed 003: "the grader compares the model's answer with the assistant
+message"): each trained assistant message with text, against the text generated for it (rules in
+`valen_jax.evaluation.metrics.answer_match`):
+    answer_exact_match = Σ [generated = reference] / answers,
+    answer_normalised_match = Σ [normalise(generated) = normalise(reference)] / answers,
+    unfinished = answers whose generation reached max_new_tokens before the end-of-turn token.
+A message that only calls tools has no text (seed 003 refuses an assistant message with both) and
+is compared by its calls alone; it is not an answer here.
+
 Assistant tokens (`add_tokens`), with the loss weights w_t of the assistant tokens:
     token_loss = Σ w_t · (−ln q_t(target_t)) / Σ w_t,  token_accuracy = Σ w_t · [argmax q_t = target_t] / Σ w_t,
     perplexity = exp(token_loss).
@@ -32,13 +41,15 @@ import math
 from collections.abc import Mapping, Sequence
 
 from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics.answer_match import answer_matches
 
 BREAKDOWN_KEYS = ("locale", "source")
 MISSING = "(missing)"
 
 FIELDS = (
     "messages", "exact", "ref_calls", "pred_calls", "matched_calls", "name_matched", "malformed_calls",
-    "tokens", "token_nll_sum", "token_correct",
+    "tokens", "token_nll_sum", "token_correct", "answers", "answer_exact", "answer_normalised",
+    "unfinished_answers",
 )
 
 
@@ -110,6 +121,14 @@ class ChatStats(GroupedSums):
             matched_calls=matched, name_matched=names, malformed_calls=malformed,
         )
 
+    def add_answer(self, reference: str, generated: str, finished: bool = True,
+                   breakdown: Mapping[str, str] | None = None) -> None:
+        """One assistant message with text: its reference text and the generated one; `finished`:
+        generation stopped at the end-of-turn token (not at max_new_tokens)."""
+        exact, normalised = answer_matches(reference, generated)
+        self._add(self._keys(breakdown), answers=1, answer_exact=float(exact),
+                  answer_normalised=float(normalised), unfinished_answers=float(not finished))
+
     def add_tokens(
         self, nll_sum: float, correct: float, weight: float, breakdown: Mapping[str, str] | None = None
     ) -> None:
@@ -146,6 +165,12 @@ def _metrics(s: dict[str, float]) -> dict:
             "malformed": int(s["malformed_calls"]),
             "call_precision": ratio(s["matched_calls"], s["pred_calls"]),
             "call_recall": ratio(s["matched_calls"], s["ref_calls"]),
+        },
+        "answers": {
+            "messages": int(s["answers"]), "exact": int(s["answer_exact"]),
+            "normalised": int(s["answer_normalised"]), "unfinished": int(s["unfinished_answers"]),
+            "exact_match": ratio(s["answer_exact"], s["answers"]),
+            "normalised_match": ratio(s["answer_normalised"], s["answers"]),
         },
         "tokens": s["tokens"],
         "token_loss": loss,
