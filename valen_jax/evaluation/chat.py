@@ -1,21 +1,39 @@
 """Chat (seed 003) and vakforge (seed 002) evaluation: assistant-token loss and accuracy by teacher
-forcing, and exact match of tool calls by greedy decoding (formulas in `valen_jax.evaluation.metrics.chat`),
-overall and by `locale` and source (vakforge `meta.source`; chat rows have neither: `(missing)`).
+forcing; by greedy decoding, exact match of tool calls, the comparison of each answer with its
+reference assistant message, and (vakforge) entity accuracy (formulas in
+`valen_jax.evaluation.metrics.chat` and `.entities`), overall and by `locale` and source (vakforge
+`meta.source`; chat rows have neither: `(missing)`), entities by type too.
 
-Tool calls: every trained assistant message that holds tool calls (the Example meta `tool_calls`,
-one list per assistant message) is decoded greedily from the conversation before it, reference
-messages included (teacher forcing of the context), and the calls are read back from the rendering
-the template taught: ChatML writes each call as `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`;
-Llama-3 writes the whole message as one `{"name": …, "parameters": …}` object. A call block that is
-not such JSON is a malformed call (it matches nothing). When the converter trained only the last
-assistant turn (`assistant_turns="last"`), only that message is decoded.
+Every trained assistant message is decoded once, greedily, from the conversation before it,
+reference messages included (teacher forcing of the context); that one generation serves every
+comparison of the message:
+- a message with reference tool calls (the Example meta `tool_calls`, one list per assistant
+  message) is compared by its calls, read back from the rendering the template taught: ChatML
+  writes each call as `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>`; Llama-3 writes
+  the whole message as one `{"name": …, "parameters": …}` object. A call block that is not such JSON
+  is a malformed call (it matches nothing). Such a message has no text (seed 003), so it is not an
+  answer in the text comparison;
+- a message with text is an answer: the generated text (end-of-turn token removed, special tokens
+  kept) against the meta `answers` entry, exactly and normalised;
+- the entities of an agent message (meta `entities` with that `answer` index) are looked for in the
+  generated text and in the arguments of the calls parsed from it.
+When the converter trained only the last assistant turn (`assistant_turns="last"`), only that
+message is decoded.
+
+Shards converted before `answers` was recorded (an evaluation cache in WORKDIR/eval_shards, or a
+shard directory) hold no reference text: their tool-call messages are still decoded and compared,
+their answers and entities are not; the report counts those examples under
+`skipped.examples_without_reference_answers`, and a warning says to reconvert.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.chat_templates import template_family
@@ -25,11 +43,13 @@ from valen_jax.data.assemble import expand_media_slots
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
+from valen_jax.evaluation.metrics.entities import EntityStats, Generated, entity_found
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options
 
+log = logging.getLogger(__name__)
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
@@ -64,60 +84,118 @@ def breakdown_of(example: Example) -> dict[str, str | None]:
     return {"locale": meta.locale, "source": meta.data_source}
 
 
-def _tool_call_prompts(example: Example, spec, eot: int) -> list[tuple[list, dict]]:
-    """(reference calls, prompt) for each trained assistant message with tool calls."""
-    per_message = contract.meta_of(example).tool_calls or []
+def answer_prompts(example: Example, spec, eot: int) -> list[tuple[int, dict]]:
+    """(k, prompt) for each trained assistant message: `k` indexes the meta's per-message lists
+    (`tool_calls`, `answers`), the prompt is every token before the message (`tokens.prompt_before`)."""
+    count = len(contract.meta_of(example).tool_calls or [])
     expanded = expand_media_slots(example, spec)
     spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
-    if len(spans) == len(per_message):
-        pairs = list(zip(per_message, spans, strict=True))
-    elif per_message and spans:  # only the last assistant turn was trained
-        pairs = [(per_message[-1], spans[-1])]
+    if len(spans) == count:
+        pairs = list(enumerate(spans))
+    elif count and spans:  # only the last assistant turn was trained
+        pairs = [(count - 1, spans[-1])]
     else:
         pairs = []
-    return [(calls, tokens.prompt_before(expanded, start, spec, contract.where(example)))
-            for calls, (start, _) in pairs if calls]
+    return [(k, tokens.prompt_before(expanded, start, spec, contract.where(example))) for k, (start, _) in pairs]
+
+
+def _message_entities(example: Example) -> dict[int, list[dict]]:
+    """The agent entities of each assistant message, by its index `k`."""
+    by_message: dict[int, list[dict]] = {}
+    for j, entity in enumerate(contract.meta_of(example).entities or ()):
+        if "answer" not in entity:
+            raise ValueError(f"{contract.where(example)}: meta entities[{j}] has no 'answer' although the "
+                             "Example records answers; the shard was written by a mixed converter, reconvert it")
+        if entity["answer"] is not None:
+            by_message.setdefault(int(entity["answer"]), []).append(entity)
+    return by_message
+
+
+def _jobs(index: int, example: Example, spec, eot: int) -> list[tuple]:
+    """(index, example, k, reference calls, reference text or None, entities, prompt) per decoded message."""
+    meta = contract.meta_of(example)
+    answers = meta.answers
+    entities = _message_entities(example) if answers is not None else {}
+    jobs = []
+    for k, prompt in answer_prompts(example, spec, eot):
+        calls = meta.tool_calls[k]
+        if not calls and answers is None:
+            continue  # older shards: no reference text to compare with (counted by the caller)
+        jobs.append((index, example, k, calls, None if calls else answers[k], entities.get(k, []), prompt))
+    return jobs
 
 
 def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
-    """The report's chat/vakforge part; `options.samples` decoded tool-call messages are listed."""
+    """The report's chat/vakforge part; `options.samples` decoded messages are listed."""
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
     max_new_tokens, samples = options.max_new_tokens, options.samples
     mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
     local_batch = local_batch_size(options.batch_size, mesh)
     batches = hosts.batch_count(len(examples), local_batch)
-    stats = ChatStats()
+    stats, entity_stats = ChatStats(), EntityStats()
     sums = tokens.token_sums(restored.params, restored.graphdef, local, spec, mesh, local_batch, batches)
     for example, (nll, correct, weight) in zip(local, sums, strict=True):
         stats.add_tokens(float(nll), float(min(correct, weight)), float(weight), breakdown_of(example))
 
     eot = end_of_turn_id(tokenizer)
     family = template_family(tokenizer.chat_template)
-    jobs = [(i, example, calls, prompt) for i, example in zip(mine, local, strict=True)
-            for calls, prompt in _tool_call_prompts(example, spec, eot)]
-    # Every process decodes the same number of batches, however many tool-call messages it holds.
+    without_reference = sum(contract.meta_of(e).answers is None for e in local)
+    jobs = [job for i, example in zip(mine, local, strict=True) for job in _jobs(i, example, spec, eot)]
+    # Every process decodes the same number of batches, however many messages it holds.
     counts = hosts.gather_json(len(jobs))
     decode_batches = -(-max(counts) // local_batch) if max(counts) else 0
-    generated = tokens.greedy(restored.params, restored.graphdef, [p for *_, p in jobs], spec, mesh,
-                                   local_batch, decode_batches, max_new_tokens, eot, len(tokenizer))
+    generated = tokens.greedy(restored.params, restored.graphdef, [job[-1] for job in jobs], spec, mesh,
+                              local_batch, decode_batches, max_new_tokens, eot, len(tokenizer))
     listed = []
-    for (i, example, calls, _), ids in zip(jobs, generated, strict=True):
+    for (i, example, k, calls, reference, entities, _), ids in zip(jobs, generated, strict=True):
         text = tokens.decode(tokenizer, ids, eot)
         predicted = parse_tool_calls(text, family)
-        stats.add_tool_calls(calls, predicted, breakdown_of(example))
+        breakdown = breakdown_of(example)
+        finished = bool(ids) and ids[-1] == eot
+        if calls:
+            stats.add_tool_calls(calls, predicted, breakdown)
+        else:
+            stats.add_answer(reference, text, finished, breakdown)
+        found = None
+        if entities:
+            answer = Generated.of(text, predicted)
+            entity_stats.add_message(entities, answer, breakdown)
+            found = [{"type": e["type"], "text": e["text"], "normalized": e.get("normalized"),
+                      "found": entity_found(e, answer)} for e in entities]
         if samples is None or len(listed) < samples:
-            listed.append({"index": i, "source": contract.where(example),
-                           "reference": calls, "answer": text})
+            listed.append({"index": i, "message": k, "source": contract.where(example),
+                           "reference": calls or reference, "answer": text, "finished": finished,
+                           **({"entities": found} if found is not None else {})})
     metrics = hosts.sum_stats(stats).report()
+    entity_report = hosts.sum_stats(entity_stats).report()
+    without_reference = int(hosts.sum_array(np.asarray([without_reference]))[0])
+    if without_reference:
+        log.warning("%d examples were converted before reference answers were recorded (meta `answers`): "
+                    "their answers and entities are not scored; reconvert them (remove WORKDIR/eval_shards "
+                    "for a JSONL file)", without_reference)
     overall = metrics["overall"]
-    listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
+    listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: (s["index"], s["message"]))
     return {"target_tokens": int(overall["tokens"]), "loss": overall["token_loss"],
             "accuracy": overall["token_accuracy"], "tool_call_exact_match": overall["exact_match"],
-            "generation": {"tool_call_messages": overall["messages"], "max_new_tokens": int(max_new_tokens)},
-            "metrics": metrics, "samples": listed[:samples] if samples is not None else listed}
+            "answer_exact_match": overall["answers"]["exact_match"],
+            "answer_normalised_match": overall["answers"]["normalised_match"],
+            "entity_accuracy": entity_report["overall"]["accuracy"],
+            "generation": {"tool_call_messages": overall["messages"], "answer_messages": overall["answers"]["messages"],
+                           "unfinished_answers": overall["answers"]["unfinished"],
+                           "max_new_tokens": int(max_new_tokens)},
+            "skipped": {"examples_without_reference_answers": without_reference},
+            "metrics": metrics, "entities": entity_report,
+            "samples": listed[:samples] if samples is not None else listed}
 
 
 def summary(report: dict) -> str:
-    return (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
+    """The CLI line; a report written before answers and entities were compared lacks those parts."""
+    line = (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
             f"tool-call exact match {shown(report['tool_call_exact_match'])}")
+    if "answer_exact_match" in report:
+        line += (f", answer exact/normalised match {shown(report['answer_exact_match'])}/"
+                 f"{shown(report['answer_normalised_match'])}")
+    if report.get("entities", {}).get("overall", {}).get("entities"):
+        line += f", entity accuracy {shown(report['entity_accuracy'])}"
+    return line
