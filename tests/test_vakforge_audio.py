@@ -128,3 +128,14 @@ def test_espeak_reports_where_each_word_starts():
     assert [text[c:].split()[0] for c, _ in words] == text.split()
     times = [t for _, t in words]
     assert times == sorted(times) and times[0] == 0 and times[-1] < len(speech) / ESpeak.engine().sample_rate
+
+
+def test_the_vakforge_command_dispatches_and_refuses_unknown_commands(tmp_path, capsys):
+    from data_pipeline.vakforge.__main__ import main
+
+    path = tmp_path / "a.wav"
+    soundfile.write(path, _noise(1, 8000, 8), 8000)
+    assert main(["inspect", "--json", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["sample_rate"] == 8000
+    assert main(["transcribe"]) == 2
+    assert "unknown command 'transcribe'; one of: inspect, prepare, synth, split" in capsys.readouterr().err

@@ -296,6 +296,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(SKIP_WARNING.format(count=len(summary.skipped_redaction)), file=sys.stderr)
     print(f"prepare: {summary.rows} rows, {summary.audio_files} audio files ({summary.audio_seconds:.1f} s) at "
           f"24 kHz, {summary.langs_set} turn languages detected ({summary.langs_without_letters} turns without "
-          f"letters kept their lang), {summary.redacted_rows} rows redacted ({summary.spans} spans, "
+          f"letters kept their lang or took language.primary), {summary.redacted_rows} rows redacted ({summary.spans} spans, "
           f"{summary.toned_spans} toned), {len(summary.skipped_redaction)} rows with redaction skipped → {args.out}")
     return 0
