@@ -27,7 +27,8 @@ speech) or on the one channel of a mono recording. Placing a span by its share o
 characters was measured and rejected: spoken numbers and e-mail addresses take far longer than their
 characters suggest (a 10-digit phone number is read digit by digit), and on eSpeak NG speech the
 proportional estimate misses the words' true times by up to seconds (benchmarks/vakforge_prepare.py
-prints the figures). A whole turn is certain to hold the value; the cost is the turn's other words.
+prints the figures). A whole turn holds the value as far as its times are right; the cost is the
+turn's other words.
 Known limit: acoustic echo of the speaker on the other channel is not toned.
 
 `--skip-redaction` leaves real rows unredacted, prints a warning on stderr, and marks them
