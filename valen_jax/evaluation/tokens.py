@@ -1,6 +1,6 @@
 """Token-level evaluation shared by VFlash, chat, vakforge and training's periodic evaluation:
 teacher-forced sums per example (the one teacher-forced path), and greedy decoding of an assistant
-answer from the conversation before it.
+answer from the conversation before it (KV-cache generation, `valen_jax.decoding`).
 
 `token_sums` and `greedy` run the examples this process was given, in global batches that all
 processes enter together (`hosts.batch_count`), and return results for its own examples only;
@@ -22,7 +22,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.assemble import ExpandedExample, RowSpec, assemble, expand_media_slots, vision_arrays
-from valen_jax.data.positions import next_position
+from valen_jax.decoding import generate_ids
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
 from valen_jax.losses import token_losses
@@ -118,59 +118,23 @@ def prompt_before(expanded: ExpandedExample, start: int, spec: RowSpec, where: s
             "vision": vision_arrays(expanded.media, spec, where)}
 
 
-@functools.cache
-def _next_token_fn(graphdef, vocab: int):
-    def next_tokens(params, tokens, positions, cursor, vision):
-        model = nnx.merge(graphdef, params)
-        logits = model(tokens, positions, jnp.ones_like(tokens), vision_inputs(vision))
-        last = jnp.take_along_axis(logits, (cursor - 1)[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-        # The embedding table is padded past the tokenizer; those rows are never a token.
-        last = jnp.where(jnp.arange(last.shape[-1]) < vocab, last, -jnp.inf)
-        return jnp.argmax(last, axis=-1).astype(jnp.int32)
-
-    return jax.jit(next_tokens)
-
-
 def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_batch: int, batches: int,
            max_new_tokens: int, stop_id: int, vocab: int) -> list[list[int]]:
     """Greedy continuation of each prompt (from `prompt_of`) until `stop_id` (kept), `max_new_tokens`
-    or the row's end. Without a KV cache each new token reruns the whole row: fine for evaluation sets.
-    A generated token's position is the largest before it + 1 (on every M-RoPE axis), as HF's generate
-    continues after rope_index's prompt positions."""
-    step = _next_token_fn(graphdef, int(vocab))
-    empty_vision = vision_arrays([], spec, "padding")
-    outputs: list[list[int]] = []
-    for b in range(batches):
-        chunk = prompts[b * local_batch:(b + 1) * local_batch]
-        tokens = np.full((local_batch, spec.seq_len), spec.pad_id, np.int32)
-        positions = np.zeros((local_batch, *spec.positions.shape(spec.seq_len)), np.int32)
-        cursor = np.ones(local_batch, np.int32)
-        for row, prompt in enumerate(chunk):
-            if len(prompt["ids"]) >= spec.seq_len:
-                raise ValueError(f"a prompt of {len(prompt['ids'])} tokens leaves no room in seq_len={spec.seq_len}")
-            tokens[row, :len(prompt["ids"])] = prompt["ids"]
-            positions[row, :len(prompt["ids"])] = prompt["positions"]
-            cursor[row] = len(prompt["ids"])
-        vision = sharding.global_batch(stack([p["vision"] for p in chunk] or [empty_vision], local_batch), mesh)
-        generated: list[list[int]] = [[] for _ in chunk]
-        done = np.zeros(local_batch, bool)
-        done[len(chunk):] = True
-        for _ in range(max_new_tokens):
-            # Every process takes the same number of steps: the step is one collective computation.
-            if hosts.process_gather(np.asarray([done.all()])).all():
-                break
-            batch = sharding.global_batch({"tokens": tokens, "positions": positions, "cursor": cursor}, mesh)
-            new = host_local(step(params, batch["tokens"], batch["positions"], batch["cursor"], vision), mesh)
-            for row in range(len(chunk)):
-                if done[row]:
-                    continue
-                generated[row].append(int(new[row]))
-                tokens[row, cursor[row]] = new[row]
-                positions[row, cursor[row]] = next_position(positions[row, :cursor[row]])
-                cursor[row] += 1
-                done[row] = new[row] == stop_id or cursor[row] >= spec.seq_len
-        outputs.extend(generated)
-    return outputs
+    or the row's end (prompt + generated reaching spec.seq_len), with the KV-cache engine
+    (`valen_jax.decoding`). A generated token's position is the largest before it + 1 (on every M-RoPE
+    axis), as HF's generate continues after rope_index's prompt positions."""
+    for index, prompt in enumerate(prompts):
+        if len(prompt["ids"]) >= spec.seq_len:
+            raise ValueError(f"prompt {index}: {len(prompt['ids'])} tokens leave no room in seq_len={spec.seq_len}")
+    # One budget for every process (it shapes the compiled loop): the most any row here may take;
+    # each row is then cut at its own room, which keeps exactly the tokens a row-capped run makes
+    # (rows never influence each other).
+    room = max((spec.seq_len - len(p["ids"]) for p in prompts), default=1)
+    budget = min(int(max_new_tokens), int(hosts.process_gather(np.asarray([room])).max()))
+    generated = generate_ids(params, graphdef, prompts, max_new_tokens=budget, stop_ids=(stop_id,), vocab=vocab,
+                             mesh=mesh, local_batch=local_batch, batches=batches)
+    return [ids[:spec.seq_len - len(p["ids"])] for ids, p in zip(generated, prompts, strict=True)]
 
 
 def decode(tokenizer, ids: list[int], stop_id: int) -> str:

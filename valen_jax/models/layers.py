@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from valen_jax.models import kv_cache
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
 from valen_jax.sharding import constrain
@@ -164,8 +165,8 @@ class Attention(nnx.Module):
         self.mrope_interleaved = mrope_interleaved
         self.implementation = implementation
 
-    def __call__(self, x, positions, segment_ids, branch_ids=None):
-        """x: [B, T, D]; positions: [B, T] (or [B, T, A]); segment_ids, branch_ids: int [B, T] (`attention.attend`)."""
+    def _project(self, x, positions):
+        """Queries [B, T, N, H] and keys, values [B, T, K, H], normed and rotated as the model attends them."""
         x = x.astype(self.dtype)
         q = dense(x, self.q[...].astype(self.dtype))
         k = dense(x, self.k[...].astype(self.dtype))
@@ -182,9 +183,29 @@ class Attention(nnx.Module):
         elif self.rope_theta is not None:
             q = rope(q, positions, self.rope_theta, self.rope_scaling)
             k = rope(k, positions, self.rope_theta, self.rope_scaling)
-        q = constrain(q, ("batch", "length", "act_heads", None))
-        out = attend(q, k, v, segment_ids, branch_ids, causal=self.causal, implementation=self.implementation)
+        return constrain(q, ("batch", "length", "act_heads", None)), k, v
+
+    def _output(self, out):
         return dense(out, self.o[...].astype(self.dtype), in_dims=2)
+
+    def __call__(self, x, positions, segment_ids, branch_ids=None):
+        """x: [B, T, D]; positions: [B, T] (or [B, T, A]); segment_ids, branch_ids: int [B, T] (`attention.attend`)."""
+        return self.prefill(x, positions, segment_ids, branch_ids)[0]
+
+    def prefill(self, x, positions, segment_ids, branch_ids=None):
+        """`__call__`, also returning the keys and values [B, T, K, H] a KV cache keeps."""
+        q, k, v = self._project(x, positions)
+        out = attend(q, k, v, segment_ids, branch_ids, causal=self.causal, implementation=self.implementation)
+        return self._output(out), k, v
+
+    def decode(self, x, positions, cache: kv_cache.KVCache, layer, cursor):
+        """One token per row. x: [B, 1, D]; positions [B, 1] (or [B, 1, 3]); the token's keys and values go
+        to slot cursor[b] of `layer` in `cache`, and its query attends that row's slots <= cursor[b]."""
+        q, k, v = self._project(x, positions)
+        cache = kv_cache.write_token(cache, layer, k[:, 0], v[:, 0], cursor)
+        keys, values = kv_cache.layer_view(cache, layer)
+        out = kv_cache.attend_token(q[:, 0], keys, values, cursor)
+        return self._output(out[:, None]), cache
 
 
 @jax.custom_vjp
@@ -237,6 +258,19 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
 
     def __call__(self, x, positions, segment_ids, branch_ids=None):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, branch_ids).astype(x.dtype)
+        return self.prefill(x, positions, segment_ids, branch_ids)[0]
+
+    def _finish(self, x, attended):
+        x = x + attended.astype(x.dtype)
         x = constrain(x, ("batch", "length", "act_embed"))
         return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+
+    def prefill(self, x, positions, segment_ids, branch_ids=None):
+        """The block's output and its attention's keys and values [B, T, K, H] (`Attention.prefill`)."""
+        attended, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids, branch_ids)
+        return self._finish(x, attended), k, v
+
+    def decode(self, x, positions, cache, layer, cursor):
+        """One token per row against the KV cache (`Attention.decode`) → (output [B, 1, D], cache)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), positions, cache, layer, cursor)
+        return self._finish(x, attended), cache

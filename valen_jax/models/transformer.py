@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models import kv_cache
 from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.models.heads import ScoreHead
 from valen_jax.models.layers import Block, RMSNorm, param
@@ -117,13 +118,16 @@ class Transformer(nnx.Module):
 
         return place(features, x), [place(d, jnp.zeros((), self.dtype)) for d in deep]
 
-    def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
-        """Final-norm hidden states [B, T, D] (what heads read)."""
+    def _check_positions(self, positions, vision_inputs):
         has_media = vision_inputs is not None and vision_inputs[0].shape[1] > 0
         if self.cfg.mrope_section is not None and has_media and positions.ndim != 3:
             # 1-D positions would give media tokens text positions: a different model, silently.
             raise ValueError(f"an M-RoPE model fed media needs positions [B, T, 3] (models.mrope.rope_index), "
                              f"got shape {positions.shape}")
+
+    def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
+        """Final-norm hidden states [B, T, D] (what heads read)."""
+        self._check_positions(positions, vision_inputs)
         x, deepstack = self._embed(tokens, vision_inputs)
         x = constrain(x, ("batch", "length", "act_embed"))
         x = self._run_layers(x, positions, (segment_ids, branch_ids), deepstack)
@@ -141,6 +145,61 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
         """tokens, positions, segment_ids: int32 [B, T] (positions [B, T, 3] with M-RoPE); vision_inputs as in `embed_tokens` → f32 logits [B, T, V]."""
         return self.logits(self.hidden(tokens, positions, segment_ids, vision_inputs, branch_ids))
+
+
+    def prefill(self, tokens, positions, lengths, cache_length: int, vision_inputs=None):
+        """Run right-padded prompts once and keep their keys and values for decoding.
+
+        tokens int32 [B, P] (row b's prompt in [0, lengths[b]), then padding); positions [B, P] or [B, P, 3];
+        vision_inputs as in `embed_tokens` (media enter here only: generated tokens are text). Returns the
+        f32 logits [B, V] at each row's last prompt token and a `kv_cache.KVCache` of `cache_length` slots.
+        Padding is segment 0, so real tokens never attend it (`attention.attend`).
+        """
+        self._check_positions(positions, vision_inputs)
+        segment_ids = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
+        x, deepstack = self._embed(tokens, vision_inputs)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        if self.cfg.scan_layers:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def scan(h, block):
+                h, k, v = block.prefill(h, positions, segment_ids)
+                return h, (k, v)
+
+            x, (keys, values) = scan(x, self.layers)
+        else:
+            keys, values = [], []
+            for i, layer in enumerate(self.layers):
+                x, k, v = layer.prefill(x, positions, segment_ids)
+                keys.append(k)
+                values.append(v)
+                if i < len(deepstack):
+                    x = x + deepstack[i]
+            keys, values = jnp.stack(keys), jnp.stack(values)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+        logits = self.logits(self.final_norm(last))[:, 0]
+        return logits, kv_cache.from_prefill(keys, values, cache_length)
+
+    def decode_step(self, tokens, positions, cache: kv_cache.KVCache, cursor):
+        """One token per row: tokens int32 [B] at cache slot cursor[b] with positions [B] (or [B, 3]) →
+        (f32 logits [B, V] for the token after it, the cache with its keys and values written)."""
+        x = constrain(self._embed(tokens[:, None], None)[0], ("batch", "length", "act_embed"))  # [B, 1, D]
+        positions = positions[:, None]
+        if self.cfg.scan_layers:
+            # The cache rides in the carry (updated in place); the layer index picks each block's slice.
+            # A plain lax.scan over the split layers: decode steps run inside a while_loop, and nnx.scan
+            # refuses modules made at an outer trace level.
+            block_def, block_state = nnx.split(self.layers)
+
+            def step(carry, layer_and_state):
+                layer, state = layer_and_state
+                h, c = carry
+                return nnx.merge(block_def, state).decode(h, positions, c, layer, cursor), None
+
+            (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
+        else:
+            for i, layer in enumerate(self.layers):
+                x, cache = layer.decode(x, positions, cache, i, cursor)
+        return self.logits(self.final_norm(x))[:, 0], cache
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
