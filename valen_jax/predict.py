@@ -1,9 +1,17 @@
-"""Answer every question of a Valen data file with a trained workdir; needs nothing but the workdir.
+"""Answer every question of a Valen data file, or every assistant answer of VFlash, chat and vakforge
+data, with a trained workdir; needs nothing but the workdir.
 
     python -m valen_jax.predict --workdir=runs/valen-smoke --data=data/smoke/valen/train.jsonl \
         --output=runs/valen-smoke/answers.jsonl [--mode=shared_state] [--step=N]
+    python -m valen_jax.predict --workdir=runs/vflash-smoke --data=data/smoke/vflash/eval.jsonl \
+        --output=runs/vflash-smoke/answers.jsonl
 
-Writes one JSON line per record, in data order (seed 000: "answers are returned for every
+VFlash, chat and vakforge data are generated greedily through the KV-cache decoder, the checkpoint's
+`eval.max_new_tokens` per answer, and the file holds exactly the lines of
+`python -m valen_jax.generate` with its defaults (one per trained assistant answer: text, finish
+reason, primitives or tool calls; `valen_jax.evaluation.answers`).
+
+For Valen data, writes one JSON line per record, in data order (seed 000: "answers are returned for every
 question, labeled or not"):
 
     {"group_id": "traffic-light-001", "record_id": "valen-smoke-001", "answers": {
@@ -30,27 +38,38 @@ import jax
 
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import checkpoint
+from valen_jax import checkpoint, distributed
 from valen_jax.data.references import resolve_cli_data
+from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
+
+GENERATION = "generation"  # what predict_workdir names as its mode for generated (non-Valen) answers
 
 
 def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
                     mode: str | None = None, batch_size: int | None = None) -> tuple[str, list[dict]]:
-    """(the mode used, the answer lines in data order; complete on process 0)."""
+    """(the Valen mode used, or GENERATION; the answer lines in data order; complete on process 0)."""
     restored = eval_workdir.restore(workdir, step)
-    eval_workdir.require_score_head(restored, str(data))  # before the data is converted
     fmt, options = eval_workdir.data_format(restored, fmt)
+    if FORMATS[fmt].family == "valen":
+        eval_workdir.require_score_head(restored, str(data))  # before the data is converted
+    else:
+        answers.refuse_family(FORMATS[fmt].family, str(data))
     with jax.set_mesh(restored.mesh):
-        examples, example_format, _ = eval_workdir.load_examples(
+        examples, family, _ = eval_workdir.load_examples(
             fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
-        if example_format != "valen":
-            raise ValueError(f"{data}: predict answers Valen questions; this is {example_format!r} data "
-                             "(use python -m valen_jax.evaluate for its decoded answers)")
         if not examples:
             raise ValueError(f"{data}: no records")
-        return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))
+        if family == "valen":
+            eval_workdir.require_score_head(restored, str(data))  # a shard directory says its own format
+            return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))
+        if mode is not None:
+            raise ValueError(f"--mode={mode}: a Valen sequence mode, and {data} holds {family} data")
+        # Greedy, the checkpoint's budget: the very lines `python -m valen_jax.generate` writes by default.
+        return GENERATION, answers.generate_answers(restored, examples, family,
+                                                    max_new_tokens=int(restored.config.eval.max_new_tokens),
+                                                    batch_size=batch_size)
 
 
 def write_answers(lines: list[dict], path: str | Path) -> None:
@@ -67,12 +86,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--data", required=True, help="Valen JSONL, shard directory or registry reference (ns/name:v3)")
+    parser.add_argument("--data", required=True, help="Valen, VFlash/recipe, chat or vakforge JSONL, shard directory or registry reference (ns/name:v3)")
     parser.add_argument("--output", required=True, help="answers.jsonl to write")
     parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
-                        help="sequence mode (default: the checkpoint's data.valen_mode)")
+                        help="Valen sequence mode (default: the checkpoint's data.valen_mode)")
     parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
     parser.add_argument("--registry", default=None,
                         help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
@@ -82,9 +101,18 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "orbax", "jax._src", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
     data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
-    mode, lines = predict_workdir(args.workdir, data, args.step, args.format, args.mode, args.batch_size)
+    try:
+        mode, lines = predict_workdir(args.workdir, data, args.step, args.format, args.mode, args.batch_size)
+    except answers.NotGenerated as error:  # prepared rows: nothing to predict
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     write_answers(lines, args.output)
+    if mode == GENERATION:
+        records = len({line["index"] for line in lines})
+        print(f"{args.output}: {len(lines)} answers of {records} records generated (greedy)")
+        return 0
     questions = sum(len(line["answers"]) for line in lines)
     print(f"{args.output}: {len(lines)} records, {questions} questions answered ({mode} mode)")
     return 0
