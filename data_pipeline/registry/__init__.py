@@ -7,7 +7,8 @@ datasets with movable aliases and digest references, shared by a team through on
     registry.resolve("smoke/chat").path   # a local chat JSONL the converters read
 
 Modules: references (reference syntax), store (content-addressed blobs, fsspec), index (SQLite),
-content (validation, manifests, materialising), core (Registry), __main__ (the CLI).
+content (validation, manifests, materialising), publication (rows that may not be published),
+core (Registry), __main__ (the CLI).
 Not to be confused with `data_pipeline.format_registry`, the table of input formats, which the
 registry uses to validate every file it registers.
 """

@@ -32,6 +32,7 @@ from pathlib import Path
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.vakforge_splits import SPLITS_FILE
+from data_pipeline.registry import publication
 from data_pipeline.registry.references import RegistryError
 from data_pipeline.registry.store import sha256_hex
 
@@ -117,7 +118,8 @@ def _limit_refusal(what: str, size: int, limit: int) -> RegistryError:
 
 
 def prepare(path: Path, fmt: str, limit: int) -> Prepared:
-    """Validate `path` with its format's validator (format_registry), then build what is stored."""
+    """Validate `path` with its format's validator (format_registry), refuse rows that may not be
+    published (`publication`), then build what is stored."""
     if fmt not in FORMATS:
         raise RegistryError(f"--format={fmt}: not a format; choose one of {', '.join(FORMATS)}")
     if fmt == "recipe":
@@ -132,9 +134,10 @@ def prepare(path: Path, fmt: str, limit: int) -> Prepared:
     if fmt == "prepared":
         _check_zip_size(path, limit)
     try:
-        FORMATS[fmt].validate(path, True)
+        FORMATS[fmt].validate(path, True, **publication.VALIDATE_OPTIONS.get(fmt, {}))
     except FormatError as err:
         raise RegistryError(f"{path} is refused by the {fmt} validator:\n{err}") from None
+    publication.check_publishable(path, fmt)  # before anything is read for upload
     if fmt == "prepared":
         data = path.read_bytes()
         return Prepared(fmt, data, size=len(data))
