@@ -8,6 +8,7 @@ seed 004's dequantisation.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -122,22 +123,43 @@ def test_predict_on_vflash_data_writes_the_lines_of_generate(vflash_cli, vflash_
     assert output.read_bytes() == vflash_cli[0].read_bytes()
 
 
-@pytest.mark.slow
-def test_same_seed_same_file_another_seed_another(chat_workdir, tmp_path):
-    def run(name: str, seed: int) -> bytes:
-        output = tmp_path / name
-        assert generate_cli.main([f"--workdir={chat_workdir}", f"--data={CHAT_DATA}", f"--output={output}",
-                                  "--temperature=1", "--max-new-tokens=4", f"--seed={seed}"]) == 0
-        return output.read_bytes()
+def _sampled(workdir, output, seed: int) -> bytes:
+    """The chat smoke set sampled at temperature 1 in this process, as the CLI writes it."""
+    assert generate_cli.main([f"--workdir={workdir}", f"--data={CHAT_DATA}", f"--output={output}",
+                              "--temperature=1", "--max-new-tokens=4", f"--seed={seed}"]) == 0
+    return output.read_bytes()
 
-    first, again, other = run("a.jsonl", 5), run("b.jsonl", 5), run("c.jsonl", 6)
-    assert first == again and first != other
-    lines = _read(tmp_path / "a.jsonl")
+
+@pytest.fixture(scope="module")
+def sampled_chat(chat_workdir, tmp_path_factory):
+    return _sampled(chat_workdir, tmp_path_factory.mktemp("sampled") / "a.jsonl", 5)
+
+
+@pytest.mark.slow
+def test_same_seed_same_file_another_seed_another(chat_workdir, sampled_chat, tmp_path):
+    assert _sampled(chat_workdir, tmp_path / "b.jsonl", 5) == sampled_chat
+    assert _sampled(chat_workdir, tmp_path / "c.jsonl", 6) != sampled_chat
+    lines = _read(tmp_path / "b.jsonl")
     records = _read(CHAT_DATA)
     assert [(line["index"], line["answer"]) for line in lines] == [
         (i, k) for i, record in enumerate(records)
         for k in range(sum(m["role"] == "assistant" for m in record["messages"]))]
     assert all(isinstance(line["tool_calls"], list) and "primitives" not in line for line in lines)
+
+
+@pytest.mark.slow
+def test_two_processes_write_the_file_of_one(chat_workdir, sampled_chat, tmp_path):
+    """launch/local.py's job of 2 processes × 1 CPU device over gloo: each generates its block of
+    answers, process 0 writes them all in data order, and the sampled tokens are those of one process."""
+    spec = importlib.util.spec_from_file_location("launch_local", ROOT / "launch" / "local.py")
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    output = tmp_path / "two.jsonl"
+    code = local.launch(2, 1, [f"--workdir={chat_workdir}", f"--data={CHAT_DATA}", f"--output={output}",
+                               "--temperature=1", "--max-new-tokens=4", "--seed=5"],
+                        command=(sys.executable, "-m", "valen_jax.generate"))
+    assert code == 0
+    assert output.read_bytes() == sampled_chat
 
 
 @pytest.mark.slow

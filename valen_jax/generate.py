@@ -63,22 +63,27 @@ def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
                                         sampling=sampling, seed=seed, batch_size=batch_size)
 
 
+def _is_text(prompt) -> bool:
+    """A string, or a list of chat messages (dicts with role and content)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list | tuple) and bool(prompt)
+                                       and isinstance(prompt[0], dict))
+
+
 def _prompt_ids(prompt, tokenizer, where: str) -> np.ndarray:
     """One library prompt as token ids: ids as given; a string as one user message; a message list
     through the tokenizer's chat template with the generation prompt."""
-    if isinstance(prompt, str | list | tuple) and tokenizer is not None and (
-            isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict))):
+    if _is_text(prompt):
+        if tokenizer is None:
+            raise ValueError(f"{where}: text and chat-message prompts need tokenizer=")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return np.asarray(ids, np.int32)
-    if isinstance(prompt, str) or (isinstance(prompt, list | tuple) and prompt and isinstance(prompt[0], dict)):
-        raise ValueError(f"{where}: text and chat-message prompts need tokenizer=")
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
         raise ValueError(f"{where}: a prompt is a non-empty list of token ids, a string or a list of chat "
-                         f"messages; got {type(prompt).__name__} {ids.shape}")
+                         f"messages; got {type(prompt).__name__} of shape {ids.shape}")
     return ids.astype(np.int32)
 
 
