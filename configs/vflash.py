@@ -1,7 +1,8 @@
-"""VFlash training config (seed 004): primitives answered autoregressively (`ar` mode).
+"""VFlash training config (seed 004): the autoregressive target (`ar` mode), then its drafter (`vflash`).
 
     python -m valen_jax.train --config=configs/vflash.py --workdir=runs/vflash-smoke
     python -m valen_jax.train --config=configs/vflash.py:tiny --workdir=/tmp/t --config.train.steps=4
+    python -m valen_jax.train --config=configs/vflash.py:tiny,drafter --workdir=/tmp/d --config.model.target_from=/tmp/t
 
 Trains on the recipe `data/smoke/vflash/recipe.json` and evaluates on `eval.jsonl`. Variants
 after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model and a
@@ -9,6 +10,10 @@ few steps, for tests; `hf` = start from an HF checkpoint (directory or hub name)
 Qwen2.5-VL, Qwen3-VL) is imported whole, vision tower included; a text model gives the decoder and
 the vision tower starts fresh from config.model.vision:
     --config=configs/vflash.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
+`drafter`, alone or after another variant (`:drafter`, `:tiny,drafter`): train.mode=vflash, a block
+drafter (valen_jax/models/drafter.py) trained against the frozen target of an ar workdir, which
+`--config.model.target_from=WORKDIR` must name; `tiny,drafter` takes blocks of 8 tokens and 16 anchors
+per row.
 """
 
 import sys
@@ -20,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # config files are loaded by path; make their sibling `common` importable
     sys.path.insert(0, str(ROOT))
 from configs import common  # noqa: E402
+from valen_jax.config_schema import defaults  # noqa: E402
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
@@ -27,4 +33,26 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     data = common.data_group("recipe", "data/smoke/vflash/recipe.json", "data/smoke/vflash/eval.jsonl", "vflash",
                              seq_len=192, max_patches=128)
     config = common.base_config("vflash", data, vision=True)
-    return common.apply_variant(config, variant, "configs/vflash.py")
+    parts = [part for part in variant.split(",") if part] if variant else []
+    drafter = "drafter" in parts
+    rest = [part for part in parts if part != "drafter"]
+    if len(rest) > 1 or parts.count("drafter") > 1:
+        raise ValueError(f"configs/vflash.py: variant {variant!r}: at most one of tiny, hf, then optionally drafter")
+    config = common.apply_variant(config, rest[0] if rest else "", "configs/vflash.py")
+    return with_drafter(config, tiny=rest == ["tiny"]) if drafter else config
+
+
+def with_drafter(config: ml_collections.ConfigDict, tiny: bool) -> ml_collections.ConfigDict:
+    """Seed 004's `vflash` training mode: the drafter alone trains; the target comes from model.target_from."""
+    config.train.mode = "vflash"
+    config.model.target_from = ml_collections.config_dict.placeholder(str)
+    config.model.drafter = defaults("drafter")  # a fresh group: the drafter's defaults, whatever came before
+    config.loss.weights = {"tokens": 0.0, "branches": 0.0, "drafter": 1.0}
+    # Evaluating a drafter means speculative decoding (issue 16's second half), not the target's metrics.
+    config.eval.every = 0
+    config.eval.at_end = False
+    if tiny:
+        config.model.drafter.block_size = 8
+        config.model.drafter.anchors_per_row = 16
+        config.model.drafter.position_decay = 4.0  # DFlash's value for blocks of 8
+    return config

@@ -58,6 +58,22 @@ def _data() -> dict[str, Any]:
     }
 
 
+def _drafter() -> dict[str, Any]:
+    # VFlash's block drafter (valen_jax/models/drafter.py); its width, heads and vocabulary are the target's.
+    return {
+        # Tokens proposed per forward pass (mask slots after the anchor); DFlash uses 16.
+        "block_size": 16,
+        "num_layers": 1,
+        # Target layers whose outputs are fused into the drafter's context; () = up to 5 spread over the depth.
+        "target_layers": (),
+        # Anchors drafted per row and step: every primitive block's first anchor, then positions inside
+        # blocks drawn at random (DFlash samples 512 per sequence).
+        "anchors_per_row": 64,
+        # Position k of a block weighs exp(-(k-1)/gamma): acceptance is a prefix (DFlash: 7 for blocks of 16).
+        "position_decay": 7.0,
+    }
+
+
 def _model() -> dict[str, Any]:
     return {
         # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture.
@@ -74,6 +90,10 @@ def _model() -> dict[str, Any]:
         "attention": "auto",
         # A `defaults("vision")` group, or None for a text-only model.
         "vision": None,
+        # train.mode="vflash" (seed 004's --training_mode): the `ar` workdir whose latest checkpoint is the
+        # frozen target, and the block drafter trained against it (read only in that mode).
+        "target_from": "",
+        "drafter": _drafter(),
     }
 
 
@@ -84,6 +104,9 @@ def _vision() -> dict[str, Any]:
 
 def _train() -> dict[str, Any]:
     return {
+        # Seed 004's --training_mode: "ar" trains the model itself; "vflash" trains a block drafter for the
+        # frozen target in model.target_from (loss.weights: drafter > 0, tokens and branches 0).
+        "mode": "ar",
         "steps": 160, "checkpoint_every": 80, "keep_checkpoints": 3,
         # zstd on state arrays: f32 weights and moments shrink ~7% for 2-3x the writer's CPU time.
         "checkpoint_compression": False,
@@ -138,9 +161,12 @@ def _media_kwargs() -> dict[str, Any]:
     return {key: config_dict.placeholder(type(value)) for key, value in MEDIA_DEFAULTS.items()}
 
 
-_GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "train": _train,
+TRAIN_MODES = ("ar", "vflash")
+
+_GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "drafter": _drafter,
+           "train": _train,
            "loss": _loss, "mesh": _mesh, "eval": _eval}
-# The top-level groups of a config (`vision` sits inside `model`).
+# The top-level groups of a config (`vision` and `drafter` sit inside `model`).
 GROUPS = ("data", "media_kwargs", "model", "train", "loss", "mesh", "eval")
 REQUIRED = {group: tuple(_GROUPS[group]()) for group in GROUPS}
 
@@ -178,6 +204,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         _check_keys(group, config[group], keys)
     if config.model.vision is not None:
         _check_keys("model.vision", config.model.vision, tuple(_vision()))
+    if config.model.drafter is not None:
+        _check_keys("model.drafter", config.model.drafter, tuple(_drafter()))
     for path in ("data.seq_len", "data.global_batch", "train.steps", "train.checkpoint_every",
                  "train.log_every", "eval.batch_size"):
         group, key = path.split(".")
@@ -190,6 +218,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_paths(config)
     _validate_optimisation(config)
     _validate_loss(config.loss)
+    _validate_mode(config)
     if int(config.eval.every) < 0:
         raise ConfigError(f"config.eval.every must be ≥ 0 (0: no evaluation during training), got {config.eval.every}")
     if config.model.init_from:
@@ -212,7 +241,7 @@ def _validate_paths(config: ml_collections.ConfigDict) -> None:
         except PathError as error:
             raise ConfigError(str(error)) from None
 
-    for where in ("data.train", "data.eval", "data.tokenizer", "model.init_from"):
+    for where in ("data.train", "data.eval", "data.tokenizer", "model.init_from", "model.target_from"):
         group, key = where.split(".")
         visit(f"config.{where}", config[group][key])
 
@@ -280,6 +309,49 @@ def _validate_loss(loss: ml_collections.ConfigDict) -> None:
     if loss.loss_reduction not in losses.LOSS_REDUCTIONS:
         raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
                           f"{', '.join(losses.LOSS_REDUCTIONS)} (seed 000)")
+
+
+def _validate_mode(config: ml_collections.ConfigDict) -> None:
+    """train.mode against the keys it reads: an `ar` run never trains a drafter, a `vflash` run nothing else."""
+    mode, weights = config.train.mode, dict(config.loss.weights)
+    if mode not in TRAIN_MODES:
+        raise ConfigError(f"config.train.mode={mode!r}; choose one of {', '.join(TRAIN_MODES)}")
+    if mode == "ar":
+        if weights["drafter"] > 0:
+            raise ConfigError(f"config.loss.weights.drafter={weights['drafter']} needs config.train.mode=vflash "
+                              "(the drafter trains against a frozen target: configs/vflash.py:drafter)")
+        if config.model.target_from:
+            raise ConfigError("config.model.target_from is read only with config.train.mode=vflash; unset it "
+                              "for an ar run")
+        return
+    if not config.model.target_from:
+        raise ConfigError("config.train.mode=vflash needs --config.model.target_from=WORKDIR, the ar run whose "
+                          "latest checkpoint is the frozen target")
+    if config.model.drafter is None:
+        raise ConfigError("config.train.mode=vflash needs a config.model.drafter group (configs/vflash.py:drafter)")
+    if config.model.init_from:
+        raise ConfigError("config.train.mode=vflash takes the target from config.model.target_from; "
+                          "config.model.init_from must be unset")
+    if weights["drafter"] <= 0 or weights["tokens"] > 0 or weights["branches"] > 0:
+        raise ConfigError(f"config.train.mode=vflash trains the drafter alone: config.loss.weights must be "
+                          f"drafter > 0, tokens = branches = 0; got {weights}")
+    if config.train.param_groups:
+        raise ConfigError("config.train.param_groups are not read with config.train.mode=vflash (the target is "
+                          "frozen whole and every drafter parameter trains)")
+    if int(config.eval.every) > 0 or config.eval.at_end:
+        # Evaluation reads the target's own predictions; the drafter's (acceptance length, speed-up) belong to
+        # speculative decoding, which this mode does not run yet.
+        raise ConfigError("config.train.mode=vflash evaluates nothing yet: set config.eval.every=0 and "
+                          "config.eval.at_end=False (configs/vflash.py:drafter does)")
+    drafter = config.model.drafter
+    for key in ("block_size", "num_layers", "anchors_per_row"):
+        if not (isinstance(drafter[key], int) and drafter[key] >= 1):
+            raise ConfigError(f"config.model.drafter.{key} must be an integer ≥ 1, got {drafter[key]!r}")
+    if not _finite("model.drafter.position_decay", drafter.position_decay) > 0:
+        raise ConfigError(f"config.model.drafter.position_decay must be > 0, got {drafter.position_decay}")
+    layers = tuple(drafter.target_layers)
+    if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
+        raise ConfigError(f"config.model.drafter.target_layers must be distinct layer indices ≥ 0, got {layers}")
 
 
 def check_batch_split(config: ml_collections.ConfigDict, mesh) -> None:
