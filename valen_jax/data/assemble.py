@@ -129,6 +129,8 @@ class RowSpec:
     media_kwargs: Mapping
     positions: PositionScheme = PositionScheme()  # 1-D unless the model has mrope_section
     video: VideoSlots | None = None  # None: every media item fills image pads (models without a video token)
+    # Rows also carry `draft_block` (VFlash drafter training, train.mode=vflash): see `draft_block_of`.
+    draft_blocks: bool = False
 
     @classmethod
     def of(cls, seq_len: int, max_patches: int, tokenizer, model_cfg, media_kwargs: Mapping) -> RowSpec:
@@ -161,6 +163,7 @@ class ExpandedExample:
     media: list[ProcessedMedia]
     media_info: tuple[MediaInfo, ...] = ()  # per media item: frame indices, timestamps, augmentation
     runs: tuple[SlotRun, ...] = ()  # the media-slot runs in order, for M-RoPE positions
+    draft_block: np.ndarray | None = None  # int32 [T] (`draft_block_of`, expanded), with spec.draft_blocks
 
     def positions(self, spec: RowSpec) -> np.ndarray:
         """Positions of `ids` as one separate sequence: [T] or [T, 3]."""
@@ -233,7 +236,54 @@ def expand_media_slots(example: Example, spec: RowSpec, *, training: bool = Fals
     media, info = load_media(example, spec, training=training, rng=rng, entry=entry)
     ids, weights, runs = expand_slots(example.arrays["input_ids"], example.arrays["target_weights"], media, spec,
                                       _where(example), info, videos_of(example))
-    return ExpandedExample(ids, weights, media, info, runs)
+    blocks = None
+    if spec.draft_blocks:
+        # The same expansion as the weights: media tokens are in no block.
+        blocks = expand_slots(example.arrays["input_ids"], draft_block_of(example).astype(np.float32), media, spec,
+                              _where(example), info, videos_of(example))[1].astype(np.int32)
+    return ExpandedExample(ids, weights, media, info, runs, blocks)
+
+
+def draft_block_of(example: Example) -> np.ndarray:
+    """int32 [T] over `input_ids`: k where the token is the k-th of a primitive block that an `atomic_decoding`
+    call announces (seed 004: `block_size` counts every token of the primitive, start and end tags
+    included), 0 elsewhere; what the VFlash drafter is trained to propose.
+
+    A call's primitives (`primitive_blocks` rows with the same call index) are cut into blocks of its
+    `block_size`: a dual-arm pair's two adjacent atoms make one block, each of a dense call's `count`
+    trajectories its own. Points and boxes (call index -1) are no block. Primitives whose lengths do not
+    add up to the announced size are an error naming the record.
+    """
+    arrays = example.arrays
+    blocks = np.zeros(len(arrays["input_ids"]), np.int32)
+    if "primitive_blocks" not in arrays:
+        return blocks
+    spans, calls = arrays["primitive_spans"], arrays["primitive_blocks"]
+    open_block = None  # (call, first token, end so far, block size)
+    for (_, first, end), (call, size, _) in zip(spans.tolist(), calls.tolist(), strict=True):
+        if call < 0:
+            continue
+        if open_block is not None and open_block[0] == call and open_block[2] == first:
+            open_block = (call, open_block[1], end, size)
+        else:
+            _check_closed(open_block, example)
+            open_block = (call, first, end, size)
+        call, start, stop, size = open_block
+        if stop - start > size:
+            raise AssemblyError(f"{_where(example)}: atomic_decoding call {call} announces block_size={size}, "
+                                f"but its primitive spans {stop - start} tokens")
+        if stop - start == size:
+            blocks[start:stop] = np.arange(1, size + 1, dtype=np.int32)
+            open_block = None
+    _check_closed(open_block, example)
+    return blocks
+
+
+def _check_closed(open_block, example: Example) -> None:
+    if open_block is not None:
+        call, start, stop, size = open_block
+        raise AssemblyError(f"{_where(example)}: atomic_decoding call {call} announces block_size={size}, "
+                            f"but its primitives span {stop - start} tokens")
 
 
 def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dict[str, np.ndarray]:
@@ -270,6 +320,7 @@ def assemble(example: Example, spec: RowSpec, *, training: bool = False, rng: np
         "positions": pad_positions(positions, spec.seq_len),
         "segment_ids": np.pad(np.ones(length, np.int32), (0, pad)),
         **vision_arrays(expanded.media, spec, _where(example)),
+        **({"draft_block": np.pad(expanded.draft_block[1:], (0, pad))} if spec.draft_blocks else {}),
     }
 
 
@@ -288,4 +339,6 @@ def batch_shapes_of(spec: RowSpec, global_batch: int) -> dict:
            "patches": ((spec.max_patches, spec.patch_dim), jnp.float32),
            "patch_positions": ((spec.max_patches, 3), jnp.int32),
            "patch_segments": ((spec.max_patches,), jnp.int32)}
+    if spec.draft_blocks:
+        row["draft_block"] = ((spec.seq_len,), jnp.int32)
     return {k: jax.ShapeDtypeStruct((global_batch, *shape), dtype) for k, (shape, dtype) in row.items()}

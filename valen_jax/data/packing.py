@@ -115,6 +115,7 @@ class Piece:
     num_media: int
     where: str
     positions: np.ndarray  # int32 [L] or [L, 3]: the example's own positions, as a separate sequence
+    draft_block: np.ndarray | None = None  # int32 [L], aligned with targets, when spec.draft_blocks
 
     @property
     def length(self) -> int:
@@ -139,7 +140,8 @@ def piece_of(example: Example, spec: RowSpec, media_log=None, **augment) -> Piec
     ids = expanded.ids
     return Piece(ids[:-1].astype(np.int32), ids[1:].astype(np.int32), expanded.weights[1:].astype(np.float32),
                  patches.astype(np.float32), positions.astype(np.int32), media_index, len(media),
-                 contract.where(example), expanded.positions(spec)[:-1])
+                 contract.where(example), expanded.positions(spec)[:-1],
+                 None if expanded.draft_block is None else expanded.draft_block[1:])
 
 
 def overlong_reason(piece: Piece, spec: RowSpec) -> str | None:
@@ -160,6 +162,8 @@ def row_of(pieces: list[Piece], spec: RowSpec) -> dict[str, np.ndarray]:
            "segment_ids": np.zeros(length, np.int32),
            "patches": np.zeros((budget, spec.patch_dim), np.float32),
            "patch_positions": np.zeros((budget, 3), np.int32), "patch_segments": np.zeros(budget, np.int32)}
+    if spec.draft_blocks:
+        row["draft_block"] = np.zeros(length, np.int32)
     start = patch_start = media_seen = 0
     for segment, piece in enumerate(pieces, start=1):
         stop, patch_stop = start + piece.length, patch_start + piece.num_patches
@@ -167,6 +171,8 @@ def row_of(pieces: list[Piece], spec: RowSpec) -> dict[str, np.ndarray]:
         row["target_weights"][start:stop] = piece.weights
         row["positions"][start:stop] = piece.positions
         row["segment_ids"][start:stop] = segment
+        if spec.draft_blocks:
+            row["draft_block"][start:stop] = piece.draft_block
         row["patches"][patch_start:patch_stop] = piece.patches
         row["patch_positions"][patch_start:patch_stop] = piece.patch_positions
         row["patch_segments"][patch_start:patch_stop] = piece.patch_media + media_seen
