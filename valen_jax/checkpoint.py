@@ -409,6 +409,19 @@ def load_tokenizer(workdir: str | Path, expected: dict[str, str]) -> PreTrainedT
     return tokenizer
 
 
+def params_sha256(params: Any) -> str:
+    """sha256 over every parameter's path, dtype, shape and bytes, in path order: the identity of a set of
+    weights whatever mesh holds them (a drafter's meta records its target's; issue 16)."""
+    digest = hashlib.sha256()
+    for path, leaf in zip(_paths(params), jax.tree.leaves(params), strict=True):
+        if not leaf.is_fully_addressable:  # another host holds part of it: gather the whole array here
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        value = jax.device_get(leaf)
+        digest.update(f"{path} {value.dtype} {value.shape}\n".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
 def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
     return fingerprint(tokenizer).to_json()
 
@@ -416,4 +429,4 @@ def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 __all__ = ["TokenizerFingerprint", "CheckpointError", "CorruptCheckpoint", "manager", "save", "restore_meta",
            "restore_state", "restore_intact", "restore_params", "restore_params_verified",
            "verify", "verify_params", "state_digest", "state_layout", "abstract_with",
-           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir"]
+           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir", "params_sha256"]

@@ -10,6 +10,15 @@ rate, gradient norm, tokens/s, MFU, examples seen, padding, and `eval_*` every `
 steps), and with `eval.at_end` writes `WORKDIR/eval/report-STEP.json`. Running the same command
 again continues from the latest checkpoint at the same step and data position, after a SIGTERM
 or a `kill -9` alike; a damaged latest checkpoint is reported and the one before it used.
+
+Two training modes (seed 004's --training_mode, `config.train.mode`): `ar` trains the model itself;
+`vflash` trains VFlash's block drafter (valen_jax/models/drafter.py) against the frozen target of an
+`ar` workdir, restored from its latest checkpoint; the drafter's meta records that target (workdir,
+step, sha256 of its params) and `metrics.jsonl` the drafter's loss, per-position accuracy and
+expected acceptance length:
+    python -m valen_jax.train --config=configs/vflash.py:tiny --workdir=/tmp/target
+    python -m valen_jax.train --config=configs/vflash.py:tiny,drafter --workdir=/tmp/drafter \
+        --config.model.target_from=/tmp/target
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -52,8 +62,10 @@ from valen_jax.evaluation.workdir import Restored
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.build import initial_params, model_config
 from valen_jax.models.config import ModelConfig
+from valen_jax.models.drafter import DrafterConfig, init_drafter_params
+from valen_jax.models.transformer import abstract_model
 from valen_jax.progress import FinishedSteps
-from valen_jax.step import StepOptions, TrainLayout, make_train_step
+from valen_jax.step import DrafterOptions, StepOptions, TrainLayout, make_drafter_train_step, make_train_step
 
 log = logging.getLogger("valen_jax.train")
 
@@ -88,10 +100,61 @@ def _distinct_records(train_set, seed: int) -> int:
                for k, (shard_set, _) in enumerate(mixture_of(train_set)))
 
 
-def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest):
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A `vflash` run's frozen target: an `ar` workdir's latest params, and what identifies them."""
+
+    model_cfg: ModelConfig
+    graphdef: object
+    params: object
+    shardings: object
+    media_kwargs: dict
+    record: dict  # meta["drafter"]["target"]: workdir, step, params_sha256
+
+
+def restore_target(config, fingerprint: dict, mesh) -> Target:
+    """The target of `config.model.target_from`: an ar run of this tokenizer, its latest step, params verified."""
+    workdir = Path(config.model.target_from).resolve()
+    where = f"config.model.target_from={workdir}"
+    if not checkpoint.checkpoint_dir(workdir).is_dir():
+        raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; train the ar target "
+                                         "there first (train.mode=ar)")
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        step = checkpoint.select_step(mgr, workdir)
+        meta = checkpoint.restore_meta(mgr, step)
+        mode = meta["config"]["train"].get("mode", "ar")  # runs from before train.mode were ar runs
+        if mode != "ar":
+            raise checkpoint.CheckpointError(f"{where}: checkpoint {step} was trained with train.mode={mode}; "
+                                             "a drafter's target must be an ar run")
+        if meta["tokenizer"]["fingerprint"] != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{where}: the target was trained with tokenizer {meta['tokenizer']['fingerprint']}, this run's "
+                f"config.data.tokenizer gives {fingerprint}; the drafter must share the target's vocabulary")
+        model_cfg = ModelConfig.from_json(meta["model"])
+        graphdef, abstract = abstract_model(model_cfg)
+        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+        params = checkpoint.restore_params_verified(
+            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
+    finally:
+        mgr.close()
+    record = {"workdir": str(workdir), "step": step, "params_sha256": checkpoint.params_sha256(params),
+              "tokenizer": meta["tokenizer"]["fingerprint"]}
+    log.info("target: %s step %d, params sha256 %s", workdir, step, record["params_sha256"])
+    return Target(model_cfg, graphdef, params, shardings, meta["media_kwargs"], record)
+
+
+def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest,
+                         target: Target | None = None):
     """check_meta for restore_intact: a checkpoint of another setup is an error, never a fallback."""
 
     def check(step: int, saved: dict) -> None:
+        if target is not None:
+            trained_against = saved.get("drafter", {}).get("target")
+            if trained_against != target.record:
+                raise checkpoint.CheckpointError(
+                    f"{workdir}: checkpoint {step} is a drafter for target {trained_against}; "
+                    f"config.model.target_from now gives {target.record}")
         if saved["tokenizer"]["fingerprint"] != fingerprint:
             raise checkpoint.CheckpointError(
                 f"{workdir}: checkpoint {step} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
@@ -123,9 +186,17 @@ def run(config, workdir: str | Path) -> dict:
 def _train(config, workdir: Path, references: dict | None = None) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
-    model_cfg = model_config(config, tokenizer)
+    vflash = config.train.mode == "vflash"
+    mesh = sharding.make_mesh(config.mesh)
+    target = restore_target(config, fingerprint, mesh) if vflash else None
+    # vflash: the architecture is the target's (its meta), whatever config.model says.
+    model_cfg = target.model_cfg if vflash else model_config(config, tokenizer)
     # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
     media_kwargs, media_sources = media_kwargs_of(config, model_cfg.vision)
+    if vflash and json.loads(json.dumps(media_kwargs)) != target.media_kwargs:  # as JSON: tuples are lists there
+        # The drafter reads the target's features of the images: they must be processed as the target saw them.
+        raise ConfigError(f"config.media_kwargs give {media_kwargs}; the target in config.model.target_from was "
+                          f"trained with {target.media_kwargs}")
     log.info("media_kwargs: %s", ", ".join(f"{k}={v} ({media_sources[k]})" for k, v in media_kwargs.items()))
     train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
                               config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
@@ -137,11 +208,23 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
     overlap = check_separation(train_set, eval_set, allow_overlap=bool(config.data.allow_overlap),
                                train_name=str(config.data.train), eval_name=str(config.data.eval))
 
-    mesh = sharding.make_mesh(config.mesh)
     check_batch_split(config, mesh)
-    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
+    drafter_cfg = None
+    if vflash:
+        try:
+            drafter_cfg = DrafterConfig.of(config.model.drafter, model_cfg)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        layout = TrainLayout.for_drafter(drafter_cfg, config.train, mesh)
+    else:
+        layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
+    # The drafter's rows also mark the primitive blocks (`draft_block`); evaluation rows stay as they are.
+    train_spec = dataclasses.replace(spec, draft_blocks=True) if vflash else spec
     unlabeled = None  # Valen: training records without a labeled question, dropped and reported (seed 000)
+    if vflash and is_valen(train_set):
+        raise ConfigError("config.train.mode=vflash trains on token data with primitive blocks (seed 004); "
+                          f"config.data.format={config.data.format!r} has none")
     if is_valen(train_set):
         assembly = ValenAssembly.from_config(config, training=True)
         # Every record against the row limits once, before the step compiles: one report, not one stop per limit.
@@ -149,10 +232,10 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
     else:
         assembly = TokenAssembly(dataclasses.replace(PackingSpec.from_config(config),
                                                      records=_distinct_records(train_set, config.train.seed)))
-    dataset = build_dataset(train_set, spec, assembly, global_batch=config.data.global_batch, seed=config.train.seed,
-                            shuffle=config.data.shuffle, repeat=True, workers=config.data.workers, training=True,
-                            media_log_dir=workdir)
-    batch_shapes = assembly.batch_shapes(spec, config.data.global_batch)
+    dataset = build_dataset(train_set, train_spec, assembly, global_batch=config.data.global_batch,
+                            seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
+                            workers=config.data.workers, training=True, media_log_dir=workdir)
+    batch_shapes = assembly.batch_shapes(train_spec, config.data.global_batch)
     iterator = iter(dataset)
 
     meta = {
@@ -167,30 +250,51 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
         "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
         "config": json.loads(config.to_json_best_effort()),
         "state_layout": checkpoint.state_layout(layout.abstract_state()),
+        # vflash: `model` is the target's architecture; the state holds the drafter, trained against `target`.
+        **({"drafter": {"config": drafter_cfg.to_json(), "target": target.record}} if vflash else {}),
     }
     mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
                              compress=bool(config.train.checkpoint_compression))
     restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
-                                         _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest),
+                                         _compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest,
+                                                              target),
                                          allow_fresh_start=bool(config.train.allow_fresh_start))
     if restored is not None:
         state = restored[1]
         log.info("resumed from step %d", restored[0])
     else:
         checkpoint.save_tokenizer(workdir, tokenizer)
-        params = initial_params(config, model_cfg, tokenizer, layout.param_shardings)
+        if vflash:
+            params = init_drafter_params(drafter_cfg, config.train.seed, layout.param_shardings)
+        else:
+            params = initial_params(config, model_cfg, tokenizer, layout.param_shardings)
         opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
                  "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
 
     batch_shardings = layout.batch_shardings(batch_shapes)
-    options = StepOptions.from_config(config, layout.frozen)
-    step_fn = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule, options),
-                      in_shardings=(layout.state_shardings, batch_shardings),
-                      out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
     started = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(layout.abstract_state(), batch_shapes).compile()
+    if vflash:
+        # The target's params are an argument, never donated: its arrays are read, never written.
+        step_fn = jax.jit(make_drafter_train_step(layout.graphdef, target.graphdef, layout.tx, layout.schedule,
+                                                  DrafterOptions.from_config(config)),
+                          in_shardings=(layout.state_shardings, batch_shardings, target.shardings),
+                          out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+        with jax.set_mesh(mesh):
+            compiled_drafter = step_fn.lower(layout.abstract_state(), batch_shapes,
+                                             checkpoint.abstract_with(target.params, target.shardings)).compile()
+        compiled = compiled_drafter
+
+        def train_step(state, batch):
+            return compiled_drafter(state, batch, target.params)
+    else:
+        options = StepOptions.from_config(config, layout.frozen)
+        step_fn = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule, options),
+                          in_shardings=(layout.state_shardings, batch_shardings),
+                          out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+        with jax.set_mesh(mesh):
+            compiled = step_fn.lower(layout.abstract_state(), batch_shapes).compile()
+        train_step = compiled
     log.info("compiled the train step in %.1fs", time.perf_counter() - started)
     _print_memory(compiled)
 
@@ -200,8 +304,10 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
              peak, jax.device_count(), peak_source, flops_per_step)
     # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.
     # The run in the shape evaluate restores a workdir to; each evaluation fills in the params of the moment.
-    own = Restored(workdir, None, config, model_cfg, tokenizer, fingerprint, spec, mesh, layout.graphdef, None)
-    evaluator = PeriodicEval(own) if 0 < int(config.eval.every) <= int(config.train.steps) else None
+    # (vflash evaluates nothing yet: config_schema refuses eval.every and eval.at_end there.)
+    own = None if vflash else Restored(workdir, None, config, model_cfg, tokenizer, fingerprint, spec, mesh,
+                                       layout.graphdef, None)
+    evaluator = PeriodicEval(own) if own is not None and 0 < int(config.eval.every) <= int(config.train.steps) else None
 
     step = int(state["step"])
     metrics_log = MetricsLog(workdir, start_step=step)
@@ -216,7 +322,7 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
         local = next(iterator)
         window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
         batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
-        state, metrics = compiled(state, batch)
+        state, metrics = train_step(state, batch)
         step += 1
         finished.dispatched(metrics)
         evaluate_now = evaluator is not None and step % int(config.eval.every) == 0
@@ -254,7 +360,7 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
               "losses": losses, "preempted": preempted.requested}
     if unlabeled is not None:
         result["records_without_labels"] = unlabeled
-    if config.eval.at_end and not preempted.requested:
+    if own is not None and config.eval.at_end and not preempted.requested:
         report_path = workdir / "eval" / f"report-{step}.json"
         with jax.set_mesh(mesh):
             report = evaluate.evaluate_params(dataclasses.replace(own, step=step, params=state["params"]),

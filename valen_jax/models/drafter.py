@@ -1,0 +1,249 @@
+"""VFlash's block drafter (seed 004, issue 16): proposes a whole primitive block in one forward pass.
+
+Choice: a DFlash-style block drafter (block diffusion drafting, arXiv 2602.06036; SpecForge's training
+wrapper, vllm-project/tpu-inference's NNX drafter), over EAGLE-3 and Medusa:
+- An `atomic_decoding` call announces a fixed-size block of 18–100 highly regular tokens. DFlash drafts
+  a block of B tokens in ONE pass (all mask slots attend to each other), so drafting costs one small
+  forward per block whatever B; EAGLE-3 drafts autoregressively (B drafter passes per block) and
+  Medusa's independent heads see neither each other nor the earlier draft tokens.
+- It reads the target's own hidden states: k target layers' outputs are fused (concatenated, projected
+  to the width, normed) and injected as extra keys/values in every drafter layer, so one or two
+  drafter layers suffice (the target has already done the understanding, image included).
+- It reuses the target's frozen embedding and output head: no new vocabulary, and a drafted token is
+  exactly a token the target can verify.
+
+Layout of one block (B = `block_size`): slots [anchor, mask_1, …, mask_B] at positions p, p+1, …, p+B,
+where the anchor is the last committed token x_p (embedded by the target's table) and each mask slot
+holds one learned mask embedding. Mask slot k predicts x_{p+k}. Slots attend bidirectionally within
+their block and to the fused target features of the context positions t < p of the same segment: at
+decoding time the target has hidden states for every token before the anchor (the anchor itself is
+the token it has just emitted). DFlash puts the anchor in slot 0 too and predicts its own token at
+each mask slot; we give the block B + 1 slots so a pass proposes B tokens. The drafter has its own
+1-D rotary positions (an M-RoPE target's text coordinates, axis 0).
+
+Training (`valen_jax.step.make_drafter_train_step`) runs many blocks per row at once: `anchors`
+[rows, A] positions; each block sees the whole row's context through its mask. Speculative decoding
+(a KV cache of the projected context and verification by the target) is issue 16's second half.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from valen_jax.models.config import ModelConfig, dtype_of
+from valen_jax.models.layers import RMSNorm, SwiGLU, dense, param, rope
+from valen_jax.models.transformer import Transformer
+
+# DFlash fuses 5 target layers; a shallower target gives each of its layers.
+DEFAULT_FUSED_LAYERS = 5
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter's shape: width, heads and rotary base are the target's (its features and head fit)."""
+
+    block_size: int
+    num_layers: int
+    target_layers: tuple[int, ...]
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    @classmethod
+    def of(cls, group, target: ModelConfig) -> DrafterConfig:
+        """From `config.model.drafter` and the target's ModelConfig; target layers checked against its depth."""
+        layers = tuple(int(i) for i in group.target_layers) or default_target_layers(target.num_layers)
+        if max(layers) >= target.num_layers:
+            raise ValueError(f"config.model.drafter.target_layers={layers}: the target has {target.num_layers} "
+                             f"layers (0…{target.num_layers - 1})")
+        return cls(block_size=int(group.block_size), num_layers=int(group.num_layers), target_layers=layers,
+                   dim=target.dim, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, mlp_dim=target.mlp_dim, rope_theta=target.rope_theta,
+                   norm_eps=target.norm_eps, dtype=target.dtype, param_dtype=target.param_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DrafterConfig:
+        return cls(**{**data, "target_layers": tuple(data["target_layers"])})
+
+
+def default_target_layers(num_layers: int, count: int = DEFAULT_FUSED_LAYERS) -> tuple[int, ...]:
+    """Up to `count` layers spread evenly from the first to the last (shallow, middle and deep features)."""
+    count = min(count, num_layers)
+    if count == 1:
+        return (num_layers - 1,)
+    return tuple(sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)}))
+
+
+def target_features(target: Transformer, layers: tuple[int, ...], tokens, positions, segment_ids,
+                    vision_inputs=None):
+    """The outputs of the target's `layers` (before the final norm), concatenated: [B, T, k·D].
+
+    Runs the target's embedding and blocks through their public calls (the decoder exposes no
+    intermediate states); the caller stops gradients (the target is frozen).
+    """
+    cfg = target.cfg
+    if cfg.vision is not None and cfg.vision.deepstack_layers:
+        raise NotImplementedError("a drafter for a deepstack (Qwen3-VL) target is not implemented: its vision "
+                                  "features enter between decoder layers")
+    x = target.embed_tokens(tokens, vision_inputs)
+    wanted = set(layers)
+    if not cfg.scan_layers:
+        outputs = {}
+        for i, block in enumerate(target.layers):
+            x = block(x, positions, segment_ids)
+            if i in wanted:
+                outputs[i] = x
+            if len(outputs) == len(wanted):
+                break
+        return jnp.concatenate([outputs[i] for i in layers], axis=-1)
+    graphdef, stacked = nnx.split(target.layers)
+
+    def one(h, layer_state):
+        h = nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+        return h, h
+
+    _, every = jax.lax.scan(one, x, stacked)  # [L, B, T, D]; a forward pass only, so the stack is cheap
+    return jnp.concatenate([every[i] for i in layers], axis=-1)
+
+
+def text_positions(positions):
+    """1-D positions [B, T]: an M-RoPE row's [B, T, 3] gives its temporal axis (text tokens: all three equal)."""
+    return positions[..., 0] if positions.ndim == 3 else positions
+
+
+class DrafterLayer(nnx.Module):
+    """Pre-norm block whose attention reads the block's own slots and the injected context."""
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs):
+        pdt = dtype_of(cfg.param_dtype)
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.dtype)
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
+        self.q = param(rngs, (cfg.dim, cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), pdt)
+        self.k = param(rngs, (cfg.dim, cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), pdt)
+        self.v = param(rngs, (cfg.dim, cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), pdt)
+        self.o = param(rngs, (cfg.num_heads, cfg.head_dim, cfg.dim), ("heads", "head_dim", "embed"), pdt)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_dim, self.dtype, pdt, rngs)
+
+    def _project(self, x, positions, weight, rotate: bool):
+        """x [B, L, D] → [B, L, heads, H], rotated by `positions` [B, L]."""
+        y = dense(x.astype(self.dtype), weight[...].astype(self.dtype))
+        return rope(y, positions, self.cfg.rope_theta) if rotate else y
+
+    def __call__(self, slots, slot_positions, context, context_positions, context_mask):
+        """slots [B, A, S, D]; slot_positions [B, A, S]; context [B, T, D] (fused features, normed);
+        context_positions [B, T]; context_mask bool [B, A, T] (which context positions each block sees)."""
+        batch, blocks, size, dim = slots.shape
+        kv, groups = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
+        flat = self.attn_norm(slots).reshape(batch, blocks * size, dim)
+        flat_positions = slot_positions.reshape(batch, blocks * size)
+        q = self._project(flat, flat_positions, self.q, True)
+        q = q.reshape(batch, blocks, size, kv, groups, self.cfg.head_dim)
+        block_k = self._project(flat, flat_positions, self.k, True).reshape(batch, blocks, size, kv, -1)
+        block_v = self._project(flat, flat_positions, self.v, False).reshape(batch, blocks, size, kv, -1)
+        # The context's keys/values are the same for every block of a row: projected once.
+        context_k = self._project(context, context_positions, self.k, True)
+        context_v = self._project(context, context_positions, self.v, False)
+        scale = self.cfg.head_dim ** -0.5
+        to_context = jnp.einsum("baskgh,btkh->baskgt", q, context_k, preferred_element_type=jnp.float32) * scale
+        to_block = jnp.einsum("baskgh,barkh->baskgr", q, block_k, preferred_element_type=jnp.float32) * scale
+        to_context = jnp.where(context_mask[:, :, None, None, None, :], to_context, -jnp.inf)
+        # Softmax over context and block keys together; the block's own keys are never masked, so a
+        # block with no context (an anchor at a segment's start) still has a finite normaliser.
+        probs = jax.nn.softmax(jnp.concatenate([to_context, to_block], axis=-1), axis=-1).astype(self.dtype)
+        length = context.shape[1]
+        out = (jnp.einsum("baskgt,btkh->baskgh", probs[..., :length], context_v)
+               + jnp.einsum("baskgr,barkh->baskgh", probs[..., length:], block_v))
+        out = out.reshape(batch, blocks * size, self.cfg.num_heads, self.cfg.head_dim)
+        attended = dense(out, self.o[...].astype(self.dtype), in_dims=2).reshape(slots.shape)
+        slots = slots + attended.astype(slots.dtype)
+        return slots + self.mlp(self.mlp_norm(slots)).astype(slots.dtype)
+
+
+class Drafter(nnx.Module):
+    """Fused target features + anchor tokens → hidden states of B mask slots per block (no head of its own)."""
+
+    def __init__(self, cfg: DrafterConfig, rngs: nnx.Rngs):
+        pdt = dtype_of(cfg.param_dtype)
+        self.cfg = cfg
+        self.dtype = dtype_of(cfg.dtype)
+        fused = cfg.dim * len(cfg.target_layers)
+        self.fuse = param(rngs, (fused, cfg.dim), ("mlp", "embed"), pdt)
+        self.context_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
+        self.mask_embedding = param(rngs, (cfg.dim,), ("embed",), pdt)
+        self.layers = nnx.List([DrafterLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps, pdt, rngs)
+
+    def __call__(self, features, positions, segment_ids, anchors, anchor_embeddings):
+        """features [B, T, k·D] (`target_features`); positions [B, T] (1-D, `text_positions`); segment_ids
+        [B, T]; anchors int [B, A] (row index p of each block's anchor); anchor_embeddings [B, A, D] (the
+        target's embedding of x_p). Returns final-normed hidden states [B, A, block_size, D]: entry k-1
+        predicts x_{p+k}."""
+        batch, blocks = anchors.shape
+        size = self.cfg.block_size + 1
+        context = self.context_norm(dense(features.astype(self.dtype), self.fuse[...].astype(self.dtype)))
+        mask = jnp.broadcast_to(self.mask_embedding[...].astype(self.dtype), (batch, blocks, size - 1, self.cfg.dim))
+        slots = jnp.concatenate([anchor_embeddings.astype(self.dtype)[:, :, None, :], mask], axis=2)
+        anchor_positions = jnp.take_along_axis(positions, anchors, axis=1)
+        slot_positions = anchor_positions[..., None] + jnp.arange(size, dtype=positions.dtype)
+        anchor_segments = jnp.take_along_axis(segment_ids, anchors, axis=1)
+        length = features.shape[1]
+        # Context t is visible to the block anchored at p when t < p in the same (non-padding) segment.
+        context_mask = ((jnp.arange(length)[None, None, :] < anchors[..., None])
+                        & (segment_ids[:, None, :] == anchor_segments[..., None])
+                        & (anchor_segments[..., None] > 0))
+        for layer in self.layers:
+            slots = layer(slots, slot_positions, context, positions, context_mask)
+        return self.final_norm(slots[:, :, 1:])
+
+
+def draft_hidden(drafter: Drafter, target: Transformer, batch: dict, anchors):
+    """The drafter's mask-slot hidden states [B, A, block_size, D] for `anchors` [B, A] of a token batch.
+    The target's features are constants to the drafter: no gradient flows back into them."""
+    vision = (batch["patches"], batch["patch_positions"], batch["patch_segments"]) if "patches" in batch else None
+    features = jax.lax.stop_gradient(target_features(target, drafter.cfg.target_layers, batch["tokens"],
+                                                     batch["positions"], batch["segment_ids"], vision))
+    anchor_tokens = jnp.take_along_axis(batch["tokens"], anchors, axis=1)
+    anchor_embeddings = jax.lax.stop_gradient(jnp.take(target.embed[...], anchor_tokens, axis=0))
+    return drafter(features, text_positions(batch["positions"]), batch["segment_ids"], anchors, anchor_embeddings)
+
+
+def propose(drafter: Drafter, target: Transformer, batch: dict, anchors):
+    """Greedy block proposals int32 [B, A, block_size]: one drafter pass per call, whatever the block size."""
+    hidden = draft_hidden(drafter, target, batch, anchors)
+    logits = jnp.einsum("basd,dv->basv", hidden, target.head_matrix(), preferred_element_type=jnp.float32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def abstract_drafter(cfg: DrafterConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Shapes and metadata only, for shardings before anything is allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0))))
+
+
+def init_drafter_params(cfg: DrafterConfig, seed: int, shardings) -> dict:
+    """Fresh drafter parameters, created directly in their shardings."""
+
+    def create():
+        return nnx.to_pure_dict(nnx.split(Drafter(cfg, nnx.Rngs(seed)))[1])
+
+    return jax.jit(create, out_shardings=shardings)()
+
+
+__all__ = ["DrafterConfig", "Drafter", "DrafterLayer", "default_target_layers", "target_features", "draft_hidden",
+           "propose", "abstract_drafter", "init_drafter_params", "text_positions"]
