@@ -124,10 +124,10 @@ class Preparer:
         if not isinstance(record.get("locale"), str):
             raise FormatError([row.problem("locale", "required: the id of a locale pack, e.g. en-US")])
         recording = self.audio(row, record)
-        meta = record.get("meta")
-        if not isinstance(meta, dict):
+        record_meta = record.get("meta")
+        if not isinstance(record_meta, dict):
             raise FormatError([row.problem("meta", "required: an object with source, consent, pii_redacted")])
-        if meta.get("source") == "real":
+        if record_meta.get("source") == "real":
             record = self.redact(row, record, recording)
         self.languages(row, record)
         if recording is not None:
@@ -187,16 +187,16 @@ class Preparer:
     # -- redaction -----------------------------------------------------------------------------
 
     def redact(self, row: Row, record: dict, recording: Recording | None) -> dict:
-        meta = record["meta"]
+        record_meta = record["meta"]
         if self.skip_redaction:
-            meta["pii_redacted"] = False
-            meta.pop("redaction_log", None)
-            meta["redaction_skipped"] = True
+            record_meta["pii_redacted"] = False
+            record_meta.pop("redaction_log", None)
+            record_meta["redaction_skipped"] = True
             self.summary.skipped_redaction.append(row.id)
             return record
         from data_pipeline.vakforge.redact import redact_record
 
-        earlier = self.earlier_spans(row, meta)
+        earlier = self.earlier_spans(row, record_meta)
         try:
             redacted, spans = redact_record(record, record["locale"])
         except ValueError as err:  # RedactionError or an unknown locale: field, type and range, never a value
@@ -218,11 +218,11 @@ class Preparer:
         self.summary.spans += len(spans)
         return redacted
 
-    def earlier_spans(self, row: Row, meta: dict) -> list[dict]:
+    def earlier_spans(self, row: Row, record_meta: dict) -> list[dict]:
         """Spans of the log the input names (an earlier redaction), so a re-run keeps them."""
-        if meta.get("redaction_log") is None:
+        if record_meta.get("redaction_log") is None:
             return []
-        path = source_file(self.raw_dir, meta["redaction_log"], row, "meta.redaction_log")
+        path = source_file(self.raw_dir, record_meta["redaction_log"], row, "meta.redaction_log")
         try:
             log = json.loads(path.read_text(encoding="utf-8"))
             spans = log["spans"]
@@ -230,7 +230,7 @@ class Preparer:
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             raise FormatError([row.problem("meta.redaction_log",
-                                           f"{meta['redaction_log']} is not a JSON object with a spans list")]) from None
+                                           f"{record_meta['redaction_log']} is not a JSON object with a spans list")]) from None
         return spans
 
     # -- languages -----------------------------------------------------------------------------

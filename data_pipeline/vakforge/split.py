@@ -97,9 +97,9 @@ def _conversations(manifest: Path) -> list[Row]:
                 continue
             if not isinstance(record, dict) or not isinstance(record.get("id"), str):
                 continue
-            meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
-            speakers = meta.get("speakers") if isinstance(meta.get("speakers"), dict) else {}
-            split = meta.get("split") if isinstance(meta.get("split"), str) else None
+            record_meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+            speakers = record_meta.get("speakers") if isinstance(record_meta.get("speakers"), dict) else {}
+            split = record_meta.get("split") if isinstance(record_meta.get("split"), str) else None
             speakers = {role: speakers[role] for role in ("agent", "user") if isinstance(speakers.get(role), str)}
             rows.append((number, text, {"id": record["id"], "meta": {"split": split, "speakers": speakers}}))
     return rows

@@ -82,22 +82,22 @@ class Synthesizer:
 
     def row(self, row: Row) -> dict:
         record = copy.deepcopy(row.record)
-        meta = record.get("meta")
-        if not isinstance(meta, dict):
+        record_meta = record.get("meta")
+        if not isinstance(record_meta, dict):
             raise FormatError([row.problem("meta", "required: an object with source, consent, pii_redacted")])
-        log = meta.get("redaction_log")
+        log = record_meta.get("redaction_log")
         if log is not None:
             self.copy(source_file(self.base, log, row, "meta.redaction_log"), log)
         if record.get("audio") is not None:
             self.copy(source_file(self.base, record["audio"].get("path"), row, "audio.path"), record["audio"]["path"])
             self.copied += 1
             return record
-        if meta.get("source") == "real" and meta.get("pii_redacted") is not True:
+        if record_meta.get("source") == "real" and record_meta.get("pii_redacted") is not True:
             raise FormatError([row.problem("meta.pii_redacted", "a real row must be redacted before synth renders it "
                                            "(run prepare); rendered rows become synthetic, which are exempt from "
                                            "redaction")])
         self.render(row, record)
-        meta["source"] = "synthetic"
+        record_meta["source"] = "synthetic"
         self.rendered += 1
         return record
 
