@@ -10,9 +10,9 @@ messages gives three lines. Lines come in data order (record, then answer) and h
 
 `index` is the record's 0-based position in the data, `source` its file and line, `id` the vakforge
 conversation id (null for other data), `answer` the k-th trained assistant answer of the record (chat
-converted with assistant_turns=last trains only the last message: it is answer 0); `finish_reason` is "stop" when the end-of-turn token ended
-the answer (it is counted in `generated_tokens`, not written in `text`), "length" when the token budget
-did. Per family:
+converted with assistant_turns=last trains only the last message: it is answer 0). `finish_reason` is
+"stop" when the end-of-turn token ended the answer (counted in `generated_tokens`, not written in
+`text`), "length" when the token budget did. Per family:
 - vflash (seed 004): `primitives`, each {"kind", "label", "tokens", "coordinates", "units"} with the
   number tokens dequantised to the seed's ranges (`valen_jax.primitives.coordinates`: fractions of the
   image, metres in the camera frame, ego metres and radians, dense metres for the data's scale `s`),
