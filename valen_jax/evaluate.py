@@ -17,8 +17,10 @@ format. Every example of the data is evaluated unless `--max_examples`. The repo
 - vflash: assistant-token `loss`/`accuracy` (teacher forcing); greedy decoding of each last answer:
   `generation.primitive_parse_rate`, and point/box/trajectory/dense metrics overall and per recipe
   entry (`valen_jax.evaluation.metrics.vflash`);
-- chat, vakforge: assistant-token loss/accuracy and tool-call exact match, overall and by locale
-  and source (`valen_jax.evaluation.metrics.chat`).
+- chat, vakforge: assistant-token loss/accuracy, tool-call exact match, answer exact/normalised match
+  (seed 003) and, for vakforge, entity accuracy by type, overall and by locale and source
+  (`valen_jax.evaluation.metrics.chat`, `.answer_match`, `.entities`); answers come from KV-cache
+  greedy decoding (`valen_jax.decoding`).
 With several processes each evaluates a slice and the sums are added before any ratio is formed.
 """
 
