@@ -145,7 +145,7 @@ def test_prefill_logits_equal_the_full_forward_at_each_last_prompt_token(text):
     full = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray((positions < lengths[:, None]).astype(np.int32)))
     expected = np.asarray(full)[np.arange(3), lengths - 1]
     np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
-    assert cache.keys.shape == (3, 3, 128, 2, 8) and cache.keys.dtype == jnp.float32
+    assert cache.keys.shape == (3, 3, 2, 128, 8) and cache.keys.dtype == jnp.float32
 
 
 @pytest.mark.slow
