@@ -189,8 +189,10 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
     vflash = config.train.mode == "vflash"
     mesh = sharding.make_mesh(config.mesh)
     target = restore_target(config, fingerprint, mesh) if vflash else None
-    # vflash: the architecture is the target's (its meta), whatever config.model says.
     model_cfg = target.model_cfg if vflash else model_config(config, tokenizer)
+    if vflash:
+        log.info("train.mode=vflash: the target's architecture comes from its checkpoint meta; config.model's "
+                 "dims, dtype and remat are not read (the drafter's width and heads are the target's)")
     # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
     media_kwargs, media_sources = media_kwargs_of(config, model_cfg.vision)
     if vflash and json.loads(json.dumps(media_kwargs)) != target.media_kwargs:  # as JSON: tuples are lists there
