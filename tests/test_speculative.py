@@ -1,0 +1,245 @@
+"""Speculative atomic decoding (issue 16) is lossless: greedy output equals target-only greedy
+(`engine.generate_ids`) whatever the drafter proposes, an oracle drafter commits a whole block in one
+pass (tau = B + 1, the bonus token included), and rejection sampling emits the target's distribution.
+
+Targets are tiny random decoders. A random target never writes an `atomic_decoding` call by itself, so
+the prompts end right after one, written with the smoke tokenizer (primitive tags are single tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as scipy_stats
+
+from data_pipeline.tokenizer import load_tokenizer
+from tests.train_runs import ROOT
+from valen_jax.decoding import Sampling, generate_ids
+from valen_jax.decoding.speculative import (
+    AtomicCalls,
+    OracleDrafter,
+    Proposal,
+    RandomDrafter,
+    SpeculativeDecoder,
+    extend,
+    target_probs,
+    verify_sampled,
+)
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.transformer import Transformer
+
+NEW = 30
+
+
+def lively(params, scale: float):
+    """Weights large enough that greedy continuations change from token to token (test_kv_cache)."""
+    return jax.tree.map(lambda p: p * scale if p.ndim >= 2 else p, params)
+
+
+def model(vocab: int, scan: bool, scale: float = 12.0, seed: int = 0):
+    cfg = ModelConfig(vocab_size=vocab, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                      scan_layers=scan, attention="blockwise")
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(seed)))
+    return graphdef, lively(params, scale)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ROOT / "data" / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    vocab = len(tokenizer)
+    graphdef, params = model(-(-vocab // 64) * 64, scan=False)
+    return graphdef, params, vocab
+
+
+def announced_prompt(tokenizer, block_size: int, seed: int, count: int | None = None) -> np.ndarray:
+    """Random words, an action and an atomic_decoding call: the block starts right after the prompt."""
+    rng = np.random.default_rng(seed)
+    args = f'"block_size":{block_size}' + (f',"count":{count}' if count else "")
+    text = (" ".join(rng.choice(["move", "the", "red", "cup", "left", "gripper", "open"], 5)) +
+            f'<action>Pull.</action><tool_call>{{"name":"atomic_decoding","arguments":{{{args}}}}}</tool_call>')
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
+
+
+def target_only(graphdef, params, vocab, prompt, new=NEW):
+    return generate_ids(params, graphdef, [{"ids": prompt, "positions": np.arange(len(prompt), dtype=np.int32)}],
+                        max_new_tokens=new, stop_ids=(), vocab=vocab)[0]
+
+
+class CorruptedOracle:
+    """The target's greedy block with draft position `wrong` (0-based) replaced: every pass accepts
+    exactly `wrong` tokens, then the bonus (the target's own token there) repairs it."""
+
+    def __init__(self, oracle: OracleDrafter, wrong: int, vocab: int):
+        self.oracle, self.wrong, self.vocab = oracle, wrong, vocab
+
+    def propose(self, context, block, key):
+        tokens = self.oracle.propose(context, block, key).tokens.copy()
+        if block > self.wrong:
+            tokens[self.wrong] = (tokens[self.wrong] + 1) % self.vocab
+        return Proposal(tokens)
+
+
+@pytest.mark.parametrize("block_size", [12, 18])
+def test_oracle_drafter_commits_the_block_in_one_pass(tokenizer, target, block_size):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, block_size, seed=block_size)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    out = decoder.generate(prompt, OracleDrafter(graphdef, params, vocab), max_new_tokens=NEW)
+    reference = target_only(graphdef, params, vocab, prompt)
+    assert len(set(reference)) > 3  # a target that says something
+    assert out == reference
+    # One verify pass: B accepted draft tokens + the target's bonus = B + 1 tokens committed.
+    assert decoder.stats.passes == 1
+    assert decoder.stats.tau == block_size + 1
+    assert decoder.stats.histogram == {block_size: 1}
+    assert decoder.stats.acceptance() == {k: 1.0 for k in range(1, block_size + 1)}
+
+
+def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 12, seed=5)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    drafter = CorruptedOracle(OracleDrafter(graphdef, params, vocab), wrong=3, vocab=vocab)
+    assert decoder.generate(prompt, drafter, max_new_tokens=NEW) == target_only(graphdef, params, vocab, prompt)
+    # Block of 12: three passes of 3 accepted + 1 bonus each (drafts of 12, 8 and 4 tokens).
+    assert decoder.stats.passes == 3 and decoder.stats.committed == 12
+    assert decoder.stats.histogram == {3: 3}
+    assert decoder.stats.acceptance() == {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.0, 8: 0.0,
+                                          9: 0.0, 10: 0.0, 11: 0.0, 12: 0.0}
+
+
+@pytest.mark.parametrize("block_size,seed", [(5, 0), (12, 1), (20, 2)])
+def test_random_drafter_is_lossless(tokenizer, target, block_size, seed):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, block_size, seed=10 + seed)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    out = decoder.generate(prompt, RandomDrafter(vocab, seed), max_new_tokens=NEW)
+    assert out == target_only(graphdef, params, vocab, prompt)
+    assert decoder.stats.committed == block_size + (decoder.stats.committed > block_size)
+    assert sum(decoder.stats.histogram.values()) == decoder.stats.passes >= 1
+
+
+def test_max_new_tokens_and_stop_tokens_end_a_block_as_they_end_decoding(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 18, seed=7)
+    free = target_only(graphdef, params, vocab, prompt)
+    oracle = OracleDrafter(graphdef, params, vocab)
+    short = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    assert short.generate(prompt, oracle, max_new_tokens=7) == free[:7]
+    stop = free[9]
+    stopped = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=[stop])
+    assert stopped.generate(prompt, oracle, max_new_tokens=NEW) == free[:free.index(stop) + 1]
+
+
+def test_only_a_complete_atomic_decoding_call_announces_a_block(tokenizer):
+    calls = AtomicCalls(tokenizer)
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    call = '<tool_call>{"name":"atomic_decoding","arguments":{"block_size":32,"count":10}}</tool_call>'
+    assert calls.announced(ids("<action>a</action>" + call)).block_size == 32
+    assert calls.announced(ids(call)).count == 10
+    assert calls.announced(ids(call + "<robot_single>")) is None
+    assert calls.announced(ids('<tool_call>{"name":"search","arguments":{}}</tool_call>')) is None
+    with pytest.raises(ValueError, match="block_size must be an integer >= 1"):
+        calls.announced(ids('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":0}}</tool_call>'))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_extend_equals_decode_steps_and_the_full_forward(scan):
+    graphdef, params = model(128, scan)
+
+    def run(params, tokens, positions):
+        net = nnx.merge(graphdef, params)
+        full = net(tokens, positions, jnp.ones_like(tokens))
+        # Rows of different committed lengths (5 and 8): each extends 6 tokens from its own cursor.
+        lengths = jnp.asarray([5, 8], jnp.int32)
+        _, cache = net.prefill(tokens[:, :8], positions[:, :8], lengths, 64)
+        take = lengths[:, None] + jnp.arange(6)[None]
+        block, block_positions = jnp.take_along_axis(tokens, take, 1), jnp.take_along_axis(positions, take, 1)
+        logits, _ = extend(net, block, block_positions, cache, lengths)
+        stepped, step_cache = [], cache
+        for t in range(6):
+            out, step_cache = net.decode_step(block[:, t], block_positions[:, t], step_cache, lengths + t)
+            stepped.append(out)
+        return logits, jnp.stack(stepped, 1), jnp.take_along_axis(full, take[..., None], 1)
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 120, (2, 14)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(14, dtype=jnp.int32), (2, 14))
+    extended, stepped, full = jax.jit(run)(params, tokens, positions)
+    assert float(jnp.std(extended)) > 1.0  # logits that differ from token to token
+    np.testing.assert_allclose(extended, stepped, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(extended, full, atol=2e-4, rtol=1e-4)
+
+
+def chi_square_ok(counts: np.ndarray, expected_probs: np.ndarray, alpha: float = 1e-3) -> tuple[float, float]:
+    """(statistic, threshold) of Pearson's test over cells with an expected count >= 5 (the rest pooled)."""
+    expected = expected_probs * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    statistic = float(np.sum((observed[keep] - expected[keep]) ** 2 / expected[keep]))
+    return statistic, float(scipy_stats.chi2.ppf(1 - alpha, keep.sum() - 1))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5)],
+                         ids=["t1", "t0.7-top5"])
+def test_rejection_sampling_emits_the_target_distribution(sampling):
+    """First token and pair of tokens emitted from a 2-token draft ~ q, q != p, on a vocabulary of 8:
+    the empirical distribution over 40,000 fixed-seed draws matches p(a) p(b | a) (chi-square, 0.1%)."""
+    vocab = 8
+    graphdef, params = model(vocab, scan=False, scale=4.0, seed=3)
+    net = nnx.merge(graphdef, params)
+    context = jnp.asarray([[1, 5, 2, 7, 3]], jnp.int32)
+    _, cache = net.prefill(context[:, :4], jnp.arange(4)[None], jnp.asarray([4]), 64)
+    # p0: after the context; p1[a]: after the context and a (one extend over all 8 choices of a).
+    caches = jax.tree.map(lambda c: jnp.repeat(c, vocab, axis=1), cache)
+    pairs = jnp.stack([jnp.full(vocab, 3), jnp.arange(vocab)], 1).astype(jnp.int32)
+    logits, _ = extend(net, pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))
+    p = target_probs(logits, sampling, vocab)
+    p0, p1 = p[0, 0], p[:, 1]  # [V], [V, V]
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(9), (2, vocab)) * 1.5)
+    assert float(jnp.abs(q[0] - p0).sum()) > 0.3  # a drafter that really differs from the target
+
+    def emitted(key):
+        draft_key, verify_key, next_key = jax.random.split(key, 3)
+        draft = jax.random.categorical(draft_key, jnp.log(q)).astype(jnp.int32)  # [2]
+        rows = jnp.stack([p0, p1[draft[0]], p0])  # the third row (bonus after both) is never read here
+        accepted, nxt = verify_sampled(rows, draft, q, verify_key)
+        first = jnp.where(accepted >= 1, draft[0], nxt)
+        # After a rejection at slot 1 the next pass samples the second token from p1[first].
+        after_reject = jax.random.categorical(next_key, jnp.log(p1[first])).astype(jnp.int32)
+        second = jnp.where(accepted >= 2, draft[1], jnp.where(accepted == 1, nxt, after_reject))
+        return first, second
+
+    first, second = jax.jit(jax.vmap(emitted))(jax.random.split(jax.random.key(0), 40_000))
+    first, second = np.asarray(first), np.asarray(second)
+    statistic, threshold = chi_square_ok(np.bincount(first, minlength=vocab), np.asarray(p0))
+    assert statistic < threshold, (statistic, threshold)
+    joint = np.bincount(first * vocab + second, minlength=vocab * vocab)
+    statistic, threshold = chi_square_ok(joint, np.asarray(p0[:, None] * p1).ravel())
+    assert statistic < threshold, (statistic, threshold)
+    # The test can fail: the drafter's own q is far from p, so emitting the draft unverified is refused.
+    statistic, threshold = chi_square_ok(np.bincount(np.asarray(jax.vmap(lambda k: jax.random.categorical(
+        k, jnp.log(q[0])))(jax.random.split(jax.random.key(1), 40_000))), minlength=vocab), np.asarray(p0))
+    assert statistic > threshold
+
+
+def test_sampled_speculative_decoding_runs_and_keeps_ids_in_the_vocabulary(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 12, seed=3)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab,
+                                 sampling=Sampling(temperature=1.0))
+    out = decoder.generate(prompt, RandomDrafter(vocab, 0), max_new_tokens=NEW, seed=4)
+    assert len(out) == NEW and all(0 <= t < vocab for t in out)
+    assert decoder.stats.committed >= 12

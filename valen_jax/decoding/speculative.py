@@ -1,0 +1,421 @@
+"""Speculative atomic decoding (seed 004, issue 16): a drafter proposes an announced primitive block,
+the target verifies it in ONE pass over its KV cache, and the output is the target's own.
+
+Outside announced blocks the target decodes one token per step, as `engine.generate_ids` does. When
+the committed ids complete an `atomic_decoding` tool call (detected by token ids: `</tool_call>` just
+committed; the ids back to the last `<tool_call>` are decoded and their JSON checked by
+`data_pipeline.primitives`' own argument rules), the next `block_size` tokens (seed 004: every token of
+the primitive, start and end tags included; `count` blocks for `<dense>` motion, one block otherwise)
+are drafted and verified:
+
+- the drafter proposes the d tokens still missing from the block (d capped by the token budget);
+- one `extend` pass over [last committed token, proposal] gives the target's logits at all d + 1 slots;
+- greedy: accept the longest prefix where proposal == target argmax, then commit the target's own next
+  token (the bonus). Sampling: standard speculative rejection sampling (Leviathan et al. 2023; Chen et
+  al. 2023): accept x_k with probability min(1, p(x_k) / q(x_k)); at the first rejection draw from
+  norm(max(p - q, 0)); when all are accepted draw the bonus from p. The emitted tokens then follow p
+  exactly (p: the target's distribution after `Sampling`'s temperature/top-k/top-p);
+- crop: the row's cursor moves to its committed length. Slots above hold the rejected tail's keys; a
+  query attends slots <= its own only, and the next pass writes those slots before any query reads them.
+- if the block is not complete, draft again for the rest.
+
+Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks, the bonus token
+INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
+per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
+
+One row at a time (a host loop around jitted prefill / decode_step / extend passes): per-row state
+without batch bookkeeping, which is what a first lossless core needs. Text-only targets (no vision
+inputs, 1-D positions).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from data_pipeline.primitives import ATOMIC_DECODING, PrimitiveError, _Parser
+from valen_jax.decoding.engine import GREEDY, bucket
+from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab, sample
+from valen_jax.models import kv_cache
+
+# -- the multi-token verify pass ------------------------------------------------------------------
+
+def write_block(cache: kv_cache.KVCache, layer, keys, values, cursor) -> kv_cache.KVCache:
+    """The cache with T new tokens per row: keys/values [B, T, K, H] at slots cursor[b] .. cursor[b] + T - 1.
+    One scatter with iota row/head indices, as `kv_cache.write_token` (in place, shards by row and head)."""
+    def place(stacked, new):
+        rows, heads, length = new.shape[0], new.shape[2], new.shape[1]
+        slots = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
+        index = (layer, jnp.arange(rows)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None, :])
+        updated = stacked.at[index].set(new.transpose(0, 2, 1, 3).astype(stacked.dtype))
+        return kv_cache.constrain(updated, kv_cache.CACHE_AXES)
+    return kv_cache.KVCache(place(cache.keys, keys), place(cache.values, values))
+
+
+def attend_block(q, keys, values, cursor):
+    """T queries per row against the cache: q [B, T, N, H]; keys, values [B, K, S, H]; query t of row b
+    attends slots <= cursor[b] + t (causal within the block, the whole cache below). f32 scores."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    queries = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgh,bksh->bkgts", queries, keys, preferred_element_type=jnp.float32) * head_dim ** -0.5
+    last = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
+    visible = jnp.arange(keys.shape[2])[None, None, :] <= last[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # Weights in the values' dtype, as `kv_cache.attend_token` and the prefill kernels multiply them.
+    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
+    return out.reshape(batch, length, heads, head_dim).astype(q.dtype)
+
+
+def _block_extend(block, x, positions, cache, layer, cursor):
+    attn = block.attn
+    q, k, v = attn._project(block.attn_norm(x), positions)
+    cache = write_block(cache, layer, k, v, cursor)
+    keys, values = kv_cache.layer_view(cache, layer)
+    attended = attn._output(attend_block(q, keys, values, cursor))
+    return block._finish(x, attended), cache
+
+
+def extend(model, tokens, positions, cache: kv_cache.KVCache, cursor):
+    """T tokens per row: tokens int32 [B, T] at slots cursor[b] .. cursor[b] + T - 1 with positions [B, T]
+    → (f32 logits [B, T, V], logit t for the token after tokens[:, t]; the cache with their keys/values).
+    The caller keeps cursor + T <= the cache length (a dynamic slice would clamp, not fail)."""
+    x = kv_cache.constrain(model._embed(tokens, None)[0], ("batch", "length", "act_embed"))
+    if model.cfg.scan_layers:
+        block_def, block_state = nnx.split(model.layers)
+
+        def step(carry, layer_and_state):
+            layer, state = layer_and_state
+            h, c = carry
+            return _block_extend(nnx.merge(block_def, state), h, positions, c, layer, cursor), None
+
+        (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(model.cfg.num_layers), block_state))
+    else:
+        for i, layer in enumerate(model.layers):
+            x, cache = _block_extend(layer, x, positions, cache, i, cursor)
+    return model.logits(model.final_norm(x)), cache
+
+
+# -- verification rules ---------------------------------------------------------------------------
+
+def verify_greedy(logits, draft, vocab: int):
+    """logits f32 [d + 1, V] at [last, x_1 .. x_d]; draft int [d] → (accepted n, the target's next token).
+    x_k is accepted while it equals the target's argmax (ties to the lower id, as `sample`)."""
+    target = jnp.argmax(mask_vocab(logits, vocab), axis=-1).astype(jnp.int32)
+    accepted = jnp.sum(jnp.cumprod(draft == target[:-1])).astype(jnp.int32)
+    return accepted, target[accepted]
+
+
+def target_probs(logits, sampling: Sampling, vocab: int):
+    """The target's sampling distribution p [.., V]: what `sample` draws from."""
+    return jax.nn.softmax(filter_logits(mask_vocab(logits, vocab), sampling), axis=-1)
+
+
+def verify_sampled(p, draft, q, key, drafted=None):
+    """Speculative rejection sampling. p [d + 1, V] the target's distributions at [last, x_1 .. x_d];
+    draft [d] drawn from q [d, V] → (accepted n, the next token), the emitted tokens distributed as p.
+    drafted: how many of the d slots are real (the rest padding, never accepted, q rows 0); default d."""
+    d = draft.shape[0]
+    accept_key, next_key = jax.random.split(key)
+    rows = jnp.arange(d)
+    p_x, q_x = p[rows, draft], q[rows, draft]
+    # Accept with probability min(1, p/q): u < p/q, written without the division (q may be 0 only for
+    # tokens the drafter never proposes).
+    accept = jax.random.uniform(accept_key, (d,)) * q_x < p_x
+    if drafted is not None:
+        accept &= rows < drafted
+    accepted = jnp.sum(jnp.cumprod(accept)).astype(jnp.int32)
+    # At a rejection: norm(max(p - q, 0)); after d acceptances the q row is 0, so this is p (the bonus).
+    residual = jnp.maximum(p[accepted] - jnp.concatenate([q, jnp.zeros_like(q[:1])])[accepted], 0)
+    # max(p - q, 0) sums to 0 only where p == q, where nothing is ever rejected; keep p there.
+    residual = jnp.where(jnp.sum(residual) > 0, residual, p[accepted])
+    return accepted, jax.random.categorical(next_key, jnp.log(residual)).astype(jnp.int32)
+
+
+# -- drafters -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: np.ndarray  # int32 [d]
+    q: np.ndarray | None = None  # f32 [d, V]: the drafter's distribution at each slot; None: deterministic
+
+
+class Drafter(Protocol):
+    def propose(self, context: np.ndarray, block: int, key: jax.Array) -> Proposal:
+        """`block` tokens to follow `context` (every committed id of the row: prompt and output)."""
+        ...
+
+
+# -- the announcement -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Announcement:
+    block_size: int
+    count: int | None
+
+
+class AtomicCalls:
+    """Finds a just-completed `atomic_decoding` call in committed token ids.
+
+    By ids, not by re-reading the whole text: `<tool_call>`, `</tool_call>` and the trajectory tags are
+    single tokens (data_pipeline.vocabulary), so a call ends exactly when `</tool_call>` is committed."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.open_id = self._id("<tool_call>")
+        self.close_id = self._id("</tool_call>")
+        self.dense_id = self._id("<dense>")
+
+    def _id(self, token: str) -> int:
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"tokenizer: {token} is {len(ids)} tokens, not one; add the primitive tokens "
+                             f"(data_pipeline.tokenizer.add_primitive_tokens)")
+        return ids[0]
+
+    def announced(self, ids) -> Announcement | None:
+        """The call that `ids` (ending with `</tool_call>`) completes, or None for another tool."""
+        ids = list(ids)
+        if not ids or ids[-1] != self.close_id:
+            return None
+        if self.open_id not in ids:
+            return None
+        start = len(ids) - 1 - ids[::-1].index(self.open_id)
+        body = self.tokenizer.decode(ids[start + 1:-1])
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None  # the seed gives a malformed tool call no meaning: it stays text, decoding goes on
+        if not isinstance(call, dict) or call.get("name") != ATOMIC_DECODING:
+            return None
+        try:
+            block_size, count = _Parser.atomic_arguments(0, call)
+        except PrimitiveError as err:
+            raise ValueError(f"generated atomic_decoding call {body!r}: {err.reason}") from None
+        return Announcement(block_size, count)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+@dataclass
+class BlockStats:
+    """Verify passes inside announced blocks. tau counts the bonus token: committed / passes."""
+
+    passes: int = 0
+    committed: int = 0
+    drafted_at: dict[int, int] = field(default_factory=dict)  # draft position k (1-based) → proposals
+    accepted_at: dict[int, int] = field(default_factory=dict)  # → proposals accepted
+    histogram: dict[int, int] = field(default_factory=dict)  # accepted draft tokens per pass → passes
+
+    def record(self, drafted: int, accepted: int, committed: int) -> None:
+        self.passes += 1
+        self.committed += committed
+        for k in range(1, drafted + 1):
+            self.drafted_at[k] = self.drafted_at.get(k, 0) + 1
+            self.accepted_at[k] = self.accepted_at.get(k, 0) + (k <= accepted)
+        self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.passes if self.passes else 0.0
+
+    def acceptance(self) -> dict[int, float]:
+        return {k: self.accepted_at[k] / n for k, n in sorted(self.drafted_at.items())}
+
+
+# -- the decoder ----------------------------------------------------------------------------------
+
+@functools.cache
+def _passes(graphdef, cache_length: int):
+    def prefill(params, tokens, positions, lengths):
+        return nnx.merge(graphdef, params).prefill(tokens, positions, lengths, cache_length)
+
+    def step(params, token, position, cache, cursor):
+        return nnx.merge(graphdef, params).decode_step(token, position, cache, cursor)
+
+    def verify(params, tokens, positions, cache, cursor):
+        return extend(nnx.merge(graphdef, params), tokens, positions, cache, cursor)
+
+    return jax.jit(prefill), jax.jit(step), jax.jit(verify)
+
+
+@dataclass
+class _Row:
+    ids: list[int]  # prompt + committed output
+    prompt: int
+    cache: kv_cache.KVCache
+    cursor: int  # the slot of ids[-1], committed but not yet in the cache
+    position: int  # its position
+    passes: int = 0  # target passes so far (the random stream's counter)
+
+    @property
+    def output(self) -> list[int]:
+        return self.ids[self.prompt:]
+
+
+class SpeculativeDecoder:
+    """Greedy (`Sampling()`) or sampled decoding of one prompt at a time with speculative blocks."""
+
+    def __init__(self, graphdef, params, *, calls: AtomicCalls | None, vocab: int, stop_ids=(),
+                 sampling: Sampling = GREEDY):
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
+        cfg = nnx.merge(graphdef, params).cfg
+        if cfg.vision is not None:
+            raise ValueError("speculative decoding here takes text-only targets (no vision tower)")
+        self.graphdef, self.params, self.calls = graphdef, params, calls
+        self.vocab, self.stop_ids, self.sampling = int(vocab), {int(s) for s in stop_ids}, sampling
+        self.stats = BlockStats()
+
+    def generate(self, prompt, drafter: Drafter | None, *, max_new_tokens: int, seed: int = 0) -> list[int]:
+        """The generated ids of `prompt` (int ids, 1-D positions 0..n-1), the stop token kept, as
+        `engine.generate_ids` returns them. drafter=None: target-only decoding through the same loop."""
+        row = self.start(prompt, max_new_tokens)
+        key = jax.random.key(seed)
+        announced = self.calls.announced(row.ids) if self.calls else None
+        while len(row.output) < max_new_tokens and not self._stopped(row):
+            if announced is not None and drafter is not None:
+                start = len(row.output)
+                overflow = self.block(row, drafter, announced.block_size, key, max_new_tokens)
+                first = row.output[start:start + 1]
+                # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
+                blocks = announced.count if announced.count and first == [self.calls.dense_id] else 1
+                for _ in range(blocks - 1):
+                    # A bonus token past the previous block is this block's first.
+                    overflow = self.block(row, drafter, announced.block_size - overflow, key, max_new_tokens)
+                # A bonus token past the block is ordinary output; a call it completes is announced.
+                announced = self.calls.announced(row.ids)
+                continue
+            self.step(row, key)
+            announced = self.calls.announced(row.ids) if self.calls else None
+        return row.output
+
+    def _stopped(self, row: _Row) -> bool:
+        return bool(row.output) and row.output[-1] in self.stop_ids
+
+    def start(self, prompt, max_new_tokens: int) -> _Row:
+        """Prefill all but the prompt's last token; that one is the first `last` a pass feeds."""
+        ids = [int(i) for i in np.asarray(prompt)]
+        if len(ids) < 2:
+            raise ValueError(f"prompt of {len(ids)} tokens: speculative decoding needs at least 2")
+        cache_length = bucket(len(ids) + max_new_tokens + 1)
+        prefill, _, _ = _passes(self.graphdef, cache_length)
+        head = jnp.asarray(ids[:-1], jnp.int32)[None]
+        _, cache = prefill(self.params, head, jnp.arange(len(ids) - 1, dtype=jnp.int32)[None],
+                           jnp.asarray([len(ids) - 1], jnp.int32))
+        return _Row(ids, len(ids), cache, len(ids) - 1, len(ids) - 1)
+
+    def _choose(self, logits, key):
+        return int(sample(logits, key[None], self.sampling, self.vocab)[0])
+
+    def step(self, row: _Row, key) -> None:
+        """One target token: decode_step on the row's last token."""
+        _, step, _ = _passes(self.graphdef, row.cache.length)
+        logits, row.cache = step(self.params, jnp.asarray([row.ids[-1]], jnp.int32),
+                                 jnp.asarray([row.position], jnp.int32), row.cache, jnp.asarray([row.cursor], jnp.int32))
+        row.ids.append(self._choose(logits, jax.random.fold_in(key, row.passes)))
+        row.passes += 1
+        row.cursor += 1
+        row.position += 1
+
+    def block(self, row: _Row, drafter: Drafter, size: int, key, max_new_tokens: int) -> int:
+        """Commit the next `size` tokens (fewer at a stop or the budget) by draft + verify passes. The
+        last pass's bonus token may lie one past the block (it is the target's next token all the same):
+        returns how many tokens did (0 or 1)."""
+        _, _, verify = _passes(self.graphdef, row.cache.length)
+        remaining = size
+        while remaining > 0 and len(row.output) < max_new_tokens and not self._stopped(row):
+            d = min(remaining, max_new_tokens - len(row.output))
+            pass_key = jax.random.fold_in(key, row.passes)
+            proposal = drafter.propose(np.asarray(row.ids, np.int32), d, jax.random.fold_in(pass_key, 1))
+            draft = np.asarray(proposal.tokens, np.int32)
+            if draft.shape != (d,):
+                raise ValueError(f"drafter proposed tokens of shape {draft.shape}; asked for ({d},)")
+            # One compiled pass per padded length: slots past the draft hold -1 tokens (id 0 embedded) that
+            # greedy never accepts (no argmax is -1) and sampling masks; their cache writes lie above the
+            # committed length, cropped like a rejected tail. Exact length where padding would not fit.
+            width = max(8, 1 << d.bit_length())  # >= d + 1
+            if row.cursor + width > row.cache.length:
+                width = d + 1
+            padded = np.full(width - 1, -1, np.int32)
+            padded[:d] = draft
+            tokens = jnp.asarray(np.concatenate([[row.ids[-1]], np.maximum(padded, 0)]), jnp.int32)[None]
+            positions = (row.position + jnp.arange(width, dtype=jnp.int32))[None]
+            logits, row.cache = verify(self.params, tokens, positions, row.cache, jnp.asarray([row.cursor], jnp.int32))
+            accepted, nxt = self._verify(logits[0], padded, d, proposal.q, jax.random.fold_in(pass_key, 2))
+            new = [*draft[:accepted].tolist(), nxt]
+            row.passes += 1
+            # Crop: the committed tokens' keys stay; the cursor moves to the new last token's slot.
+            row.cursor += accepted + 1
+            row.position += accepted + 1
+            committed = 0
+            for token in new:
+                if len(row.output) >= max_new_tokens or self._stopped(row):
+                    break
+                row.ids.append(int(token))
+                committed += 1
+            self.stats.record(d, accepted, committed)
+            remaining -= accepted + 1
+        return max(-remaining, 0)
+
+    def _verify(self, logits, padded, drafted: int, q, key) -> tuple[int, int]:
+        """(accepted, next token) from the verify pass's logits [W, V] over a draft padded with -1 to W - 1."""
+        draft = jnp.asarray(padded)
+        if self.sampling.greedy:
+            accepted, nxt = _verify_greedy(logits, draft, self.vocab)
+        else:
+            width, vocab = logits.shape
+            q_padded = np.zeros((width - 1, vocab), np.float32)
+            if q is None:  # a deterministic drafter: q is the point mass on its proposal
+                q_padded[np.arange(drafted), padded[:drafted]] = 1.0
+            else:
+                q = np.asarray(q, np.float32)
+                if q.shape != (drafted, q.shape[1]) or q.shape[1] > vocab:
+                    raise ValueError(f"drafter q of shape {q.shape}; want [{drafted}, <= {vocab}]")
+                q_padded[:drafted, :q.shape[1]] = q
+            accepted, nxt = _verify_sampled(logits, jnp.maximum(draft, 0), jnp.asarray(q_padded), key,
+                                            jnp.int32(drafted), self.sampling, self.vocab)
+        return int(accepted), int(nxt)
+
+
+_verify_greedy = jax.jit(verify_greedy, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _verify_sampled(logits, draft, q, key, drafted, sampling, vocab):
+    return verify_sampled(target_probs(logits, sampling, vocab), draft, q, key, drafted)
+
+
+# -- drafters for tests and baselines -------------------------------------------------------------
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation (`engine.generate_ids` on the context)."""
+
+    def __init__(self, graphdef, params, vocab: int):
+        self.graphdef, self.params, self.vocab = graphdef, params, vocab
+
+    def propose(self, context, block, key) -> Proposal:
+        from valen_jax.decoding.engine import generate_ids
+
+        prompt = {"ids": np.asarray(context, np.int32), "positions": np.arange(len(context), dtype=np.int32)}
+        out = generate_ids(self.params, self.graphdef, [prompt], max_new_tokens=block, stop_ids=(), vocab=self.vocab)
+        return Proposal(np.asarray(out[0], np.int32))
+
+
+class RandomDrafter:
+    """Uniform random tokens in [0, vocab), q uniform: the worst honest drafter."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+
+    def propose(self, context, block, key) -> Proposal:
+        return Proposal(self.rng.integers(0, self.vocab, block).astype(np.int32),
+                        np.full((block, self.vocab), 1.0 / self.vocab, np.float32))
