@@ -331,3 +331,14 @@ def test_vflash_configs_are_checked(change, message):
     change(config)
     with pytest.raises(ConfigError, match=message):
         validate_config(config)
+
+
+def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
+    from valen_jax import checkpoint
+    from valen_jax.train import Target, _compatibility_check
+
+    record = {"workdir": "/runs/target", "step": 4, "params_sha256": "a" * 64, "tokenizer": {}}
+    target = Target(TARGET, None, None, None, {}, {**record, "params_sha256": "b" * 64})
+    check = _compatibility_check(tmp_path, {}, TARGET, None, target)
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint 3 is a drafter for target .*other weights"):
+        check(3, {"drafter": {"target": record}})

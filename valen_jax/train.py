@@ -150,11 +150,15 @@ def _compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfi
 
     def check(step: int, saved: dict) -> None:
         if target is not None:
-            trained_against = saved.get("drafter", {}).get("target")
-            if trained_against != target.record:
+            # The target is its weights: the same params found in a moved or copied workdir are the same target.
+            trained_against = saved.get("drafter", {}).get("target") or {}
+            if trained_against.get("params_sha256") != target.record["params_sha256"]:
                 raise checkpoint.CheckpointError(
                     f"{workdir}: checkpoint {step} is a drafter for target {trained_against}; "
-                    f"config.model.target_from now gives {target.record}")
+                    f"config.model.target_from now gives {target.record} (other weights)")
+            if trained_against["workdir"] != target.record["workdir"]:
+                log.warning("%s: checkpoint %d was trained against the same target weights in %s; now read from %s",
+                            workdir, step, trained_against["workdir"], target.record["workdir"])
         if saved["tokenizer"]["fingerprint"] != fingerprint:
             raise checkpoint.CheckpointError(
                 f"{workdir}: checkpoint {step} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
