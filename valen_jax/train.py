@@ -62,7 +62,7 @@ from valen_jax.evaluation.workdir import Restored
 from valen_jax.metrics import MetricsLog, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.build import initial_params, model_config
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.drafter import DrafterConfig, init_drafter_params
+from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
 from valen_jax.models.transformer import abstract_model
 from valen_jax.progress import FinishedSteps
 from valen_jax.step import DrafterOptions, StepOptions, TrainLayout, make_drafter_train_step, make_train_step
@@ -305,7 +305,11 @@ def _train(config, workdir: Path, references: dict | None = None) -> dict:
     _print_memory(compiled)
 
     peak, peak_source = peak_flops_per_device(config.train.peak_flops)
-    flops_per_step = model_flops_per_step(model_cfg, config.data.global_batch, config.data.seq_len)
+    if vflash:
+        flops_per_step = drafter_flops_per_step(drafter_cfg, model_cfg, config.data.global_batch, config.data.seq_len,
+                                                int(config.model.drafter.anchors_per_row))
+    else:
+        flops_per_step = model_flops_per_step(model_cfg, config.data.global_batch, config.data.seq_len)
     log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
              peak, jax.device_count(), peak_source, flops_per_step)
     # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.

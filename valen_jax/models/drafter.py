@@ -231,6 +231,24 @@ def propose(drafter: Drafter, target: Transformer, batch: dict, anchors):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
+def drafter_flops_per_step(cfg: DrafterConfig, target: ModelConfig, batch: int, seq: int, anchors: int) -> float:
+    """Model FLOPs of one `vflash` step (for MFU): the target's forward through its deepest fused layer
+    (2 per matmul parameter per token, causal attention) and the drafter's forward and backward (6 per
+    parameter per token: the fused context on every token, `anchors` blocks of B + 1 slots per row
+    attending to the whole row, and the target's head on their B mask slots)."""
+    tokens = batch * seq
+    depth = max(cfg.target_layers) + 1
+    attn = target.dim * target.head_dim * (2 * target.num_heads + 2 * target.num_kv_heads)
+    layer = attn + 3 * target.dim * target.mlp_dim
+    target_flops = 2.0 * depth * layer * tokens + depth * 2 * seq * target.num_heads * target.head_dim * tokens
+    slots = batch * min(anchors, seq) * (cfg.block_size + 1)
+    kv = 2 * cfg.dim * cfg.num_kv_heads * cfg.head_dim
+    context = len(cfg.target_layers) * cfg.dim * cfg.dim + cfg.num_layers * kv  # per token of the row
+    per_slot = cfg.num_layers * (layer + 4 * (seq + cfg.block_size + 1) * cfg.num_heads * cfg.head_dim)
+    head = cfg.block_size / (cfg.block_size + 1) * cfg.dim * target.vocab_size
+    return target_flops + 6.0 * (context * tokens + (per_slot + head) * slots)
+
+
 def abstract_drafter(cfg: DrafterConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Shapes and metadata only, for shardings before anything is allocated."""
     return nnx.split(nnx.eval_shape(lambda: Drafter(cfg, nnx.Rngs(0))))
@@ -246,4 +264,4 @@ def init_drafter_params(cfg: DrafterConfig, seed: int, shardings) -> dict:
 
 
 __all__ = ["DrafterConfig", "Drafter", "DrafterLayer", "default_target_layers", "target_features", "draft_hidden",
-           "propose", "abstract_drafter", "init_drafter_params", "text_positions"]
+           "propose", "drafter_flops_per_step", "abstract_drafter", "init_drafter_params", "text_positions"]
