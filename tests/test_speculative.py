@@ -24,11 +24,13 @@ from valen_jax.decoding.speculative import (
     Proposal,
     RandomDrafter,
     SpeculativeDecoder,
+    TrainedDrafter,
     extend,
     target_probs,
     verify_sampled,
 )
 from valen_jax.models.config import ModelConfig
+from valen_jax.models.drafter import Drafter, DrafterConfig
 from valen_jax.models.transformer import Transformer
 
 NEW = 30
@@ -113,6 +115,18 @@ def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
     assert decoder.stats.histogram == {3: 3}
     assert decoder.stats.acceptance() == {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.0, 5: 0.0, 6: 0.0, 7: 0.0, 8: 0.0,
                                           9: 0.0, 10: 0.0, 11: 0.0, 12: 0.0}
+
+
+def test_an_untrained_block_drafter_of_8_slots_is_lossless_on_a_block_of_12(tokenizer, target):
+    graphdef, params, vocab = target
+    cfg = DrafterConfig(block_size=8, num_layers=1, target_layers=(0, 1), dim=32, num_heads=4, num_kv_heads=2,
+                        head_dim=8, mlp_dim=64)
+    drafter_graphdef, drafter_params = nnx.split(Drafter(cfg, nnx.Rngs(4)))
+    prompt = announced_prompt(tokenizer, 12, seed=21)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    drafter = TrainedDrafter(drafter_graphdef, drafter_params, graphdef, params, vocab)
+    assert decoder.generate(prompt, drafter, max_new_tokens=NEW) == target_only(graphdef, params, vocab, prompt)
+    assert max(decoder.stats.drafted_at) == 8 and decoder.stats.passes >= 2
 
 
 @pytest.mark.parametrize("block_size,seed", [(5, 0), (12, 1), (20, 2)])

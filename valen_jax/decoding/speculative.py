@@ -43,6 +43,7 @@ from flax import nnx
 from data_pipeline.primitives import ATOMIC_DECODING, PrimitiveError, _Parser
 from valen_jax.decoding.engine import GREEDY, bucket
 from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab, sample
+from valen_jax.models import drafter as block_drafter
 from valen_jax.models import kv_cache
 
 # -- the multi-token verify pass ------------------------------------------------------------------
@@ -150,7 +151,7 @@ class Proposal:
 
 class Drafter(Protocol):
     def propose(self, context: np.ndarray, block: int, key: jax.Array) -> Proposal:
-        """`block` tokens to follow `context` (every committed id of the row: prompt and output)."""
+        """1 to `block` tokens to follow `context` (every committed id of the row: prompt and output)."""
         ...
 
 
@@ -337,8 +338,9 @@ class SpeculativeDecoder:
             pass_key = jax.random.fold_in(key, row.passes)
             proposal = drafter.propose(np.asarray(row.ids, np.int32), d, jax.random.fold_in(pass_key, 1))
             draft = np.asarray(proposal.tokens, np.int32)
-            if draft.shape != (d,):
-                raise ValueError(f"drafter proposed tokens of shape {draft.shape}; asked for ({d},)")
+            if draft.ndim != 1 or not 1 <= len(draft) <= d:
+                raise ValueError(f"drafter proposed tokens of shape {draft.shape}; asked for 1 to {d} tokens")
+            d = len(draft)  # a drafter with a shorter block proposes what it can; the next pass drafts on
             # One compiled pass per padded length: slots past the draft hold -1 tokens (id 0 embedded) that
             # greedy never accepts (no argmax is -1) and sampling masks; their cache writes lie above the
             # committed length, cropped like a rejected tail. Exact length where padding would not fit.
@@ -419,3 +421,36 @@ class RandomDrafter:
     def propose(self, context, block, key) -> Proposal:
         return Proposal(self.rng.integers(0, self.vocab, block).astype(np.int32),
                         np.full((block, self.vocab), 1.0 / self.vocab, np.float32))
+
+
+class TrainedDrafter:
+    """A `models.drafter.Drafter` (vflash training) as a Drafter: one pass proposes up to its block size.
+
+    The target's fused features are recomputed over the whole context on every proposal (one target
+    forward per pass; caching them beside the KV cache is the next step), so this adapter shows
+    acceptance, not speed. Text-only contexts, 1-D positions."""
+
+    def __init__(self, drafter_graphdef, drafter_params, target_graphdef, target_params, vocab: int):
+        self.params = (drafter_params, target_params)
+        self.block_size = nnx.merge(drafter_graphdef, drafter_params).cfg.block_size
+        self.vocab = vocab
+
+        def run(params, tokens, length):
+            drafter, target = nnx.merge(drafter_graphdef, params[0]), nnx.merge(target_graphdef, params[1])
+            # Right-padded to a bucket (one compile per bucket, not per context length); padding is
+            # segment 0, which no block sees.
+            slots = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+            batch = {"tokens": tokens, "positions": slots, "segment_ids": (slots < length).astype(jnp.int32)}
+            # The anchor is the last committed token; the drafter reads target features before it.
+            hidden = block_drafter.draft_hidden(drafter, target, batch, jnp.reshape(length - 1, (1, 1)))
+            logits = jnp.einsum("basd,dv->basv", hidden, target.head_matrix(), preferred_element_type=jnp.float32)
+            return jnp.argmax(mask_vocab(logits[0, 0], vocab), axis=-1).astype(jnp.int32)
+
+        self._run = jax.jit(run)
+
+    def propose(self, context, block, key) -> Proposal:
+        # Greedy drafting: deterministic given the context, so under sampling q is the point mass on it.
+        padded = np.zeros(bucket(len(context)), np.int32)
+        padded[:len(context)] = context
+        tokens = self._run(self.params, jnp.asarray(padded)[None], jnp.int32(len(context)))
+        return Proposal(np.asarray(tokens)[:min(block, self.block_size)])
