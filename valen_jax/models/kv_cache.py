@@ -85,5 +85,6 @@ def attend_token(q, keys, values, cursor):
     visible = jnp.arange(keys.shape[2])[None, :] <= cursor[:, None]  # [B, S]
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgs,bksh->bkgh", weights, values.astype(jnp.float32))
+    # Weights in the values' dtype, as the prefill kernels (`attention_blockwise`) multiply them.
+    out = jnp.einsum("bkgs,bksh->bkgh", weights.astype(values.dtype), values)
     return out.reshape(batch, heads, head_dim).astype(q.dtype)
