@@ -117,6 +117,7 @@ def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
                                           9: 0.0, 10: 0.0, 11: 0.0, 12: 0.0}
 
 
+@pytest.mark.slow
 def test_an_untrained_block_drafter_of_8_slots_is_lossless_on_a_block_of_12(tokenizer, target):
     graphdef, params, vocab = target
     cfg = DrafterConfig(block_size=8, num_layers=1, target_layers=(0, 1), dim=32, num_heads=4, num_kv_heads=2,
@@ -167,6 +168,7 @@ def test_only_a_complete_atomic_decoding_call_announces_a_block(tokenizer):
         calls.announced(ids('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":0}}</tool_call>'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_extend_equals_decode_steps_and_the_full_forward(scan):
     graphdef, params = model(128, scan)
@@ -206,21 +208,32 @@ def chi_square_ok(counts: np.ndarray, expected_probs: np.ndarray, alpha: float =
     return statistic, float(scipy_stats.chi2.ppf(1 - alpha, keep.sum() - 1))
 
 
+@pytest.fixture(scope="module")
+def small_vocab_logits():
+    """The target's logits after a context (row 0, slot 0) and after the context + a, for every a of a
+    vocabulary of 8 (row a, slot 1): one extend over 8 rows."""
+    vocab = 8
+    graphdef, params = model(vocab, scan=False, scale=4.0, seed=3)
+
+    def run(params):
+        net = nnx.merge(graphdef, params)
+        context = jnp.asarray([[1, 5, 2, 7]], jnp.int32)
+        _, cache = net.prefill(context, jnp.arange(4)[None], jnp.asarray([4]), 64)
+        caches = jax.tree.map(lambda c: jnp.repeat(c, vocab, axis=1), cache)
+        pairs = jnp.stack([jnp.full(vocab, 3), jnp.arange(vocab)], 1).astype(jnp.int32)
+        return extend(net, pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))[0]
+
+    return jax.jit(run)(params)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5)],
                          ids=["t1", "t0.7-top5"])
-def test_rejection_sampling_emits_the_target_distribution(sampling):
+def test_rejection_sampling_emits_the_target_distribution(small_vocab_logits, sampling):
     """First token and pair of tokens emitted from a 2-token draft ~ q, q != p, on a vocabulary of 8:
     the empirical distribution over 40,000 fixed-seed draws matches p(a) p(b | a) (chi-square, 0.1%)."""
     vocab = 8
-    graphdef, params = model(vocab, scan=False, scale=4.0, seed=3)
-    net = nnx.merge(graphdef, params)
-    context = jnp.asarray([[1, 5, 2, 7, 3]], jnp.int32)
-    _, cache = net.prefill(context[:, :4], jnp.arange(4)[None], jnp.asarray([4]), 64)
-    # p0: after the context; p1[a]: after the context and a (one extend over all 8 choices of a).
-    caches = jax.tree.map(lambda c: jnp.repeat(c, vocab, axis=1), cache)
-    pairs = jnp.stack([jnp.full(vocab, 3), jnp.arange(vocab)], 1).astype(jnp.int32)
-    logits, _ = extend(net, pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))
-    p = target_probs(logits, sampling, vocab)
+    p = target_probs(small_vocab_logits, sampling, vocab)
     p0, p1 = p[0, 0], p[:, 1]  # [V], [V, V]
     q = jax.nn.softmax(jax.random.normal(jax.random.key(9), (2, vocab)) * 1.5)
     assert float(jnp.abs(q[0] - p0).sum()) > 0.3  # a drafter that really differs from the target
