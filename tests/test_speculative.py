@@ -153,6 +153,24 @@ def test_max_new_tokens_and_stop_tokens_end_a_block_as_they_end_decoding(tokeniz
     assert stopped.generate(prompt, oracle, max_new_tokens=NEW) == free[:free.index(stop) + 1]
 
 
+class Fixed:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, context, block, key):
+        return Proposal(np.asarray(self.tokens, np.int32))
+
+
+def test_a_bad_proposal_is_refused_by_name(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 5, seed=0)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    with pytest.raises(ValueError, match="asked for 1 to 5 tokens"):
+        decoder.generate(prompt, Fixed([1] * 6), max_new_tokens=NEW)
+    with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {vocab}\\)"):
+        decoder.generate(prompt, Fixed([1, vocab]), max_new_tokens=NEW)
+
+
 def test_only_a_complete_atomic_decoding_call_announces_a_block(tokenizer):
     calls = AtomicCalls(tokenizer)
 

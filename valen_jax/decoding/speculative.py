@@ -340,6 +340,8 @@ class SpeculativeDecoder:
             draft = np.asarray(proposal.tokens, np.int32)
             if draft.ndim != 1 or not 1 <= len(draft) <= d:
                 raise ValueError(f"drafter proposed tokens of shape {draft.shape}; asked for 1 to {d} tokens")
+            if draft.min() < 0 or draft.max() >= self.vocab:
+                raise ValueError(f"drafter proposed ids {draft.tolist()}: outside the vocabulary [0, {self.vocab})")
             d = len(draft)  # a drafter with a shorter block proposes what it can; the next pass drafts on
             # One compiled pass per padded length: slots past the draft hold -1 tokens (id 0 embedded) that
             # greedy never accepts (no argmax is -1) and sampling masks; their cache writes lie above the
