@@ -104,6 +104,20 @@ def test_oracle_drafter_commits_the_block_in_one_pass(tokenizer, target, block_s
     assert decoder.stats.acceptance() == {k: 1.0 for k in range(1, block_size + 1)}
 
 
+def test_dense_count_announces_count_blocks_that_meet_exactly(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 5, seed=8, count=2)
+    reference = target_only(graphdef, params, vocab, prompt)
+    calls = AtomicCalls(tokenizer)
+    # A random target does not write <dense>: its own first block token stands in for the tag here.
+    calls.dense_id = reference[0]
+    decoder = SpeculativeDecoder(graphdef, params, calls=calls, vocab=vocab)
+    assert decoder.generate(prompt, OracleDrafter(graphdef, params, vocab), max_new_tokens=NEW) == reference
+    # Block 1: 5 accepted + the bonus (block 2's first token); block 2: its other 4 + the bonus.
+    assert decoder.stats.passes == 2 and decoder.stats.committed == 11
+    assert decoder.stats.histogram == {5: 1, 4: 1}
+
+
 def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, 12, seed=5)
