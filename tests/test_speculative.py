@@ -25,7 +25,6 @@ from valen_jax.decoding.speculative import (
     RandomDrafter,
     SpeculativeDecoder,
     TrainedDrafter,
-    extend,
     target_probs,
     verify_sampled,
 )
@@ -213,7 +212,7 @@ def test_extend_equals_decode_steps_and_the_full_forward(scan):
         _, cache = net.prefill(tokens[:, :8], positions[:, :8], lengths, 64)
         take = lengths[:, None] + jnp.arange(6)[None]
         block, block_positions = jnp.take_along_axis(tokens, take, 1), jnp.take_along_axis(positions, take, 1)
-        logits, _ = extend(net, block, block_positions, cache, lengths)
+        logits, _ = net.extend(block, block_positions, cache, lengths)
         stepped, step_cache = [], cache
         for t in range(6):
             out, step_cache = net.decode_step(block[:, t], block_positions[:, t], step_cache, lengths + t)
@@ -253,7 +252,7 @@ def small_vocab_logits():
         _, cache = net.prefill(context, jnp.arange(4)[None], jnp.asarray([4]), 64)
         caches = jax.tree.map(lambda c: jnp.repeat(c, vocab, axis=1), cache)
         pairs = jnp.stack([jnp.full(vocab, 3), jnp.arange(vocab)], 1).astype(jnp.int32)
-        return extend(net, pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))[0]
+        return net.extend(pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))[0]
 
     return jax.jit(run)(params)
 

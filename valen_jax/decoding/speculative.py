@@ -46,65 +46,6 @@ from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab, sam
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import kv_cache
 
-# -- the multi-token verify pass ------------------------------------------------------------------
-
-def write_block(cache: kv_cache.KVCache, layer, keys, values, cursor) -> kv_cache.KVCache:
-    """The cache with T new tokens per row: keys/values [B, T, K, H] at slots cursor[b] .. cursor[b] + T - 1.
-    One scatter with iota row/head indices, as `kv_cache.write_token` (in place, shards by row and head)."""
-    def place(stacked, new):
-        rows, heads, length = new.shape[0], new.shape[2], new.shape[1]
-        slots = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
-        index = (layer, jnp.arange(rows)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None, :])
-        updated = stacked.at[index].set(new.transpose(0, 2, 1, 3).astype(stacked.dtype))
-        return kv_cache.constrain(updated, kv_cache.CACHE_AXES)
-    return kv_cache.KVCache(place(cache.keys, keys), place(cache.values, values))
-
-
-def attend_block(q, keys, values, cursor):
-    """T queries per row against the cache: q [B, T, N, H]; keys, values [B, K, S, H]; query t of row b
-    attends slots <= cursor[b] + t (causal within the block, the whole cache below). f32 scores."""
-    batch, length, heads, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    queries = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("btkgh,bksh->bkgts", queries, keys, preferred_element_type=jnp.float32) * head_dim ** -0.5
-    last = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
-    visible = jnp.arange(keys.shape[2])[None, None, :] <= last[:, :, None]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    # Weights in the values' dtype, as `kv_cache.attend_token` and the prefill kernels multiply them.
-    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
-    return out.reshape(batch, length, heads, head_dim).astype(q.dtype)
-
-
-def _block_extend(block, x, positions, cache, layer, cursor):
-    attn = block.attn
-    q, k, v = attn._project(block.attn_norm(x), positions)
-    cache = write_block(cache, layer, k, v, cursor)
-    keys, values = kv_cache.layer_view(cache, layer)
-    attended = attn._output(attend_block(q, keys, values, cursor))
-    return block._finish(x, attended), cache
-
-
-def extend(model, tokens, positions, cache: kv_cache.KVCache, cursor):
-    """T tokens per row: tokens int32 [B, T] at slots cursor[b] .. cursor[b] + T - 1 with positions [B, T]
-    → (f32 logits [B, T, V], logit t for the token after tokens[:, t]; the cache with their keys/values).
-    The caller keeps cursor + T <= the cache length (a dynamic slice would clamp, not fail)."""
-    x = kv_cache.constrain(model._embed(tokens, None)[0], ("batch", "length", "act_embed"))
-    if model.cfg.scan_layers:
-        block_def, block_state = nnx.split(model.layers)
-
-        def step(carry, layer_and_state):
-            layer, state = layer_and_state
-            h, c = carry
-            return _block_extend(nnx.merge(block_def, state), h, positions, c, layer, cursor), None
-
-        (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(model.cfg.num_layers), block_state))
-    else:
-        for i, layer in enumerate(model.layers):
-            x, cache = _block_extend(layer, x, positions, cache, i, cursor)
-    return model.logits(model.final_norm(x)), cache
-
-
 # -- verification rules ---------------------------------------------------------------------------
 
 def verify_greedy(logits, draft, vocab: int):
@@ -243,7 +184,7 @@ def _passes(graphdef, cache_length: int):
         return nnx.merge(graphdef, params).decode_step(token, position, cache, cursor)
 
     def verify(params, tokens, positions, cache, cursor):
-        return extend(nnx.merge(graphdef, params), tokens, positions, cache, cursor)
+        return nnx.merge(graphdef, params).extend(tokens, positions, cache, cursor)
 
     return jax.jit(prefill), jax.jit(step), jax.jit(verify)
 

@@ -88,3 +88,31 @@ def attend_token(q, keys, values, cursor):
     # Weights in the values' dtype, as the prefill kernels (`attention_blockwise`) multiply them.
     out = jnp.einsum("bkgs,bksh->bkgh", weights.astype(values.dtype), values)
     return out.reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+def write_block(cache: KVCache, layer, keys, values, cursor) -> KVCache:
+    """The cache with T new tokens per row: keys/values [B, T, K, H] at slots cursor[b] .. cursor[b] + T - 1.
+    One scatter with iota row/head indices, as `write_token` (in place, shards by row and head)."""
+    def place(stacked, new):
+        rows, heads, length = new.shape[0], new.shape[2], new.shape[1]
+        slots = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
+        index = (layer, jnp.arange(rows)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None, :])
+        updated = stacked.at[index].set(new.transpose(0, 2, 1, 3).astype(stacked.dtype))
+        return constrain(updated, CACHE_AXES)
+    return KVCache(place(cache.keys, keys), place(cache.values, values))
+
+
+def attend_block(q, keys, values, cursor):
+    """T queries per row against the cache: q [B, T, N, H]; keys, values [B, K, S, H]; query t of row b
+    attends slots <= cursor[b] + t (causal within the block, the whole cache below). f32 scores."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    queries = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("btkgh,bksh->bkgts", queries, keys, preferred_element_type=jnp.float32) * head_dim ** -0.5
+    last = cursor[:, None] + jnp.arange(length)[None, :]  # [B, T]
+    visible = jnp.arange(keys.shape[2])[None, None, :] <= last[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # Weights in the values' dtype, as `attend_token` and the prefill kernels multiply them.
+    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, values)
+    return out.reshape(batch, length, heads, head_dim).astype(q.dtype)

@@ -207,6 +207,14 @@ class Attention(nnx.Module):
         out = kv_cache.attend_token(q[:, 0], keys, values, cursor)
         return self._output(out[:, None]), cache
 
+    def extend(self, x, positions, cache: kv_cache.KVCache, layer, cursor):
+        """T tokens per row (speculative verification). x: [B, T, D]; positions [B, T]; their keys and
+        values go to slots cursor[b] .. cursor[b] + T - 1 of `layer`, and query t attends slots <= cursor[b] + t."""
+        q, k, v = self._project(x, positions)
+        cache = kv_cache.write_block(cache, layer, k, v, cursor)
+        keys, values = kv_cache.layer_view(cache, layer)
+        return self._output(kv_cache.attend_block(q, keys, values, cursor)), cache
+
 
 @jax.custom_vjp
 def gated_silu(gate, up):
@@ -273,4 +281,9 @@ class Block(nnx.Module):
     def decode(self, x, positions, cache, layer, cursor):
         """One token per row against the KV cache (`Attention.decode`) → (output [B, 1, D], cache)."""
         attended, cache = self.attn.decode(self.attn_norm(x), positions, cache, layer, cursor)
+        return self._finish(x, attended), cache
+
+    def extend(self, x, positions, cache, layer, cursor):
+        """T tokens per row against the KV cache (`Attention.extend`) → (output [B, T, D], cache)."""
+        attended, cache = self.attn.extend(self.attn_norm(x), positions, cache, layer, cursor)
         return self._finish(x, attended), cache

@@ -201,6 +201,26 @@ class Transformer(nnx.Module):
                 x, cache = layer.decode(x, positions, cache, i, cursor)
         return self.logits(self.final_norm(x))[:, 0], cache
 
+    def extend(self, tokens, positions, cache: kv_cache.KVCache, cursor):
+        """T tokens per row (speculative verification): tokens int32 [B, T] at slots cursor[b] ..
+        cursor[b] + T - 1 with positions [B, T] → (f32 logits [B, T, V], logit t for the token after
+        tokens[:, t]; the cache with their keys/values). Causal within the block, the cache below. The
+        caller keeps cursor + T <= the cache length (a scatter drops writes past it, it does not fail)."""
+        x = constrain(self._embed(tokens, None)[0], ("batch", "length", "act_embed"))
+        if self.cfg.scan_layers:
+            block_def, block_state = nnx.split(self.layers)
+
+            def step(carry, layer_and_state):
+                layer, state = layer_and_state
+                h, c = carry
+                return nnx.merge(block_def, state).extend(h, positions, c, layer, cursor), None
+
+            (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
+        else:
+            for i, layer in enumerate(self.layers):
+                x, cache = layer.extend(x, positions, cache, i, cursor)
+        return self.logits(self.final_norm(x)), cache
+
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Shapes and metadata only: nothing is allocated (used to derive shardings first)."""
