@@ -36,7 +36,7 @@ import jax
 
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import checkpoint
+from valen_jax import checkpoint, cli_logging
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation import registry
 from valen_jax.evaluation import workdir as eval_workdir
@@ -118,9 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
     args = parser.parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging.configure()
     data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
     report = evaluate_workdir(args.workdir, data, args.step, args.format, mode=args.mode,
                               max_examples=args.max_examples, batch_size=args.batch_size,

@@ -31,7 +31,7 @@ from flax import nnx
 
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
-from valen_jax import checkpoint
+from valen_jax import checkpoint, cli_logging
 from valen_jax.data.vision_processor import (
     IMAGE_PROCESSOR_FILE,
     RESCALE_FACTOR,
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
     args = parser.parse_args(argv)
     # force: an import may already have configured the root logger at WARNING, hiding what was written where.
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("absl", "orbax", "jax._src", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging.configure(force=True)
     try:
         export(args.workdir, args.output, args.step)
     except (ExportError, hf.HFImportError, checkpoint.CheckpointError) as error:

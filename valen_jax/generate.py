@@ -24,7 +24,6 @@ with a tokenizer:
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from flax import nnx
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import checkpoint, distributed
+from valen_jax import checkpoint, cli_logging, distributed
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
@@ -161,9 +160,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sampling = sampling_of(args)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging.configure()
     distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
     data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
     try:

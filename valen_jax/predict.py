@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import jax
 
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import checkpoint, distributed
+from valen_jax import checkpoint, cli_logging, distributed
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
@@ -98,9 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
     args = parser.parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging.configure()
     distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
     data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
     try:

@@ -44,7 +44,7 @@ import valen_jax
 from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.shards import ShardError
 from data_pipeline.tokenizer import TokenizerError, load_tokenizer
-from valen_jax import checkpoint, distributed, evaluate, sharding, workdir_lock
+from valen_jax import checkpoint, cli_logging, distributed, evaluate, sharding, workdir_lock
 from valen_jax.config_schema import ConfigError, check_batch_split, validate_config
 from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec
@@ -419,9 +419,7 @@ class _Window:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "orbax", "jax._src", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli_logging.configure(timestamps=True)
     if _WORKDIR.value is None:
         raise app.UsageError("--workdir is required")
     try:

@@ -179,26 +179,31 @@ class Transformer(nnx.Module):
         logits = self.logits(self.final_norm(last))[:, 0]
         return logits, kv_cache.from_prefill(keys, values, cache_length)
 
+    def _cached_layers(self, method: str, x, positions, cache: kv_cache.KVCache, cursor):
+        """x through every layer's cached path (`Block.decode` or `Block.extend`), each layer writing its
+        keys/values into `cache` at the rows' cursors → (x, cache)."""
+        if not self.cfg.scan_layers:
+            for i, layer in enumerate(self.layers):
+                x, cache = getattr(layer, method)(x, positions, cache, i, cursor)
+            return x, cache
+        # The cache rides in the carry (updated in place); the layer index picks each block's slice.
+        # A plain lax.scan over the split layers: decode steps run inside a while_loop, and nnx.scan
+        # refuses modules made at an outer trace level.
+        block_def, block_state = nnx.split(self.layers)
+
+        def step(carry, layer_and_state):
+            layer, state = layer_and_state
+            h, c = carry
+            return getattr(nnx.merge(block_def, state), method)(h, positions, c, layer, cursor), None
+
+        (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
+        return x, cache
+
     def decode_step(self, tokens, positions, cache: kv_cache.KVCache, cursor):
         """One token per row: tokens int32 [B] at cache slot cursor[b] with positions [B] (or [B, 3]) →
         (f32 logits [B, V] for the token after it, the cache with its keys and values written)."""
         x = constrain(self._embed(tokens[:, None], None)[0], ("batch", "length", "act_embed"))  # [B, 1, D]
-        positions = positions[:, None]
-        if self.cfg.scan_layers:
-            # The cache rides in the carry (updated in place); the layer index picks each block's slice.
-            # A plain lax.scan over the split layers: decode steps run inside a while_loop, and nnx.scan
-            # refuses modules made at an outer trace level.
-            block_def, block_state = nnx.split(self.layers)
-
-            def step(carry, layer_and_state):
-                layer, state = layer_and_state
-                h, c = carry
-                return nnx.merge(block_def, state).decode(h, positions, c, layer, cursor), None
-
-            (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
-        else:
-            for i, layer in enumerate(self.layers):
-                x, cache = layer.decode(x, positions, cache, i, cursor)
+        x, cache = self._cached_layers("decode", x, positions[:, None], cache, cursor)
         return self.logits(self.final_norm(x))[:, 0], cache
 
     def extend(self, tokens, positions, cache: kv_cache.KVCache, cursor):
@@ -207,18 +212,7 @@ class Transformer(nnx.Module):
         tokens[:, t]; the cache with their keys/values). Causal within the block, the cache below. The
         caller keeps cursor + T <= the cache length (a scatter drops writes past it, it does not fail)."""
         x = constrain(self._embed(tokens, None)[0], ("batch", "length", "act_embed"))
-        if self.cfg.scan_layers:
-            block_def, block_state = nnx.split(self.layers)
-
-            def step(carry, layer_and_state):
-                layer, state = layer_and_state
-                h, c = carry
-                return nnx.merge(block_def, state).extend(h, positions, c, layer, cursor), None
-
-            (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
-        else:
-            for i, layer in enumerate(self.layers):
-                x, cache = layer.extend(x, positions, cache, i, cursor)
+        x, cache = self._cached_layers("extend", x, positions, cache, cursor)
         return self.logits(self.final_norm(x)), cache
 
 
