@@ -14,7 +14,8 @@ every row makes `--new-tokens`.
 
 Threads: `torch.set_num_threads(N)` with N the CPUs this process may use (`os.sched_getaffinity`),
 which is the size of XLA:CPU's intra-op pool, so both sides may use the same cores
-(`--torch-threads` overrides it, to see how much torch's thread count matters on a shared machine).
+(`--torch-threads` overrides it). Run it on a quiet machine: under load from other jobs torch's
+spinning threads collapse far more than XLA's pool, and the ratios below grew from 1.1 to 4–6.
 
 Timing, for each side and batch size: prefill = a generate call with max_new_tokens=1 (the prompt's
 forward and the first token); whole = one with max_new_tokens=`--new-tokens`. Prefill tokens/s =
