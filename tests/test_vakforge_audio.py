@@ -139,3 +139,15 @@ def test_the_vakforge_command_dispatches_and_refuses_unknown_commands(tmp_path, 
     assert json.loads(capsys.readouterr().out)[0]["sample_rate"] == 8000
     assert main(["transcribe"]) == 2
     assert "unknown command 'transcribe'; one of: inspect, prepare, synth, split" in capsys.readouterr().err
+
+
+def test_the_vakforge_console_script_is_installed_with_the_package():
+    # pyproject's [project.scripts]: `vakforge COMMAND` as seed 002 and DESIGN spell it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "vakforge"
+    assert script.is_file(), f"{script}: not installed (pip install -e . writes it)"
+    result = subprocess.run([str(script), "nonsense"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "unknown command 'nonsense'" in result.stderr
