@@ -2,7 +2,7 @@
 block drafter, every trajectory answer decoded target-only and speculatively in one process.
 
     .venv/bin/python benchmarks/speculative.py            # trains target 400 + drafter 1000 steps (~10 min CPU)
-    .venv/bin/python benchmarks/speculative.py --quick    # 40 + 40 steps, one timed repeat: a fast check
+    .venv/bin/python benchmarks/speculative.py --quick    # 40 + 40 steps, one repeat, --from-call: a fast check
     .venv/bin/python benchmarks/speculative.py --target=/tmp/sb/target --drafter=/tmp/sb/drafter  # no training
 
 Training (skipped for a workdir given by --target/--drafter), by subprocess calls to the two-stage
@@ -368,7 +368,9 @@ def fastest(runs: list[list[Result]]) -> list[Result]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="40 + 40 training steps, one timed repeat")
+    parser.add_argument("--quick", action="store_true",
+                        help="40 + 40 training steps, one timed repeat, and --from-call (a 40-step target writes no "
+                             "atomic_decoding call of its own, so without it nothing would be drafted)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to train (default: a new temp directory)")
     parser.add_argument("--target", type=Path, default=None, help="a trained ar workdir to load instead of training")
     parser.add_argument("--drafter", type=Path, default=None, help="a trained vflash workdir (against --target)")
@@ -406,6 +408,7 @@ def main(argv=None) -> int:
           f"layers, vision tower: {target.model_cfg.vision is not None}")
     cfg, drafter_graphdef, drafter_params = restore_drafter(drafter_dir.resolve(), target)
     calls = AtomicCalls(target.tokenizer)
+    args.from_call = args.from_call or args.quick
     answers, total = trajectory_answers(target, calls, args.data.resolve(), args.from_call)
     print(f"{args.data}: {total} answers, {len(answers)} announce a trajectory block; "
           f"greedy, max {args.max_new_tokens} new tokens; {jax.devices()[0].platform}"
