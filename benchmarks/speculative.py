@@ -27,7 +27,8 @@ builds prompts (`valen_jax.evaluation.tokens.prompt_of`, image included), greedi
 `SpeculativeDecoder` takes text-only targets (its prefill takes no images); the smoke target has a vision
 tower, so `ImageDecoder` here prefills the prompt with its image (generated tokens are text, as in
 `generate_ids`), and `ImageDrafter` is `TrainedDrafter` with the image among the target features it reads
-(the drafter trained with them). Both recompute nothing else.
+(the drafter trained with them). --data decodes another VFlash file; --from-call puts the reference
+answer up to its `atomic_decoding` call into the prompt, so blocks are announced whatever the target writes.
 
 Figures (blocks: the tokens of announced blocks as the decoder delimits them; the bonus token a pass
 may add past a block's end counts as the block's):
@@ -51,7 +52,7 @@ reference answers of the training files, and on new scenes the target's own gree
 what it predicts (DFlash trains on the target's generations instead); and one pass costs 4.5-5 decode
 steps (about half of it drafting: a target forward over the whole context for the drafter's features;
 the rest the verify pass and host work), so break-even needs tau ~ 5 and 2x needs tau ~ 10 here.
-Timing takes the fastest of --repeats passes over all answers, after one untimed warm-up pass
+Timing takes, per answer and side, the fastest of --repeats passes, after one untimed warm-up pass
 (compilation). Last line: `acceptance_length=X speedup_vs_ar=Y identical=Z` (X: tau over all blocks,
 Y: the speed-up over all block tokens, Z: the fraction of answers identical). Exit 1 when Z < 1.
 """
