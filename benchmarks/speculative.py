@@ -45,7 +45,7 @@ may add past a block's end counts as the block's):
   the ar loop's answer is checked too).
 Measured (this CPU, 2 cores shared, target 400 steps + drafter 2500 steps, B = 16; every answer
 identical): eval set, 9 trajectory answers: tau 2.09 (2.05 on blocks >= 18), acceptance 0.30 at position 1,
-speed-up 0.46x (ar 1.27 ms/token; spec 2.73 = drafting 1.44 + verification 1.29). On a training file
+speed-up 0.46-0.48x in two runs (ar 1.25 ms/token; spec 2.6-2.7 = drafting ~1.3-1.4 + verification ~1.3). On a training file
 (--data=data/smoke/vflash/drive.jsonl, 12 answers of 26-token blocks): tau 6.67, speed-up 1.34x. The
 goal (tau >= 6 on blocks >= 18 and 2x) is not reached on held-out answers: the drafter learns the
 reference answers of the training files, and on new scenes the target's own greedy coordinates are not
