@@ -18,11 +18,13 @@ float64 keeps integer counts exact up to 2**53.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 OVERALL = "overall"
+# The group value of an observation whose breakdown field is absent or null.
+MISSING = "(missing)"
 
 
 class GroupedSums:
@@ -48,6 +50,19 @@ class GroupedSums:
         vals = np.asarray(list(amounts.values()), np.float64)
         for key in keys:
             self._row(key)[idx] += vals
+
+    @staticmethod
+    def _breakdown_keys(breakdown: Mapping[str, str | None] | None, names: Sequence[str],
+                        accepted: Sequence[str] | None = None) -> list[str]:
+        """The groups one observation adds to: overall, then `name:value` for each of `names` in order
+        (MISSING where the value is absent or null). The caller may give only the `accepted` names
+        (default: all of `names`); any other name is refused."""
+        breakdown = breakdown or {}
+        accepted = tuple(names if accepted is None else accepted)
+        unknown = sorted(set(breakdown) - set(accepted))
+        if unknown:
+            raise ValueError(f"breakdown keys must be among {accepted}, got {unknown}")
+        return [OVERALL] + [f"{k}:{breakdown.get(k) or MISSING}" for k in names]
 
     def _config(self) -> dict:
         """Constructor arguments that must match for two stats to be merged."""
@@ -98,6 +113,13 @@ class GroupedSums:
     def _sums(self, key: str) -> dict[str, float]:
         row = self._groups.get(key, np.zeros(len(self.FIELDS)))
         return {name: float(row[i]) for name, i in self._index.items()}
+
+    def _grouped_report(self, names: Sequence[str], metrics: Callable[[dict[str, float]], dict]) -> dict:
+        """{"overall": metrics(overall sums), "by_<name>": {value: metrics(sums)}} for each breakdown name."""
+        out: dict = {OVERALL: metrics(self._sums(OVERALL))}
+        for name in names:
+            out[f"by_{name}"] = {value: metrics(s) for value, s in self._breakdown(name)}
+        return out
 
     def _breakdown(self, prefix: str) -> list[tuple[str, dict[str, float]]]:
         """(value, sums) of every group named `prefix:value`, sorted by value."""

@@ -40,11 +40,10 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
-from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics import GroupedSums, ratio
 from valen_jax.evaluation.metrics.answer_match import answer_matches
 
 BREAKDOWN_KEYS = ("locale", "source")
-MISSING = "(missing)"
 
 FIELDS = (
     "messages", "exact", "ref_calls", "pred_calls", "matched_calls", "name_matched", "malformed_calls",
@@ -140,18 +139,11 @@ class ChatStats(GroupedSums):
 
     @staticmethod
     def _keys(breakdown: Mapping[str, str] | None) -> list[str]:
-        breakdown = breakdown or {}
-        unknown = sorted(set(breakdown) - set(BREAKDOWN_KEYS))
-        if unknown:
-            raise ValueError(f"breakdown keys must be among {BREAKDOWN_KEYS}, got {unknown}")
-        return [OVERALL] + [f"{k}:{breakdown.get(k) or MISSING}" for k in BREAKDOWN_KEYS]
+        return GroupedSums._breakdown_keys(breakdown, BREAKDOWN_KEYS)
 
     def report(self) -> dict:
         """{"overall": metrics, "by_locale": {…}, "by_source": {…}}; formulas in the module docstring."""
-        out: dict = {"overall": _metrics(self._sums(OVERALL))}
-        for name in BREAKDOWN_KEYS:
-            out[f"by_{name}"] = {value: _metrics(s) for value, s in self._breakdown(name)}
-        return out
+        return self._grouped_report(BREAKDOWN_KEYS, _metrics)
 
 
 def _metrics(s: dict[str, float]) -> dict:

@@ -38,10 +38,9 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
+from valen_jax.evaluation.metrics import MISSING, GroupedSums, ratio
 
 BREAKDOWN_KEYS = ("type", "locale", "source")
-MISSING = "(missing)"
 _ALNUM_BEFORE, _ALNUM_AFTER = r"(?<![^\W_])", r"(?![^\W_])"
 _NUMBER = re.compile(r"(?<![\d.,])\d+(?:,\d+)*(?:\.\d+)?")
 # The number runs of seed 002's locale packs (data_pipeline.formats.vakforge_pii): "+91 98765-43210".
@@ -187,19 +186,13 @@ class EntityStats(GroupedSums):
 
     @staticmethod
     def _keys(kind: str, breakdown: Mapping[str, str | None] | None) -> list[str]:
-        breakdown = dict(breakdown or {})
-        unknown = sorted(set(breakdown) - set(BREAKDOWN_KEYS[1:]))
-        if unknown:
-            raise ValueError(f"breakdown keys must be among {BREAKDOWN_KEYS[1:]}, got {unknown}")
-        breakdown["type"] = kind
-        return [OVERALL] + [f"{k}:{breakdown.get(k) or MISSING}" for k in BREAKDOWN_KEYS]
+        # The type comes from the entity itself; a caller breaks down by locale and source only.
+        keys = GroupedSums._breakdown_keys(breakdown, BREAKDOWN_KEYS[1:])
+        return [keys[0], f"type:{kind or MISSING}", *keys[1:]]
 
     def report(self) -> dict:
         """{"overall": {entities, correct, accuracy}, "by_type": {…}, "by_locale": {…}, "by_source": {…}}."""
-        out: dict = {"overall": _metrics(self._sums(OVERALL))}
-        for name in BREAKDOWN_KEYS:
-            out[f"by_{name}"] = {value: _metrics(s) for value, s in self._breakdown(name)}
-        return out
+        return self._grouped_report(BREAKDOWN_KEYS, _metrics)
 
 
 def _metrics(s: Mapping[str, float]) -> dict:
