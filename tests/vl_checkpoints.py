@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.once_per_run import build_once
+
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 PATCH, MERGE, TEMPORAL = 8, 2, 2
@@ -135,14 +137,12 @@ def make_vl_checkpoint(directory, family: str = "qwen2_5_vl", seed: int = 0) -> 
 
 @pytest.fixture(scope="session")
 def vl_checkpoint(tmp_path_factory):
-    """`vl_checkpoint(family="qwen2_5_vl", seed=0)` → (directory, info), written once per session.
-    Read-only for tests: copy it before changing a file."""
-    made: dict[tuple[str, int], tuple[Path, dict]] = {}
+    """`vl_checkpoint(family="qwen2_5_vl", seed=0)` → (directory, info), written once per run, on every
+    xdist worker (tests/once_per_run.py). Read-only for tests: copy it before changing a file."""
 
     def make(family: str = "qwen2_5_vl", seed: int = 0) -> tuple[Path, dict]:
-        if (family, seed) not in made:
-            directory = tmp_path_factory.mktemp(f"{family}-{seed}")
-            made[family, seed] = directory, make_vl_checkpoint(directory, family, seed)
-        return made[family, seed]
+        directory, info = build_once(tmp_path_factory, f"vl-checkpoint-{family}-{seed}",
+                                     lambda directory: make_vl_checkpoint(directory, family, seed))
+        return directory, {**info, "directory": directory}
 
     return make
