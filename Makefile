@@ -39,8 +39,12 @@ setup-test: $(VENV)/.installed-test
 train: setup
 	$(PY) -m valen_jax.train --config=configs/vflash.py --workdir=$(WORKDIR)
 
+# Two pytest-xdist workers, whole files to each (module fixtures that train are built once); the
+# session-wide trained workdirs and checkpoints are built once per run for both (tests/once_per_run.py).
+# XLA compiles on one core, so two workers on CI's two cores take the suite from ~47 to ~30 minutes.
+TEST_WORKERS ?= 2
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup-test
 	$(VENV)/bin/ruff check .
