@@ -83,19 +83,16 @@ def test_atom_loss_masks_zero_exactly_the_marked_coordinates(tokenizer, records)
     assert weights[start] == 1.0 and weights[stop - 1] == 1.0
 
 
-def test_template_without_generation_markers_is_refused(tokenizer, records):
+def test_template_without_generation_markers_is_refused(tokenizer, records, tmp_path):
     from transformers import AutoTokenizer
     plain = AutoTokenizer.from_pretrained(TOKENIZER)
     plain.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    plain.save_pretrained(ROOT / "runs" / "plain_tokenizer_test")
-    try:
-        with pytest.raises(TokenizerError, match="generation"):
-            load_tokenizer(ROOT / "runs" / "plain_tokenizer_test")
-        fixed = load_tokenizer(ROOT / "runs" / "plain_tokenizer_test", template_family="chatml")
-        assert "generation" in fixed.chat_template
-    finally:
-        import shutil
-        shutil.rmtree(ROOT / "runs" / "plain_tokenizer_test")
+    # Under tmp_path, not the repo's runs/: two runs of the suite at once must not share it.
+    plain.save_pretrained(tmp_path / "plain_tokenizer")
+    with pytest.raises(TokenizerError, match="generation"):
+        load_tokenizer(tmp_path / "plain_tokenizer")
+    fixed = load_tokenizer(tmp_path / "plain_tokenizer", template_family="chatml")
+    assert "generation" in fixed.chat_template
 
 
 def test_all_zero_assistant_mask_is_an_error(tokenizer, records):
