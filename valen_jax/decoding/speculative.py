@@ -23,9 +23,24 @@ Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks,
 INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
 per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
 
-One row at a time (a host loop around jitted prefill / decode_step / extend passes): per-row state
-without batch bookkeeping, which is what a first lossless core needs. Text-only targets (no vision
-inputs, 1-D positions).
+Two paths, one row (prompt) per call, the same rules and statistics:
+- fast (a device drafter: `CachedDrafter` / `TrainedDrafter`, `ScriptedDrafter`, `RandomDrafter`,
+  `OracleDrafter`): each announced block is ONE compiled `lax.while_loop` (draft → verify → accept →
+  advance both caches → write the committed tokens), no host round trip inside a block
+  (`block_loop`). The trained drafter's context keys/values are cached once per token from the
+  target's own prefill / decode / verify passes (`Transformer.prefill(collect=)`), so a pass costs one
+  small drafter forward over B + 1 slots (`draft_rules`). Targets with a vision tower and M-RoPE
+  positions are decoded with the prompt's image (`generate(prompt, ..., vision_inputs=)` or an engine
+  prompt dict); generated tokens continue after the prompt's largest position, as the engine does;
+- host (any other object with `propose(context, block, key)`): a Python loop around jitted prefill /
+  decode_step / extend passes, for drafters written in Python (tests, experiments).
+
+Fast path:
+
+    drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)   # or TrainedDrafter(...)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=[eot])
+    out = decoder.generate({"ids": ids, "positions": positions, "vision": vision}, drafter, max_new_tokens=256)
+    decoder.stats.tau, decoder.timing.block_seconds / decoder.timing.block_tokens   # s/token in blocks
 """
 
 from __future__ import annotations
@@ -41,46 +56,17 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline.primitives import ATOMIC_DECODING, PrimitiveError, _Parser
+from valen_jax.decoding.block_loop import FastRow, Timing
+from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
 from valen_jax.decoding.engine import GREEDY, bucket
-from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab, sample
+from valen_jax.decoding.sampling import Sampling, mask_vocab, sample
+from valen_jax.decoding.verification import accept_pass, target_probs, verify_greedy, verify_sampled
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import kv_cache
 
-# -- verification rules ---------------------------------------------------------------------------
-
-def verify_greedy(logits, draft, vocab: int):
-    """logits f32 [d + 1, V] at [last, x_1 .. x_d]; draft int [d] → (accepted n, the target's next token).
-    x_k is accepted while it equals the target's argmax (ties to the lower id, as `sample`)."""
-    target = jnp.argmax(mask_vocab(logits, vocab), axis=-1).astype(jnp.int32)
-    accepted = jnp.sum(jnp.cumprod(draft == target[:-1])).astype(jnp.int32)
-    return accepted, target[accepted]
-
-
-def target_probs(logits, sampling: Sampling, vocab: int):
-    """The target's sampling distribution p [.., V]: what `sample` draws from."""
-    return jax.nn.softmax(filter_logits(mask_vocab(logits, vocab), sampling), axis=-1)
-
-
-def verify_sampled(p, draft, q, key, drafted=None):
-    """Speculative rejection sampling. p [d + 1, V] the target's distributions at [last, x_1 .. x_d];
-    draft [d] drawn from q [d, V] → (accepted n, the next token), the emitted tokens distributed as p.
-    drafted: how many of the d slots are real (the rest padding, never accepted, q rows 0); default d."""
-    d = draft.shape[0]
-    accept_key, next_key = jax.random.split(key)
-    rows = jnp.arange(d)
-    p_x, q_x = p[rows, draft], q[rows, draft]
-    # Accept with probability min(1, p/q): u < p/q, written without the division (q may be 0 only for
-    # tokens the drafter never proposes).
-    accept = jax.random.uniform(accept_key, (d,)) * q_x < p_x
-    if drafted is not None:
-        accept &= rows < drafted
-    accepted = jnp.sum(jnp.cumprod(accept)).astype(jnp.int32)
-    # At a rejection: norm(max(p - q, 0)); after d acceptances the q row is 0, so this is p (the bonus).
-    residual = jnp.maximum(p[accepted] - jnp.concatenate([q, jnp.zeros_like(q[:1])])[accepted], 0)
-    # max(p - q, 0) sums to 0 only where p == q, where nothing is ever rejected; keep p there.
-    residual = jnp.where(jnp.sum(residual) > 0, residual, p[accepted])
-    return accepted, jax.random.categorical(next_key, jnp.log(residual)).astype(jnp.int32)
-
+__all__ = ["AtomicCalls", "BlockStats", "CachedDrafter", "OracleDrafter", "Proposal", "RandomDrafter",
+           "ScriptedDrafter", "SpeculativeDecoder", "Timing", "TrainedDrafter", "accept_pass", "target_probs",
+           "verify_greedy", "verify_sampled"]
 
 # -- drafters -------------------------------------------------------------------------------------
 
@@ -177,8 +163,8 @@ class BlockStats:
 
 @functools.cache
 def _passes(graphdef, cache_length: int):
-    def prefill(params, tokens, positions, lengths):
-        return nnx.merge(graphdef, params).prefill(tokens, positions, lengths, cache_length)
+    def prefill(params, tokens, positions, lengths, vision=None):
+        return nnx.merge(graphdef, params).prefill(tokens, positions, lengths, cache_length, vision)
 
     def step(params, token, position, cache, cursor):
         return nnx.merge(graphdef, params).decode_step(token, position, cache, cursor)
@@ -210,50 +196,119 @@ class SpeculativeDecoder:
                  sampling: Sampling = GREEDY):
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
-        cfg = nnx.merge(graphdef, params).cfg
-        if cfg.vision is not None:
-            raise ValueError("speculative decoding here takes text-only targets (no vision tower)")
         self.graphdef, self.params, self.calls = graphdef, params, calls
         self.vocab, self.stop_ids, self.sampling = int(vocab), {int(s) for s in stop_ids}, sampling
         self.stats = BlockStats()
+        self.timing = Timing()
 
-    def generate(self, prompt, drafter: Drafter | None, *, max_new_tokens: int, seed: int = 0) -> list[int]:
-        """The generated ids of `prompt` (int ids, 1-D positions 0..n-1), the stop token kept, as
-        `engine.generate_ids` returns them. drafter=None: target-only decoding through the same loop."""
-        row = self.start(prompt, max_new_tokens)
+    def generate(self, prompt, drafter: Drafter | None, *, max_new_tokens: int, seed: int = 0,
+                 positions=None, vision_inputs=None) -> list[int]:
+        """The generated ids of `prompt`, the stop token kept, as `engine.generate_ids` returns them.
+
+        prompt: int ids, or an engine prompt dict {"ids", "positions", optional "vision"}. positions:
+        [n] or, with M-RoPE, [n, 3] (default 0..n-1); vision_inputs: the dict `engine.generate_ids` takes
+        as prompt["vision"] (patches, patch_positions, patch_segments), for a target with a vision tower.
+        drafter=None: target-only decoding through the host loop. A device drafter (`CachedDrafter`,
+        `TrainedDrafter`, `ScriptedDrafter`, `RandomDrafter`, and `OracleDrafter`, which scripts the
+        target's greedy output) takes the fast path (`block_loop`); any other object with `propose`
+        the host loop."""
+        ids, positions, vision = self._prompt(prompt, positions, vision_inputs)
+        if hasattr(drafter, "for_prompt"):
+            drafter = drafter.for_prompt(ids, positions, vision, max_new_tokens)
+        if getattr(drafter, "rule", None) is not None:
+            return self._generate_fast(ids, positions, vision, drafter, max_new_tokens, seed)
+        if vision is None and positions is None:
+            row = self.start(ids, max_new_tokens)
+        else:
+            row = self.start(ids, max_new_tokens, positions=positions, vision=vision)
+        return self._decode(row, lambda size, key: self.block(row, drafter, size, key, max_new_tokens),
+                            lambda key: self.step(row, key), drafter is not None, max_new_tokens, seed)
+
+    def _generate_fast(self, ids, positions, vision, drafter, max_new_tokens: int, seed: int) -> list[int]:
+        self._check_drafter(drafter)
+        if positions is None:
+            positions = np.arange(len(ids), dtype=np.int32)
+        row = FastRow(self.graphdef, self.params, drafter, sampling=self.sampling, vocab=self.vocab,
+                      stop_ids=self.stop_ids, ids=ids, positions=positions, vision=vision,
+                      max_new_tokens=max_new_tokens, timing=self.timing)
+        return self._decode(row, lambda size, key: row.block(size, key, max_new_tokens, self.stats), row.step,
+                            True, max_new_tokens, seed)
+
+    def _decode(self, row, block, step, drafting: bool, max_new_tokens: int, seed: int) -> list[int]:
+        """The loop over announcements shared by both paths: `block(size, key)` commits a block and
+        returns its overflow, `step(key)` one target token."""
         key = jax.random.key(seed)
         announced = self.calls.announced(row.ids) if self.calls else None
         while len(row.output) < max_new_tokens and not self._stopped(row):
-            if announced is not None and drafter is not None:
+            if announced is not None and drafting:
                 start = len(row.output)
-                overflow = self.block(row, drafter, announced.block_size, key, max_new_tokens)
+                overflow = block(announced.block_size, key)
                 first = row.output[start:start + 1]
                 # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
                 blocks = announced.count if announced.count and first == [self.calls.dense_id] else 1
                 for _ in range(blocks - 1):
                     # A bonus token past the previous block is this block's first.
-                    overflow = self.block(row, drafter, announced.block_size - overflow, key, max_new_tokens)
+                    overflow = block(announced.block_size - overflow, key)
                 # A bonus token past the block is ordinary output; a call it completes is announced.
                 announced = self.calls.announced(row.ids)
                 continue
-            self.step(row, key)
+            step(key)
             announced = self.calls.announced(row.ids) if self.calls else None
         return row.output
 
-    def _stopped(self, row: _Row) -> bool:
-        return bool(row.output) and row.output[-1] in self.stop_ids
-
-    def start(self, prompt, max_new_tokens: int) -> _Row:
-        """Prefill all but the prompt's last token; that one is the first `last` a pass feeds."""
+    def _prompt(self, prompt, positions, vision):
+        """(ids, positions or None, vision dict or None), checked against the target."""
+        if isinstance(prompt, dict):
+            if positions is not None or vision is not None:
+                raise ValueError("a prompt dict carries its own positions and vision; pass neither beside it")
+            prompt, positions, vision = prompt["ids"], prompt.get("positions"), prompt.get("vision")
         ids = [int(i) for i in np.asarray(prompt)]
         if len(ids) < 2:
             raise ValueError(f"prompt of {len(ids)} tokens: speculative decoding needs at least 2")
+        cfg = nnx.merge(self.graphdef, self.params).cfg
+        if vision is not None and cfg.vision is None:
+            vision = None  # as engine.generate_ids: a text-only target ignores vision inputs
+        if positions is None:
+            if vision is not None and cfg.mrope_section is not None:
+                raise ValueError("an M-RoPE prompt with an image needs its positions [n, 3] (models.mrope.rope_index)")
+            return ids, None, vision
+        positions = np.asarray(positions)
+        if positions.shape not in ((len(ids),), (len(ids), 3)) or not np.issubdtype(positions.dtype, np.integer):
+            raise ValueError(f"prompt positions of shape {positions.shape} ({positions.dtype}) for {len(ids)} ids; "
+                             f"want integers [{len(ids)}] or, with M-RoPE, [{len(ids)}, 3]")
+        last = positions[-1].reshape(-1)
+        # Generated tokens take the prompt's largest position + 1 on every axis (engine.generate_ids); the
+        # loop counts on from the last prompt token, so that one must be a text token at that maximum.
+        if not (last == positions.max()).all():
+            raise ValueError(f"prompt's last token has position {last.tolist()}, not the prompt's largest "
+                             f"({int(positions.max())}) on every axis: a prompt must end with a text token")
+        return ids, positions, vision
+
+    def _check_drafter(self, drafter) -> None:
+        cfg = nnx.merge(self.graphdef, self.params).cfg
+        layers = drafter.rule.collect
+        if layers and (max(layers) >= cfg.num_layers or drafter.dim != cfg.dim):
+            raise ValueError(f"drafter reads target layers {layers} at width {drafter.dim}; the target has "
+                             f"{cfg.num_layers} layers of width {cfg.dim}")
+
+    def _stopped(self, row) -> bool:
+        return bool(row.output) and row.output[-1] in self.stop_ids
+
+    def start(self, prompt, max_new_tokens: int, positions=None, vision=None) -> _Row:
+        """Prefill all but the prompt's last token; that one is the first `last` a pass feeds. Host loop."""
+        ids = [int(i) for i in np.asarray(prompt)]
+        if len(ids) < 2:
+            raise ValueError(f"prompt of {len(ids)} tokens: speculative decoding needs at least 2")
+        positions = np.arange(len(ids), dtype=np.int32) if positions is None else np.asarray(positions, np.int32)
         cache_length = bucket(len(ids) + max_new_tokens + 1)
         prefill, _, _ = _passes(self.graphdef, cache_length)
         head = jnp.asarray(ids[:-1], jnp.int32)[None]
-        _, cache = prefill(self.params, head, jnp.arange(len(ids) - 1, dtype=jnp.int32)[None],
-                           jnp.asarray([len(ids) - 1], jnp.int32))
-        return _Row(ids, len(ids), cache, len(ids) - 1, len(ids) - 1)
+        batched = None if vision is None else tuple(jnp.asarray(vision[k])[None] for k in
+                                                    ("patches", "patch_positions", "patch_segments"))
+        _, cache = prefill(self.params, head, jnp.asarray(positions[:-1])[None], jnp.asarray([len(ids) - 1], jnp.int32),
+                           batched)
+        last = int(positions[-1].reshape(-1)[0])
+        return _Row(ids, len(ids), cache, len(ids) - 1, last)
 
     def _choose(self, logits, key):
         return int(sample(logits, key[None], self.sampling, self.vocab)[0])
@@ -341,11 +396,34 @@ def _verify_sampled(logits, draft, q, key, drafted, sampling, vocab):
 
 # -- drafters for tests and baselines -------------------------------------------------------------
 
-class OracleDrafter:
-    """Proposes the target's own greedy continuation (`engine.generate_ids` on the context)."""
+class ScriptedDrafter:
+    """A device drafter proposing a given continuation (the output ids it expects, from index 0) at the
+    row's output index; `block_size` caps a pass (None: the rest of the block)."""
 
-    def __init__(self, graphdef, params, vocab: int):
-        self.graphdef, self.params, self.vocab = graphdef, params, vocab
+    def __init__(self, tokens, block_size: int | None = None):
+        self.rule = ScriptRule(block_size=block_size)
+        self.params = jnp.asarray(np.asarray(tokens, np.int32))
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation. Host loop (`propose`): `engine.generate_ids` on the
+    context at every pass. Fast path (`for_prompt`): the greedy output of the prompt, computed once, as a
+    `ScriptedDrafter` (drafting costs a slice: the speed-up ceiling). Under sampling the fast oracle
+    still scripts the greedy output of the prompt (a drafter, so output stays the target's own)."""
+
+    def __init__(self, graphdef, params, vocab: int, block_size: int | None = None):
+        self.graphdef, self.params, self.vocab, self.block_size = graphdef, params, vocab, block_size
+
+    def for_prompt(self, ids, positions, vision, max_new_tokens: int) -> ScriptedDrafter:
+        from valen_jax.decoding.engine import generate_ids
+
+        prompt = {"ids": np.asarray(ids, np.int32),
+                  "positions": np.arange(len(ids), dtype=np.int32) if positions is None else positions}
+        if vision is not None:
+            prompt["vision"] = vision
+        out = generate_ids(self.params, self.graphdef, [prompt], max_new_tokens=max_new_tokens, stop_ids=(),
+                           vocab=self.vocab)
+        return ScriptedDrafter(out[0], self.block_size)
 
     def propose(self, context, block, key) -> Proposal:
         from valen_jax.decoding.engine import generate_ids
@@ -356,27 +434,37 @@ class OracleDrafter:
 
 
 class RandomDrafter:
-    """Uniform random tokens in [0, vocab), q uniform: the worst honest drafter."""
+    """Uniform random tokens in [0, vocab), q uniform: the worst honest drafter. Host loop: numpy's
+    stream from `seed`; fast path: drawn on the device from each pass's key (the decoding seed)."""
 
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.rng = vocab, np.random.default_rng(seed)
+        self.rule, self.params = UniformRule(int(vocab)), ()
 
     def propose(self, context, block, key) -> Proposal:
         return Proposal(self.rng.integers(0, self.vocab, block).astype(np.int32),
                         np.full((block, self.vocab), 1.0 / self.vocab, np.float32))
 
 
-class TrainedDrafter:
-    """A `models.drafter.Drafter` (vflash training) as a Drafter: one pass proposes up to its block size.
+class CachedDrafter:
+    """A `models.drafter.Drafter` (vflash training) on the fast path: its context keys/values cached once
+    per token (prefill, decode steps, verify passes), one small forward per pass against them
+    (`Drafter.draft_cached`); greedy drafting, so under sampling q is the point mass on its tokens."""
 
-    The target's fused features are recomputed over the whole context on every proposal (one target
-    forward per pass; caching them beside the KV cache is the next step), so this adapter shows
-    acceptance, not speed. Text-only contexts, 1-D positions."""
+    def __init__(self, drafter_graphdef, drafter_params, vocab: int):
+        cfg = nnx.merge(drafter_graphdef, drafter_params).cfg
+        self.rule = TrainedRule(drafter_graphdef, tuple(cfg.target_layers), cfg.block_size, int(vocab))
+        self.params, self.block_size, self.dim, self.vocab = drafter_params, cfg.block_size, cfg.dim, int(vocab)
+
+
+class TrainedDrafter(CachedDrafter):
+    """`CachedDrafter`, also usable by the host loop (`propose`), where the target's fused features are
+    recomputed over the whole context on every proposal (text-only contexts, 1-D positions): that
+    path measures acceptance, not speed."""
 
     def __init__(self, drafter_graphdef, drafter_params, target_graphdef, target_params, vocab: int):
-        self.params = (drafter_params, target_params)
-        self.block_size = nnx.merge(drafter_graphdef, drafter_params).cfg.block_size
-        self.vocab = vocab
+        super().__init__(drafter_graphdef, drafter_params, vocab)
+        self.host_params = (drafter_params, target_params)
 
         def run(params, tokens, length):
             drafter, target = nnx.merge(drafter_graphdef, params[0]), nnx.merge(target_graphdef, params[1])
@@ -395,5 +483,5 @@ class TrainedDrafter:
         # Greedy drafting: deterministic given the context, so under sampling q is the point mass on it.
         padded = np.zeros(bucket(len(context)), np.int32)
         padded[:len(context)] = context
-        tokens = self._run(self.params, jnp.asarray(padded)[None], jnp.int32(len(context)))
+        tokens = self._run(self.host_params, jnp.asarray(padded)[None], jnp.int32(len(context)))
         return Proposal(np.asarray(tokens)[:min(block, self.block_size)])

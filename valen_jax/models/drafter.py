@@ -22,8 +22,9 @@ each mask slot; we give the block B + 1 slots so a pass proposes B tokens. The d
 1-D rotary positions (an M-RoPE target's text coordinates, axis 0).
 
 Training (`valen_jax.step.make_drafter_train_step`) runs many blocks per row at once: `anchors`
-[rows, A] positions; each block sees the whole row's context through its mask. Speculative decoding
-(a KV cache of the projected context and verification by the target) is issue 16's second half.
+[rows, A] positions; each block sees the whole row's context through its mask. Decoding
+(`valen_jax.decoding.speculative`) caches each layer's projected context keys/values once per token
+(`context_cache`, `write_context`) and drafts one block against them (`draft_cached`): the same math.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models import kv_cache
 from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.models.layers import RMSNorm, SwiGLU, dense, param, rope
 from valen_jax.models.transformer import Transformer
@@ -175,6 +177,38 @@ class DrafterLayer(nnx.Module):
         slots = slots + attended.astype(slots.dtype)
         return slots + self.mlp(self.mlp_norm(slots)).astype(slots.dtype)
 
+    # -- decoding: the context's keys/values cached once per token (decoding.draft_rules) --------------
+
+    def context_keys_values(self, context, context_positions):
+        """The context's keys (rotated at their own positions) and values [B, T, K, H], exactly as
+        `__call__` projects them: what a decoding cache keeps so a pass never re-projects the context."""
+        return (self._project(context, context_positions, self.k, True),
+                self._project(context, context_positions, self.v, False))
+
+    def cached(self, slots, slot_positions, keys, values, visible):
+        """One block per row against cached context keys/values: `__call__` with one block, the same
+        products in the same order. slots [B, S, D]; slot_positions [B, S]; keys, values [B, K, C, H]
+        (`kv_cache` layout); visible bool [B, C] (the context slots the block sees)."""
+        batch, size, dim = slots.shape
+        kv, groups = self.cfg.num_kv_heads, self.cfg.num_heads // self.cfg.num_kv_heads
+        normed = self.attn_norm(slots)
+        q = self._project(normed, slot_positions, self.q, True).reshape(batch, size, kv, groups, self.cfg.head_dim)
+        block_k = self._project(normed, slot_positions, self.k, True)
+        block_v = self._project(normed, slot_positions, self.v, False)
+        scale = self.cfg.head_dim ** -0.5
+        to_context = jnp.einsum("bskgh,bkch->bskgc", q, keys.astype(self.dtype),
+                                preferred_element_type=jnp.float32) * scale
+        to_block = jnp.einsum("bskgh,brkh->bskgr", q, block_k, preferred_element_type=jnp.float32) * scale
+        to_context = jnp.where(visible[:, None, None, None, :], to_context, -jnp.inf)
+        probs = jax.nn.softmax(jnp.concatenate([to_context, to_block], axis=-1), axis=-1).astype(self.dtype)
+        length = keys.shape[2]
+        out = (jnp.einsum("bskgc,bkch->bskgh", probs[..., :length], values.astype(self.dtype))
+               + jnp.einsum("bskgr,brkh->bskgh", probs[..., length:], block_v))
+        out = out.reshape(batch, size, self.cfg.num_heads, self.cfg.head_dim)
+        attended = dense(out, self.o[...].astype(self.dtype), in_dims=2)
+        slots = slots + attended.astype(slots.dtype)
+        return slots + self.mlp(self.mlp_norm(slots)).astype(slots.dtype)
+
 
 class Drafter(nnx.Module):
     """Fused target features + anchor tokens → hidden states of B mask slots per block (no head of its own)."""
@@ -211,6 +245,46 @@ class Drafter(nnx.Module):
         for layer in self.layers:
             slots = layer(slots, slot_positions, context, positions, context_mask)
         return self.final_norm(slots[:, :, 1:])
+
+    # -- decoding with a context cache (decoding.draft_rules) -------------------------------------------
+    # The fused features enter only through each layer's context keys/values, so those are what a
+    # decoder caches ([L_d, B, K, S, H], `kv_cache` layout): written once per committed token, and a
+    # pass costs one small forward over the B + 1 slots attending to the cache.
+
+    def context(self, features):
+        """Fused target features [B, T, k·D] → the normed context [B, T, D] (`__call__`'s first line)."""
+        return self.context_norm(dense(features.astype(self.dtype), self.fuse[...].astype(self.dtype)))
+
+    def context_cache(self, features, positions, length: int) -> kv_cache.KVCache:
+        """A cache of `length` slots holding every layer's context keys/values of `features` [B, P, k·D]
+        at 1-D `positions` [B, P] in slots [0, P) (a prompt's prefill)."""
+        context = self.context(features)
+        keys, values = zip(*(layer.context_keys_values(context, positions) for layer in self.layers), strict=True)
+        return kv_cache.from_prefill(jnp.stack(keys), jnp.stack(values), length)
+
+    def write_context(self, cache: kv_cache.KVCache, features, positions, cursor) -> kv_cache.KVCache:
+        """`cache` with the context keys/values of T new tokens per row (features [B, T, k·D], positions
+        [B, T]) at slots cursor[b] .. cursor[b] + T - 1 (a verify pass or a decode step)."""
+        context = self.context(features)
+        for i, layer in enumerate(self.layers):
+            keys, values = layer.context_keys_values(context, positions)
+            cache = kv_cache.write_block(cache, i, keys, values, cursor)
+        return cache
+
+    def draft_cached(self, cache: kv_cache.KVCache, cursor, anchor_embeddings, anchor_positions):
+        """`__call__` for one block per row whose anchor sits at slot cursor[b]: the block attends the
+        cached context of slots < cursor[b] (every token before the anchor). anchor_embeddings [B, D];
+        anchor_positions [B] (1-D) → final-normed hidden states [B, block_size, D]."""
+        batch = anchor_embeddings.shape[0]
+        size = self.cfg.block_size + 1
+        mask = jnp.broadcast_to(self.mask_embedding[...].astype(self.dtype), (batch, size - 1, self.cfg.dim))
+        slots = jnp.concatenate([anchor_embeddings.astype(self.dtype)[:, None, :], mask], axis=1)
+        slot_positions = anchor_positions[:, None] + jnp.arange(size, dtype=anchor_positions.dtype)
+        visible = jnp.arange(cache.length)[None, :] < cursor[:, None]
+        for i, layer in enumerate(self.layers):
+            keys, values = kv_cache.layer_view(cache, i)
+            slots = layer.cached(slots, slot_positions, keys, values, visible)
+        return self.final_norm(slots[:, 1:])
 
 
 def draft_hidden(drafter: Drafter, target: Transformer, batch: dict, anchors):

@@ -147,45 +147,69 @@ class Transformer(nnx.Module):
         return self.logits(self.hidden(tokens, positions, segment_ids, vision_inputs, branch_ids))
 
 
-    def prefill(self, tokens, positions, lengths, cache_length: int, vision_inputs=None):
+    def prefill(self, tokens, positions, lengths, cache_length: int, vision_inputs=None, collect=()):
         """Run right-padded prompts once and keep their keys and values for decoding.
 
         tokens int32 [B, P] (row b's prompt in [0, lengths[b]), then padding); positions [B, P] or [B, P, 3];
         vision_inputs as in `embed_tokens` (media enter here only: generated tokens are text). Returns the
         f32 logits [B, V] at each row's last prompt token and a `kv_cache.KVCache` of `cache_length` slots.
         Padding is segment 0, so real tokens never attend it (`attention.attend`).
+        collect: layer indices (a block drafter's `target_layers`); when given, a third result holds those
+        layers' outputs at every prompt slot, concatenated: [B, P, k·D] (`drafter.target_features`).
         """
         self._check_positions(positions, vision_inputs)
         segment_ids = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
         x, deepstack = self._embed(tokens, vision_inputs)
         x = constrain(x, ("batch", "length", "act_embed"))
+        self._check_collect(collect, deepstack)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             def scan(h, block):
                 h, k, v = block.prefill(h, positions, segment_ids)
-                return h, (k, v)
+                # Every layer's output is stacked only when asked (a drafter's features).
+                return h, ((k, v, h) if collect else (k, v))
 
-            x, (keys, values) = scan(x, self.layers)
+            x, per_layer = scan(x, self.layers)
+            keys, values = per_layer[0], per_layer[1]
+            outputs = per_layer[2] if collect else None
         else:
-            keys, values = [], []
+            keys, values, outputs = [], [], {}
             for i, layer in enumerate(self.layers):
                 x, k, v = layer.prefill(x, positions, segment_ids)
                 keys.append(k)
                 values.append(v)
+                if i in collect:
+                    outputs[i] = x
                 if i < len(deepstack):
                     x = x + deepstack[i]
             keys, values = jnp.stack(keys), jnp.stack(values)
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
         logits = self.logits(self.final_norm(last))[:, 0]
-        return logits, kv_cache.from_prefill(keys, values, cache_length)
+        cache = kv_cache.from_prefill(keys, values, cache_length)
+        if not collect:
+            return logits, cache
+        return logits, cache, jnp.concatenate([outputs[i] for i in collect], axis=-1)
 
-    def _cached_layers(self, method: str, x, positions, cache: kv_cache.KVCache, cursor):
+    def _check_collect(self, collect, deepstack=()):
+        if collect and (deepstack or (self.cfg.vision is not None and self.cfg.vision.deepstack_layers)):
+            # Same refusal as drafter.target_features: deepstack features enter between layers.
+            raise NotImplementedError("drafter features of a deepstack (Qwen3-VL) target are not implemented")
+        if collect and not all(0 <= i < self.cfg.num_layers for i in collect):
+            raise ValueError(f"collect={tuple(collect)}: the decoder has layers 0..{self.cfg.num_layers - 1}")
+
+    def _cached_layers(self, method: str, x, positions, cache: kv_cache.KVCache, cursor, collect=()):
         """x through every layer's cached path (`Block.decode` or `Block.extend`), each layer writing its
-        keys/values into `cache` at the rows' cursors → (x, cache)."""
+        keys/values into `cache` at the rows' cursors → (x, cache, the `collect` layers' outputs
+        concatenated [B, T, k·D] or None)."""
+        self._check_collect(collect)
         if not self.cfg.scan_layers:
+            outputs = {}
             for i, layer in enumerate(self.layers):
                 x, cache = getattr(layer, method)(x, positions, cache, i, cursor)
-            return x, cache
+                if i in collect:
+                    outputs[i] = x
+            features = jnp.concatenate([outputs[i] for i in collect], axis=-1) if collect else None
+            return x, cache, features
         # The cache rides in the carry (updated in place); the layer index picks each block's slice.
         # A plain lax.scan over the split layers: decode steps run inside a while_loop, and nnx.scan
         # refuses modules made at an outer trace level.
@@ -194,26 +218,32 @@ class Transformer(nnx.Module):
         def step(carry, layer_and_state):
             layer, state = layer_and_state
             h, c = carry
-            return getattr(nnx.merge(block_def, state), method)(h, positions, c, layer, cursor), None
+            h, c = getattr(nnx.merge(block_def, state), method)(h, positions, c, layer, cursor)
+            return (h, c), (h if collect else None)  # every layer's output only when a drafter asks
 
-        (x, cache), _ = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
-        return x, cache
+        (x, cache), every = jax.lax.scan(step, (x, cache), (jnp.arange(self.cfg.num_layers), block_state))
+        features = jnp.concatenate([every[i] for i in collect], axis=-1) if collect else None
+        return x, cache, features
 
-    def decode_step(self, tokens, positions, cache: kv_cache.KVCache, cursor):
+    def decode_step(self, tokens, positions, cache: kv_cache.KVCache, cursor, collect=()):
         """One token per row: tokens int32 [B] at cache slot cursor[b] with positions [B] (or [B, 3]) →
-        (f32 logits [B, V] for the token after it, the cache with its keys and values written)."""
+        (f32 logits [B, V] for the token after it, the cache with its keys and values written). With
+        `collect` (layer indices) a third result: those layers' outputs [B, 1, k·D] (as `prefill`)."""
         x = constrain(self._embed(tokens[:, None], None)[0], ("batch", "length", "act_embed"))  # [B, 1, D]
-        x, cache = self._cached_layers("decode", x, positions[:, None], cache, cursor)
-        return self.logits(self.final_norm(x))[:, 0], cache
+        x, cache, features = self._cached_layers("decode", x, positions[:, None], cache, cursor, collect)
+        logits = self.logits(self.final_norm(x))[:, 0]
+        return (logits, cache, features) if collect else (logits, cache)
 
-    def extend(self, tokens, positions, cache: kv_cache.KVCache, cursor):
+    def extend(self, tokens, positions, cache: kv_cache.KVCache, cursor, collect=()):
         """T tokens per row (speculative verification): tokens int32 [B, T] at slots cursor[b] ..
         cursor[b] + T - 1 with positions [B, T] → (f32 logits [B, T, V], logit t for the token after
         tokens[:, t]; the cache with their keys/values). Causal within the block, the cache below. The
-        caller keeps cursor + T <= the cache length (a scatter drops writes past it, it does not fail)."""
+        caller keeps cursor + T <= the cache length (a scatter drops writes past it, it does not fail).
+        With `collect` (layer indices) a third result: those layers' outputs [B, T, k·D] (as `prefill`)."""
         x = constrain(self._embed(tokens, None)[0], ("batch", "length", "act_embed"))
-        x, cache = self._cached_layers("extend", x, positions, cache, cursor)
-        return self.logits(self.final_norm(x)), cache
+        x, cache, features = self._cached_layers("extend", x, positions, cache, cursor, collect)
+        logits = self.logits(self.final_norm(x))
+        return (logits, cache, features) if collect else (logits, cache)
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
