@@ -342,3 +342,27 @@ def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
     check = _compatibility_check(tmp_path, {}, TARGET, None, target)
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint 3 is a drafter for target .*other weights"):
         check(3, {"drafter": {"target": record}})
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_prefill_and_extend_collect_the_target_features(scan):
+    """Decoding's drafter features (`collect=`): a prefill over the first 10 tokens and an extend over
+    the next 6 give what `target_features` gives over the whole row; asking for none changes nothing."""
+    target = Transformer(dataclasses.replace(TARGET, scan_layers=scan), nnx.Rngs(3))
+    batch = {k: v[:1] for k, v in token_batch(0).items()}  # row 0: one example of 16 tokens
+    tokens, positions = batch["tokens"], batch["positions"]
+
+    @nnx.jit
+    def decode(model):
+        _, cache, first = model.prefill(tokens[:, :10], positions[:, :10], jnp.asarray([10]), 32, collect=(0, 2))
+        logits, _, second = model.extend(tokens[:, 10:], positions[:, 10:], cache, jnp.asarray([10]), collect=(0, 2))
+        _, plain_cache = model.prefill(tokens[:, :10], positions[:, :10], jnp.asarray([10]), 32)
+        plain, _ = model.extend(tokens[:, 10:], positions[:, 10:], plain_cache, jnp.asarray([10]))
+        return jnp.concatenate([first, second], axis=1), logits, plain
+
+    collected, logits, plain = decode(target)
+    full = features_of(target, (0, 2), tokens, positions, batch["segment_ids"])
+    np.testing.assert_allclose(collected, full, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(logits, plain)
+    with pytest.raises(ValueError, match="collect=\\(0, 3\\)"):
+        target.prefill(tokens, positions, jnp.asarray([16]), 32, collect=(0, 3))

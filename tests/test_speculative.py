@@ -20,16 +20,19 @@ from tests.train_runs import ROOT
 from valen_jax.decoding import Sampling, generate_ids
 from valen_jax.decoding.speculative import (
     AtomicCalls,
+    CachedDrafter,
     OracleDrafter,
     Proposal,
     RandomDrafter,
+    ScriptedDrafter,
     SpeculativeDecoder,
     TrainedDrafter,
     target_probs,
     verify_sampled,
 )
-from valen_jax.models.config import ModelConfig
-from valen_jax.models.drafter import Drafter, DrafterConfig
+from valen_jax.models import mrope
+from valen_jax.models.config import ModelConfig, VisionConfig
+from valen_jax.models.drafter import Drafter, DrafterConfig, draft_hidden, text_positions
 from valen_jax.models.transformer import Transformer
 
 NEW = 30
@@ -301,3 +304,157 @@ def test_sampled_speculative_decoding_runs_and_keeps_ids_in_the_vocabulary(token
     out = decoder.generate(prompt, RandomDrafter(vocab, 0), max_new_tokens=NEW, seed=4)
     assert len(out) == NEW and all(0 <= t < vocab for t in out)
     assert decoder.stats.committed >= 12
+
+
+# -- the fast path: cached drafting, one compiled program per block, vision/M-RoPE targets --------------
+
+IMAGE_GRID = (1, 4, 4)  # one image: 16 patches, 4 merged tokens
+
+
+def block_drafter(target_cfg, seed: int = 4, block_size: int = 8):
+    """An untrained block drafter with lively weights (its proposals change from slot to slot)."""
+    cfg = DrafterConfig(block_size=block_size, num_layers=2, target_layers=(0, 1), dim=target_cfg.dim,
+                        num_heads=target_cfg.num_heads, num_kv_heads=target_cfg.num_kv_heads,
+                        head_dim=target_cfg.head_dim, mlp_dim=64)
+    graphdef, params = nnx.split(Drafter(cfg, nnx.Rngs(seed)))
+    return graphdef, lively(params, 6.0)
+
+
+@pytest.fixture(scope="module")
+def vl_target(tokenizer):
+    """An M-RoPE decoder with a vision tower, the smoke tokenizer's <|image_pad|> as its media slot."""
+    vocab = len(tokenizer)
+    cfg = ModelConfig(vocab_size=-(-vocab // 64) * 64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, mlp_dim=64, image_pad_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                      mrope_section=(2, 3, 3), attention="blockwise",
+                      vision=VisionConfig(patch_size=4, merge_size=2, temporal_patch_size=2, dim=32, num_layers=1,
+                                          num_heads=2, mlp_dim=64))
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(1)))
+    return graphdef, lively(params, 12.0), vocab, cfg
+
+
+def image_prompt(tokenizer, cfg, block_size: int, seed: int) -> dict:
+    """Words, one image's media slots, then an announced block: an engine prompt dict (rope_index positions)."""
+    rng = np.random.default_rng(seed)
+    words = np.asarray(tokenizer.encode(" ".join(rng.choice(["look", "at", "the", "tray"], 3)),
+                                        add_special_tokens=False), np.int32)
+    slots = IMAGE_GRID[0] * IMAGE_GRID[1] * IMAGE_GRID[2] // cfg.vision.merge_size ** 2
+    ids = np.concatenate([words, np.full(slots, cfg.image_pad_id, np.int32), announced_prompt(tokenizer, block_size, seed)])
+    patch_positions, segments = mrope.vision_inputs([IMAGE_GRID], cfg.vision.merge_size)
+    patches = rng.normal(size=(len(segments), cfg.vision.patch_dim)).astype(np.float32)
+    return {"ids": ids, "positions": mrope.rope_index(ids, [IMAGE_GRID], cfg.image_pad_id, -1, cfg.vision.merge_size),
+            "vision": {"patches": patches, "patch_positions": patch_positions, "patch_segments": segments}}
+
+
+def cached_vs_full_proposals(target_graphdef, target_params, drafter_graphdef, drafter_params, tokens, positions,
+                             vision, anchors: list[int], split: int = 10):
+    """(cached, full-context) hidden states [A, B, D] and greedy proposals [A, B] at each anchor slot c: the
+    cached drafter reads a prefill of tokens [0, split) and an extend of the rest (features collected by the
+    target's own passes; slots >= c are in the cache but masked); the reference is `draft_hidden` over
+    the whole row with anchor c, as training computes it."""
+    layers = nnx.merge(drafter_graphdef, drafter_params).cfg.target_layers
+
+    def run(target_params, drafter_params):
+        target = nnx.merge(target_graphdef, target_params)
+        drafter = nnx.merge(drafter_graphdef, drafter_params)
+        flat = text_positions(positions)
+        _, cache, features = target.prefill(tokens[:, :split], positions[:, :split], jnp.asarray([split]), 64,
+                                            vision, collect=layers)
+        context = drafter.context_cache(features, flat[:, :split], 64)
+        # Generated tokens are text: 1-D positions (M-RoPE text tokens have equal coordinates).
+        _, _, more = target.extend(tokens[:, split:], flat[:, split:], cache, jnp.asarray([split]), collect=layers)
+        context = drafter.write_context(context, more, flat[:, split:], jnp.asarray([split]))
+        batch = {"tokens": tokens, "positions": positions, "segment_ids": jnp.ones_like(tokens)}
+        if vision is not None:
+            batch.update(patches=vision[0], patch_positions=vision[1], patch_segments=vision[2])
+        cached = jnp.stack([drafter.draft_cached(context, jnp.asarray([c]), jnp.take(target.embed[...], tokens[:, c], axis=0),
+                                                 flat[:, c])[0] for c in anchors])
+        full = draft_hidden(drafter, target, batch, jnp.asarray([anchors]))[0]  # [A, B, D]
+        head = target.head_matrix()
+        return cached, full, jnp.argmax(cached @ head, axis=-1), jnp.argmax(full @ head, axis=-1)
+
+    return [np.asarray(x) for x in jax.jit(run)(target_params, drafter_params)]
+
+
+@pytest.mark.slow
+def test_cached_drafting_equals_draft_hidden_over_the_whole_context(tokenizer, target, vl_target):
+    # Text: the module's target; anchors in the prefill, at its edge and inside the extended part.
+    graphdef, params, vocab = target
+    drafter_graphdef, drafter_params = block_drafter(nnx.merge(graphdef, params).cfg)
+    tokens = jnp.asarray(announced_prompt(tokenizer, 8, seed=1)[None, :24])
+    hidden, full_hidden, cached, full = cached_vs_full_proposals(
+        graphdef, params, drafter_graphdef, drafter_params, tokens, jnp.arange(24)[None], None, [4, 10, 17, 23])
+    assert len(set(full.ravel().tolist())) > 4  # proposals that differ from slot to slot
+    np.testing.assert_allclose(hidden, full_hidden, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(cached, full)
+    # M-RoPE with an image: the image's features come from the prefill (slots 7..10 of 14), anchors in
+    # it, after the image, and in the extended part.
+    graphdef, params, vocab, cfg = vl_target
+    drafter_graphdef, drafter_params = block_drafter(cfg, seed=5)
+    prompt = image_prompt(tokenizer, cfg, 8, seed=2)
+    vision = tuple(jnp.asarray(prompt["vision"][k])[None] for k in ("patches", "patch_positions", "patch_segments"))
+    hidden, full_hidden, cached, full = cached_vs_full_proposals(
+        graphdef, params, drafter_graphdef, drafter_params, jnp.asarray(prompt["ids"][None, :26]),
+        jnp.asarray(prompt["positions"][None, :26]), vision, [8, 12, 25], split=14)
+    assert len(set(full.ravel().tolist())) > 2
+    np.testing.assert_allclose(hidden, full_hidden, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(cached, full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
+def test_fast_path_with_a_cached_block_drafter_is_lossless(tokenizer, target, scan):
+    graphdef, params, vocab = target
+    if scan:  # the same weights stacked for nnx.scan
+        graphdef, params = model(nnx.merge(graphdef, params).cfg.vocab_size, scan=True)
+    drafter_graphdef, drafter_params = block_drafter(nnx.merge(graphdef, params).cfg, seed=6)
+    drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)
+    for block_size, seed in [(12, 30), (20, 31)][:1 if scan else 2]:
+        prompt = announced_prompt(tokenizer, block_size, seed=seed)
+        decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+        assert decoder.generate(prompt, drafter, max_new_tokens=NEW) == target_only(graphdef, params, vocab, prompt)
+        # Passes of at most the drafter's 8 slots; the block's tokens and the steps after it are all timed.
+        assert max(decoder.stats.drafted_at) == 8 and decoder.stats.passes >= 2
+        assert decoder.timing.block_tokens >= block_size and decoder.timing.steps >= 1
+
+
+@pytest.mark.slow
+def test_fast_path_decodes_an_m_rope_target_with_its_image_losslessly(tokenizer, vl_target):
+    graphdef, params, vocab, cfg = vl_target
+    drafter_graphdef, drafter_params = block_drafter(cfg, seed=7)
+    for block_size, seed in [(12, 40), (16, 41)]:
+        prompt = image_prompt(tokenizer, cfg, block_size, seed)
+        reference = generate_ids(params, graphdef, [prompt], max_new_tokens=NEW, stop_ids=(), vocab=vocab)[0]
+        assert len(set(reference)) > 3
+        # The image matters: without it the target says something else.
+        assert reference != generate_ids(params, graphdef, [{**prompt, "vision": {
+            **prompt["vision"], "patches": prompt["vision"]["patches"] * 0}}], max_new_tokens=NEW, stop_ids=(),
+            vocab=vocab)[0]
+        decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+        assert decoder.generate(prompt, CachedDrafter(drafter_graphdef, drafter_params, vocab),
+                                max_new_tokens=NEW) == reference
+        oracle = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+        assert oracle.generate(prompt, OracleDrafter(graphdef, params, vocab), max_new_tokens=NEW) == reference
+        assert oracle.stats.passes == 1 and oracle.stats.tau == block_size + 1
+
+
+def test_a_drafter_of_8_slots_takes_two_passes_for_a_block_of_12(tokenizer, target):
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 12, seed=12)
+    reference = target_only(graphdef, params, vocab, prompt)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    assert decoder.generate(prompt, ScriptedDrafter(reference, block_size=8), max_new_tokens=NEW) == reference
+    # 8 accepted + the bonus, then the 3 left + the bonus (one past the block).
+    assert decoder.stats.histogram == {8: 1, 3: 1} and decoder.stats.committed == 13
+    assert decoder.stats.tau == 6.5
+
+
+def test_a_vision_prompt_must_end_with_a_text_token_at_its_largest_position(tokenizer, vl_target):
+    graphdef, params, vocab, cfg = vl_target
+    prompt = image_prompt(tokenizer, cfg, 8, seed=3)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    with pytest.raises(ValueError, match="needs its positions"):
+        decoder.generate(prompt["ids"], None, max_new_tokens=4, vision_inputs=prompt["vision"])
+    early = {**prompt, "positions": prompt["positions"][::-1].copy()}
+    with pytest.raises(ValueError, match="must end with a text token"):
+        decoder.generate(early, None, max_new_tokens=4)
