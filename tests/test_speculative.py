@@ -27,6 +27,7 @@ from valen_jax.decoding.speculative import (
     ScriptedDrafter,
     SpeculativeDecoder,
     TrainedDrafter,
+    accept_pass,
     target_probs,
     verify_sampled,
 )
@@ -261,11 +262,15 @@ def small_vocab_logits():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5)],
-                         ids=["t1", "t0.7-top5"])
-def test_rejection_sampling_emits_the_target_distribution(small_vocab_logits, sampling):
+@pytest.mark.parametrize("sampling,path", [(Sampling(temperature=1.0), "host"),
+                                           (Sampling(temperature=0.7, top_k=5), "host"),
+                                           (Sampling(temperature=0.7, top_k=5), "fast")],
+                         ids=["t1", "t0.7-top5", "t0.7-top5-fast"])
+def test_rejection_sampling_emits_the_target_distribution(small_vocab_logits, sampling, path):
     """First token and pair of tokens emitted from a 2-token draft ~ q, q != p, on a vocabulary of 8:
-    the empirical distribution over 40,000 fixed-seed draws matches p(a) p(b | a) (chi-square, 0.1%)."""
+    the empirical distribution over 40,000 fixed-seed draws matches p(a) p(b | a) (chi-square, 0.1%).
+    host: `verify_sampled` on p; fast: `accept_pass` on the logits, as the block loop runs it (a draft
+    window of 3 slots, the third padding)."""
     vocab = 8
     p = target_probs(small_vocab_logits, sampling, vocab)
     p0, p1 = p[0, 0], p[:, 1]  # [V], [V, V]
@@ -275,8 +280,14 @@ def test_rejection_sampling_emits_the_target_distribution(small_vocab_logits, sa
     def emitted(key):
         draft_key, verify_key, next_key = jax.random.split(key, 3)
         draft = jax.random.categorical(draft_key, jnp.log(q)).astype(jnp.int32)  # [2]
-        rows = jnp.stack([p0, p1[draft[0]], p0])  # the third row (bonus after both) is never read here
-        accepted, nxt = verify_sampled(rows, draft, q, verify_key)
+        if path == "host":
+            rows = jnp.stack([p0, p1[draft[0]], p0])  # the third row (bonus after both) is never read here
+            accepted, nxt = verify_sampled(rows, draft, q, verify_key)
+        else:
+            first_logits = small_vocab_logits[0, 0]
+            rows = jnp.stack([first_logits, small_vocab_logits[draft[0], 1], first_logits, first_logits])
+            padded, q_padded = jnp.append(draft, 0), jnp.concatenate([q, jnp.full((1, vocab), 1.0 / vocab)])
+            accepted, nxt = accept_pass(rows, padded, q_padded, verify_key, jnp.int32(2), sampling, vocab)
         first = jnp.where(accepted >= 1, draft[0], nxt)
         # After a rejection at slot 1 the next pass samples the second token from p1[first].
         after_reject = jax.random.categorical(next_key, jnp.log(p1[first])).astype(jnp.int32)
