@@ -80,18 +80,31 @@ def _first_image(example: Example) -> str | None:
 
 def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
     """The report's VFlash part; `options.samples` answers are listed (None: all, in data order)."""
-    tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
-    max_new_tokens, samples = options.max_new_tokens, options.samples
-    forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, spec, mesh, options.batch_size)
+    forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, restored.spec, restored.mesh,
+                                   options.batch_size)
+    return {**forced, **answers_report(restored, examples, greedy_answers(restored, examples, options), options)}
+
+
+def greedy_answers(restored: Restored, examples: list[Example], options: Options) -> list[list[int]]:
+    """The greedy ids (stop token kept) of the last answer of each example this process evaluates
+    (`hosts.local_indices` order): every process enters the same batches."""
+    mine = hosts.local_indices(len(examples))
+    local_batch = local_batch_size(options.batch_size, restored.mesh)
+    eot = end_of_turn_id(restored.tokenizer)
+    prompts = [tokens.prompt_of(examples[i], restored.spec, eot) for i in mine]
+    return tokens.greedy(restored.params, restored.graphdef, prompts, restored.spec, restored.mesh, local_batch,
+                         hosts.batch_count(len(examples), local_batch), options.max_new_tokens, eot,
+                         len(restored.tokenizer))
+
+
+def answers_report(restored: Restored, examples: list[Example], generated: list[list[int]], options: Options) -> dict:
+    """generation, metrics and samples of this process's decoded last answers (`greedy_answers`' order),
+    sums added across processes: the same numbers whichever decoder produced the ids (the speculative
+    report scores its answers here too)."""
+    tokenizer, max_new_tokens, samples = restored.tokenizer, options.max_new_tokens, options.samples
     mine = hosts.local_indices(len(examples))
     local = [examples[i] for i in mine]
-    local_batch = local_batch_size(options.batch_size, mesh)
-    batches = hosts.batch_count(len(examples), local_batch)
-
     eot = end_of_turn_id(tokenizer)
-    prompts = [tokens.prompt_of(e, spec, eot) for e in local]
-    generated = tokens.greedy(restored.params, restored.graphdef, prompts, spec, mesh, local_batch, batches,
-                                   max_new_tokens, eot, len(tokenizer))
     texts = [tokens.decode(tokenizer, ids, eot) for ids in generated]
     numbers = np.asarray(number_token_ids(tokenizer), np.int32)
     stats = VFlashStats()
@@ -110,7 +123,6 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     answers, parsed, exact = hosts.sum_array(counts)
     listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: s["index"])
     return {
-        **forced,
         "generation": {"answers": int(answers), "max_new_tokens": int(max_new_tokens),
                        "primitive_parse_rate": parsed / answers if answers else 0.0,
                        "exact_match_rate": exact / answers if answers else 0.0},
