@@ -4,6 +4,8 @@
         --output=runs/vflash-smoke/eval/report.json
     python -m valen_jax.evaluate --workdir=runs/valen-smoke --data=data/smoke/valen/train.jsonl \
         --output=runs/valen-smoke/eval/report.json --mode=shared_state
+    python -m valen_jax.evaluate --workdir=runs/vflash-drafter --data=data/smoke/vflash/eval.jsonl \
+        --output=runs/vflash-drafter/eval/report.json   # a vflash run: speculative decoding with its drafter
     python -m valen_jax.evaluate --workdir=runs/valen-smoke --data=smoke/valen-eval:v1 --registry=/tmp/registry \
         --output=/tmp/report.json   # a registry reference (seed 003): the report names the exact version
 
@@ -17,6 +19,10 @@ format. Every example of the data is evaluated unless `--max_examples`. The repo
 - vflash: assistant-token `loss`/`accuracy` (teacher forcing); greedy decoding of each last answer:
   `generation.primitive_parse_rate`, and point/box/trajectory/dense metrics overall and per recipe
   entry (`valen_jax.evaluation.metrics.vflash`);
+- a vflash (drafter) workdir: its target's VFlash report (`ar`, exactly the target workdir's), the same
+  generation metrics from speculative decoding with the drafter, `identical` (must be 1.0) and per
+  recipe entry tau (bonus token included), per-position acceptance, the histogram of accepted draft
+  tokens and ms/token inside blocks target-only vs speculative (`valen_jax.evaluation.speculative`);
 - chat, vakforge: assistant-token loss/accuracy, tool-call exact match, answer exact/normalised match
   (seed 003) and, for vakforge, entity accuracy by type, overall and by locale and source
   (`valen_jax.evaluation.metrics.chat`, `.answer_match`, `.entities`); answers come from KV-cache
@@ -38,7 +44,7 @@ from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint, cli_logging
 from valen_jax.data.references import resolve_cli_data
-from valen_jax.evaluation import registry
+from valen_jax.evaluation import registry, speculative
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.workdir import Restored
 
@@ -87,6 +93,10 @@ def write_report(report: dict, path: str | Path) -> None:
 def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
                      **options) -> dict:
     """The report of the workdir's checkpoint (latest unless `step`) on `data`; `options` as in `run`."""
+    if eval_workdir.holds_drafter(workdir, step):  # a vflash run: its drafter, by speculative decoding
+        return speculative.evaluate_workdir(workdir, data, step, fmt, **options)
+    if options.pop("from_call", False):
+        raise ValueError(f"--from_call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
     restored = eval_workdir.restore(workdir, step)
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
     with jax.set_mesh(restored.mesh):
@@ -95,6 +105,8 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
 
 def summary(report: dict) -> str:
     """The one line the CLI prints about `report`, as its kind's evaluator words it."""
+    if "speculative" in report:
+        return speculative.summary(report)
     return registry.evaluator_for(report["format"]).summary(report)
 
 
@@ -113,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
     parser.add_argument("--samples", type=int, default=8, help="decoded answers listed in the report")
+    parser.add_argument("--from_call", action="store_true",
+                        help="vflash (drafter) workdir: also draft every reference block, from prompts that run to "
+                             "the reference's atomic_decoding call")
     parser.add_argument("--registry", default=None,
                         help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
@@ -122,7 +137,8 @@ def main(argv=None) -> int:
     data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
     report = evaluate_workdir(args.workdir, data, args.step, args.format, mode=args.mode,
                               max_examples=args.max_examples, batch_size=args.batch_size,
-                              max_new_tokens=args.max_new_tokens, samples=args.samples)
+                              max_new_tokens=args.max_new_tokens, samples=args.samples,
+                              **({"from_call": True} if args.from_call else {}))
     if reference is not None:
         report["data_reference"] = reference  # the exact version evaluated (seed 003)
     write_report(report, args.output)

@@ -49,6 +49,12 @@ def restore(workdir: str | Path, step: int | None = None, devices=None) -> Resto
     mgr = checkpoint.manager(workdir, read_only=True)
     step = checkpoint.select_step(mgr, workdir, step)
     meta = checkpoint.restore_meta(mgr, step)
+    if "drafter" in meta:  # a vflash run's state is its drafter; the model to decode with is its target
+        mgr.close()
+        raise checkpoint.CheckpointError(
+            f"{workdir}: checkpoint {step} holds a vflash block drafter, not a model to decode with; "
+            f"`python -m valen_jax.evaluate` evaluates it by speculative decoding against its target "
+            f"({meta['drafter']['target']['workdir']}), which is the workdir to predict or generate with")
     config = ml_collections.ConfigDict(meta["config"])
     fingerprint = meta["tokenizer"]["fingerprint"]
     tokenizer = checkpoint.load_tokenizer(workdir, fingerprint)
@@ -65,6 +71,16 @@ def restore(workdir: str | Path, step: int | None = None, devices=None) -> Resto
     spec = RowSpec.of(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                       meta["media_kwargs"])
     return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
+
+
+def holds_drafter(workdir: str | Path, step: int | None = None) -> bool:
+    """Whether the workdir's checkpoint `step` (default: the latest) is a vflash run's drafter."""
+    workdir = Path(workdir).resolve()
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        return "drafter" in checkpoint.restore_meta(mgr, checkpoint.select_step(mgr, workdir, step))
+    finally:
+        mgr.close()
 
 
 def require_score_head(restored: Restored, where: str) -> None:

@@ -1,0 +1,341 @@
+"""Evaluation of a `vflash` workdir (issue 16): its block drafter and the frozen target it was trained
+against, decoding every example's last trained answer target-only and speculatively (greedy).
+
+    python -m valen_jax.evaluate --workdir=runs/vflash-drafter --data=data/smoke/vflash/eval.jsonl \
+        --output=runs/vflash-drafter/eval/report.json
+
+The drafter's checkpoint names its target (meta.drafter.target: workdir, step, params_sha256); that step
+of that workdir is restored and its params' sha256 must be the recorded one: a target retrained or
+replaced since is refused, naming both. The report holds
+- `ar`: the target's own VFlash report (teacher-forced loss/accuracy, greedy generation, geometry per
+  recipe entry), exactly what evaluating the target workdir on the same data gives
+  (`evaluation.vflash`, engine greedy decoding);
+- `speculative`: the same generation and geometry metrics from the speculative outputs, `identical` (the
+  fraction of answers equal to the target-only greedy answer token for token: 1.0 under greedy, anything
+  else is a bug and the evaluation fails), and per recipe entry and overall the block metrics of
+  `metrics.speculative.BlockSums`: tau (its convention in `tau_convention`: the bonus token included),
+  per-position acceptance 1..B, the histogram of accepted draft tokens 0..B over verify passes, and
+  ms/token inside announced blocks target-only vs speculative with their ratio, timed in this run after
+  an untimed warm-up pass over every answer (compilation).
+`from_call=True` (`--from_call`) also decodes, beside the target's own answers, prompts that run to the
+reference answer's `atomic_decoding` call, so every reference block is drafted whatever the target
+writes before it (`speculative.from_call`: blocks and identity only; a target that never writes the call
+itself, e.g. a short smoke run, has no block to draft otherwise).
+
+Runs in one process: rows are decoded one at a time by a host loop around jitted passes, which several
+processes could not enter in step; the sums are nonetheless `GroupedSums` added across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from data_pipeline import examples as contract
+from data_pipeline.shards import Example
+from data_pipeline.tokenizer import end_of_turn_id
+from valen_jax import checkpoint, sharding
+from valen_jax.data.assemble import expand_media_slots
+from valen_jax.decoding.engine import GREEDY
+from valen_jax.decoding.speculative import (
+    AtomicCalls,
+    BlockStats,
+    CachedDrafter,
+    ScriptedDrafter,
+    SpeculativeDecoder,
+)
+from valen_jax.evaluation import hosts, tokens, vflash
+from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
+from valen_jax.evaluation.registry import Options
+from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.models import drafter as block_drafter
+
+log = logging.getLogger(__name__)
+
+
+class LossyDecoding(RuntimeError):
+    """Greedy speculative output differs from target-only greedy: a decoder bug, never a metric."""
+
+
+@dataclass
+class DrafterRun:
+    """One checkpoint step of a vflash workdir: the drafter and the target it was trained against."""
+
+    workdir: Path
+    step: int
+    config: ml_collections.ConfigDict  # the drafter run's training config
+    cfg: block_drafter.DrafterConfig
+    graphdef: object
+    params: object
+    target: Restored
+    record: dict  # meta.drafter.target: workdir, step, params_sha256, tokenizer
+
+
+def restore(workdir: str | Path, step: int | None = None) -> DrafterRun:
+    """The drafter at `step` (default: the latest) and its target, refused unless the target's params are
+    the ones recorded at training (sha256) and share the drafter's tokenizer."""
+    workdir = Path(workdir).resolve()
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        step = checkpoint.select_step(mgr, workdir, step)
+        meta = checkpoint.restore_meta(mgr, step)
+        if "drafter" not in meta:
+            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} holds no drafter (not a vflash run)")
+        record = meta["drafter"]["target"]
+        target = _target(workdir, step, record)
+        if target.fingerprint != meta["tokenizer"]["fingerprint"]:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: drafter tokenizer {meta['tokenizer']['fingerprint']}, its target {target.workdir} "
+                f"step {target.step} has {target.fingerprint}")
+        cfg = block_drafter.DrafterConfig.from_json(meta["drafter"]["config"])
+        graphdef, abstract = block_drafter.abstract_drafter(cfg)
+        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, target.mesh))
+        params = checkpoint.restore_params_verified(
+            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
+    finally:
+        mgr.close()
+    config = ml_collections.ConfigDict(meta["config"])
+    return DrafterRun(workdir, step, config, cfg, graphdef, params, target, record)
+
+
+def _target(workdir: Path, step: int, record: dict) -> Restored:
+    try:
+        target = eval_workdir.restore(record["workdir"], int(record["step"]))
+    except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as err:
+        raise checkpoint.CheckpointError(f"{_trained_against(workdir, step, record)}, which cannot be restored: "
+                                         f"{err}") from err
+    check_target(workdir, step, record, target)
+    return target
+
+
+def _trained_against(workdir: Path, step: int, record: dict) -> str:
+    return (f"{workdir}: checkpoint {step} is a drafter trained against target {record['workdir']} step "
+            f"{record['step']} (params sha256 {record['params_sha256']})")
+
+
+def check_target(workdir: Path, step: int, record: dict, target: Restored) -> None:
+    """Refuses a target whose params are not the ones the drafter at `workdir` `step` recorded."""
+    found = checkpoint.params_sha256(target.params)
+    if found != record["params_sha256"]:
+        raise checkpoint.CheckpointError(
+            f"{_trained_against(workdir, step, record)}; {target.workdir} step {target.step} now holds params "
+            f"sha256 {found}: the target changed since the drafter trained, so its acceptance would describe "
+            "other weights; train the drafter again (train.mode=vflash) against the target as it is")
+
+
+# -- prompts -------------------------------------------------------------------------------------------
+
+@dataclass
+class Answer:
+    index: int  # into the data's examples
+    entry: str | None
+    prompt: dict  # tokens.prompt_before: ids, positions, vision
+
+
+def own_prompts(examples: list[Example], mine: list[int], target: Restored) -> list[Answer]:
+    """The prompts `vflash.greedy_answers` continues (each example's last answer, from the turns before it)."""
+    eot = end_of_turn_id(target.tokenizer)
+    return [Answer(i, contract.meta_of(examples[i]).entry, tokens.prompt_of(examples[i], target.spec, eot))
+            for i in mine]
+
+
+def call_prompts(examples: list[Example], mine: list[int], target: Restored, calls: AtomicCalls) -> list[Answer]:
+    """Prompts through the reference's first `atomic_decoding` call in each example's last answer; an
+    answer that announces no block has nothing to draft and is left out (counted by the caller)."""
+    eot = end_of_turn_id(target.tokenizer)
+    found = []
+    for i in mine:
+        example = examples[i]
+        expanded = expand_media_slots(example, target.spec)
+        spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
+        if not spans:
+            raise ValueError(f"{contract.where(example)}: no trained assistant answer to decode")
+        start, stop = spans[-1]
+        answer = [int(t) for t in expanded.ids[start:stop]]
+        ends = [j for j, t in enumerate(answer) if t == calls.close_id and calls.announced(answer[:j + 1])]
+        if ends:
+            prompt = tokens.prompt_before(expanded, start + ends[0] + 1, target.spec, contract.where(example))
+            found.append(Answer(i, contract.meta_of(example).entry, prompt))
+    return found
+
+
+# -- decoding ------------------------------------------------------------------------------------------
+
+def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> set[int]:
+    """Indices into `output` of the tokens inside announced blocks, delimited as
+    `SpeculativeDecoder.generate` delimits them: from the token after a completed `atomic_decoding` call,
+    block_size tokens, or count x block_size for dense motion."""
+    inside: set[int] = set()
+    ids = list(prompt)
+    for t in range(len(output) + 1):
+        if t not in inside and ids and ids[-1] == calls.close_id:
+            announced = calls.announced(ids)
+            if announced is not None:
+                dense = announced.count and output[t:t + 1] == [calls.dense_id]
+                inside.update(range(t, t + announced.block_size * (announced.count if dense else 1)))
+        if t < len(output):
+            ids.append(output[t])
+    return {i for i in inside if i < len(output)}
+
+
+@dataclass
+class Decoded:
+    target_only: list[int]
+    speculative: list[int]
+    blocks: BlockStats
+    target_only_block_tokens: int
+    target_only_block_seconds: float  # the decode steps that produced block tokens
+    speculative_block_seconds: float  # the block programs (drafting, verification, acceptance)
+
+
+class PairDecoder:
+    """Decodes one prompt target-only and speculatively with the run's drafter, greedy, both on the fast
+    path of `decoding.speculative`. Target-only: the same decoder with no announcement (calls=None) and a
+    drafter that reads no target layer, so every token is one compiled decode step program read back to
+    the host (as tokens outside blocks are in speculative decoding); speculative: `CachedDrafter`, the
+    drafter's context cached, one compiled program per announced block."""
+
+    def __init__(self, run: DrafterRun):
+        target = run.target
+        self.vocab, self.eot = len(target.tokenizer), end_of_turn_id(target.tokenizer)
+        self.calls = AtomicCalls(target.tokenizer)
+        self.target = target
+        self.drafter = CachedDrafter(run.graphdef, run.params, self.vocab)
+        self.nothing = ScriptedDrafter([0])  # never asked: without announcements nothing is drafted
+
+    def decode(self, prompt: dict, max_new_tokens: int) -> Decoded:
+        target, options = self.target, {"vocab": self.vocab, "stop_ids": (self.eot,), "sampling": GREEDY}
+        alone = SpeculativeDecoder(target.graphdef, target.params, calls=None, **options)
+        target_only = alone.generate(dict(prompt), self.nothing, max_new_tokens=max_new_tokens)
+        inside = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
+        speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, **options)
+        drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
+        return Decoded(target_only, drafted, speculative.stats, len(inside),
+                       sum(s for i, s in alone.timing.step_times if i in inside), speculative.timing.block_seconds)
+
+
+def decode_all(decoder: PairDecoder, answers: list[Answer], room: list[int], max_new_tokens: int) -> list[Decoded]:
+    """Every answer decoded twice: an untimed warm-up pass (it compiles each shape the timed pass meets),
+    then the timed pass, whose outputs must repeat the warm-up's (greedy is deterministic)."""
+    budgets = [min(int(max_new_tokens), r) for r in room]
+    warm = [decoder.decode(a.prompt, b) for a, b in zip(answers, budgets, strict=True)]
+    timed = [decoder.decode(a.prompt, b) for a, b in zip(answers, budgets, strict=True)]
+    for answer, first, second in zip(answers, warm, timed, strict=True):
+        if (first.target_only, first.speculative) != (second.target_only, second.speculative):
+            raise LossyDecoding(f"example {answer.index}: a second greedy decoding gave other tokens")
+    return timed
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+def _rooms(answers: list[Answer], target: Restored) -> list[int]:
+    # As tokens.greedy: a row stops where prompt + generated reach the row length.
+    return [target.spec.seq_len - len(a.prompt["ids"]) for a in answers]
+
+
+def _block_report(run: DrafterRun, answers: list[Answer], references: list[list[int]], decoded: list[Decoded]
+                  ) -> tuple[dict, list[str]]:
+    """(block metrics and identity, summed over processes; the answers whose outputs differ)."""
+    stats = BlockSums(run.cfg.block_size)
+    lossy = []
+    for answer, reference, d in zip(answers, references, decoded, strict=True):
+        reference = [int(t) for t in reference]
+        identical = d.speculative == reference
+        if not identical or d.target_only != reference:
+            lossy.append(f"example {answer.index}: engine greedy {reference}, target-only loop {d.target_only}, "
+                         f"speculative {d.speculative}")
+        stats.add(d.blocks, identical=identical, target_only_block_tokens=d.target_only_block_tokens,
+                  target_only_block_seconds=d.target_only_block_seconds,
+                  speculative_block_seconds=d.speculative_block_seconds, entry=answer.entry)
+    return hosts.sum_stats(stats).report(), lossy
+
+
+def evaluate(run: DrafterRun, examples: list[Example], options: Options, *, from_call: bool = False) -> dict:
+    """The report's `ar` and `speculative` parts (module docstring); call inside `jax.set_mesh(run.target.mesh)`.
+    Raises LossyDecoding when a speculative answer differs from target-only greedy."""
+    if jax.process_count() > 1:
+        raise ValueError("speculative evaluation runs in one process (rows are decoded one at a time by a host "
+                         f"loop that {jax.process_count()} processes could not enter together)")
+    target = run.target
+    mine = hosts.local_indices(len(examples))
+    forced = tokens.teacher_forced(target.params, target.graphdef, examples, target.spec, target.mesh,
+                                   options.batch_size)
+    engine = vflash.greedy_answers(target, examples, options)
+    ar = {**forced, **vflash.answers_report(target, examples, engine, options)}
+
+    decoder = PairDecoder(run)
+    answers = own_prompts(examples, mine, target)
+    started = time.perf_counter()
+    decoded = decode_all(decoder, answers, _rooms(answers, target), options.max_new_tokens)
+    blocks, lossy = _block_report(run, answers, engine, decoded)
+    log.info("decoded %d answers target-only and speculatively twice (warm-up, timed) in %.1f s", len(answers),
+             time.perf_counter() - started)
+    speculative = {**vflash.answers_report(target, examples, [d.speculative for d in decoded], options),
+                   "identical": blocks["overall"]["identical"], "tau_convention": TAU_CONVENTION, "blocks": blocks}
+    if from_call:
+        speculative["from_call"], more = _from_call(run, decoder, examples, mine, options)
+        lossy += more
+    if lossy:
+        raise LossyDecoding(f"{len(lossy)} greedy answer(s) differ from target-only greedy decoding (a decoder "
+                            "bug: greedy speculative decoding is exact):\n" + "\n".join(lossy[:5]))
+    return {"ar": ar, "speculative": speculative}
+
+
+def _from_call(run: DrafterRun, decoder: PairDecoder, examples: list[Example], mine: list[int], options: Options
+               ) -> tuple[dict, list[str]]:
+    """Blocks and identity on prompts through the reference's atomic_decoding call (module docstring)."""
+    target = run.target
+    answers = call_prompts(examples, mine, target, decoder.calls)
+    local_batch = local_batch_size(options.batch_size, target.mesh)
+    engine = tokens.greedy(target.params, target.graphdef, [a.prompt for a in answers], target.spec, target.mesh,
+                           local_batch, hosts.batch_count(len(answers), local_batch), options.max_new_tokens,
+                           decoder.eot, decoder.vocab)
+    decoded = decode_all(decoder, answers, _rooms(answers, target), options.max_new_tokens)
+    blocks, lossy = _block_report(run, answers, engine, decoded)
+    without = int(hosts.sum_array(np.asarray([len(mine) - len(answers)]))[0])
+    return {"answers_without_call": without, "identical": blocks["overall"]["identical"], "blocks": blocks}, lossy
+
+
+def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None, *,
+                     mode: str | None = None, max_examples: int | None = None, batch_size: int | None = None,
+                     max_new_tokens: int | None = None, samples: int | None = 8, from_call: bool = False) -> dict:
+    """The report of a vflash workdir's drafter (latest step unless `step`) on `data`, options as
+    `evaluate.run`'s; the data's format and the decoding defaults are the target's, so `ar` is exactly the
+    target workdir's own report."""
+    run = restore(workdir, step)
+    target = run.target
+    fmt, converter_options = eval_workdir.data_format(target, fmt)
+    with jax.set_mesh(target.mesh):
+        examples, family, available = eval_workdir.load_examples(
+            fmt, data, run.workdir, checkpoint.tokenizer_dir(run.workdir), target.fingerprint, converter_options,
+            max_examples)
+        if family != "vflash":
+            raise ValueError(f"{data}: {family} data; a drafter (vflash workdir {run.workdir}) is evaluated on "
+                             "VFlash data, whose answers announce primitive blocks")
+        if not examples:
+            raise ValueError(f"{data}: no examples to evaluate")
+        eval_cfg = target.config.eval
+        options = Options(batch_size=int(batch_size or eval_cfg.batch_size),
+                          max_new_tokens=int(max_new_tokens or eval_cfg.max_new_tokens), mode=mode, samples=samples)
+        parts = evaluate(run, examples, options, from_call=from_call)
+    return {"data": str(data), "format": family, "task": target.config.task, "step": run.step,
+            "examples": len(examples), "examples_in_data": available,
+            "drafter": {"workdir": str(run.workdir), "step": run.step, "block_size": run.cfg.block_size,
+                        "target": run.record},
+            **parts}
+
+
+def summary(report: dict) -> str:
+    blocks = report["speculative"]["blocks"]["overall"]
+    tau, speedup = blocks["tau"], blocks["speedup"]
+    return (f"identical {report['speculative']['identical']:.3f}, tau {'n/a' if tau is None else f'{tau:.2f}'} "
+            f"over {blocks['passes']} verify passes, speed-up in blocks "
+            f"{'n/a' if speedup is None else f'{speedup:.2f}x'}; target: {vflash.summary(report['ar'])}")
