@@ -417,6 +417,9 @@ def main(argv=None) -> int:
     except answers.NotGenerated as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (FormatError, RenderError) as error:  # the source data itself: every problem with its file:line
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print("\n".join(report.lines()))
     return 0
 
