@@ -15,8 +15,8 @@ replaced since is refused, naming both. The report holds
   else is a bug and the evaluation fails), and per recipe entry and overall the block metrics of
   `metrics.speculative.BlockSums`: tau (its convention in `tau_convention`: the bonus token included),
   per-position acceptance 1..B, the histogram of accepted draft tokens 0..B over verify passes, and
-  ms/token inside announced blocks target-only vs speculative with their ratio, timed in this run after
-  an untimed warm-up pass over every answer (compilation).
+  ms/token inside announced blocks target-only (the compiled engine, each answer alone) vs speculative
+  with their ratio, timed in this run after an untimed warm-up pass over every answer (compilation).
 `from_call=True` (`--from_call`) also decodes, beside the target's own answers, prompts that run to the
 reference answer's `atomic_decoding` call, so every reference block is drafted whatever the target
 writes before it (`speculative.from_call`: blocks and identity only; a target that never writes the call
@@ -46,12 +46,11 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import expand_media_slots
-from valen_jax.decoding.engine import GREEDY
+from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.speculative import (
     AtomicCalls,
     BlockStats,
     CachedDrafter,
-    ScriptedDrafter,
     SpeculativeDecoder,
 )
 from valen_jax.evaluation import hosts, tokens, vflash
@@ -195,16 +194,19 @@ class Decoded:
     speculative: list[int]
     blocks: BlockStats
     target_only_block_tokens: int
-    target_only_block_seconds: float  # the decode steps that produced block tokens
+    target_only_block_seconds: float  # the engine's cost per token x the block tokens
     speculative_block_seconds: float  # the block programs (drafting, verification, acceptance)
 
 
 class PairDecoder:
-    """Decodes one prompt target-only and speculatively with the run's drafter, greedy, both on the fast
-    path of `decoding.speculative`. Target-only: the same decoder with no announcement (calls=None) and a
-    drafter that reads no target layer, so every token is one compiled decode step program read back to
-    the host (as tokens outside blocks are in speculative decoding); speculative: `CachedDrafter`, the
-    drafter's context cached, one compiled program per announced block."""
+    """Decodes one prompt target-only and speculatively with the run's drafter, greedy.
+
+    Target-only: `engine.generate_ids` on the prompt alone, the compiled decode loop (one while_loop, no
+    host round trip per token). Its cost per token is the answer's time minus the time to its first token
+    (the prefill), over the tokens after the first; every target-only token is one decode step, in blocks
+    or not, so that cost times the answer's block tokens is their time. Speculative: the fast path of
+    `decoding.speculative` (`CachedDrafter`: the drafter's context cached, one compiled program per
+    announced block), timed over its block programs."""
 
     def __init__(self, run: DrafterRun):
         target = run.target
@@ -212,17 +214,24 @@ class PairDecoder:
         self.calls = AtomicCalls(target.tokenizer)
         self.target = target
         self.drafter = CachedDrafter(run.graphdef, run.params, self.vocab)
-        self.nothing = ScriptedDrafter([0])  # never asked: without announcements nothing is drafted
+
+    def _engine(self, prompt: dict, max_new_tokens: int) -> tuple[list[int], float]:
+        started = time.perf_counter()  # generate_ids reads its result back: the time is the device's too
+        out = generate_ids(self.target.params, self.target.graphdef, [prompt], max_new_tokens=max_new_tokens,
+                           stop_ids=(self.eot,), vocab=self.vocab)[0]
+        return [int(t) for t in out], time.perf_counter() - started
 
     def decode(self, prompt: dict, max_new_tokens: int) -> Decoded:
-        target, options = self.target, {"vocab": self.vocab, "stop_ids": (self.eot,), "sampling": GREEDY}
-        alone = SpeculativeDecoder(target.graphdef, target.params, calls=None, **options)
-        target_only = alone.generate(dict(prompt), self.nothing, max_new_tokens=max_new_tokens)
+        target = self.target
+        target_only, whole = self._engine(prompt, max_new_tokens)
+        _, first = self._engine(prompt, 1)
+        per_token = max(whole - first, 0.0) / (len(target_only) - 1) if len(target_only) > 1 else 0.0
         inside = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
-        speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, **options)
+        speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, vocab=self.vocab,
+                                         stop_ids=(self.eot,), sampling=GREEDY)
         drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
-        return Decoded(target_only, drafted, speculative.stats, len(inside),
-                       sum(s for i, s in alone.timing.step_times if i in inside), speculative.timing.block_seconds)
+        return Decoded(target_only, drafted, speculative.stats, len(inside), per_token * len(inside),
+                       speculative.timing.block_seconds)
 
 
 def decode_all(decoder: PairDecoder, answers: list[Answer], room: list[int], max_new_tokens: int) -> list[Decoded]:
@@ -253,7 +262,7 @@ def _block_report(run: DrafterRun, answers: list[Answer], references: list[list[
         reference = [int(t) for t in reference]
         identical = d.speculative == reference
         if not identical or d.target_only != reference:
-            lossy.append(f"example {answer.index}: engine greedy {reference}, target-only loop {d.target_only}, "
+            lossy.append(f"example {answer.index}: engine greedy {reference}, the engine on it alone {d.target_only}, "
                          f"speculative {d.speculative}")
         stats.add(d.blocks, identical=identical, target_only_block_tokens=d.target_only_block_tokens,
                   target_only_block_seconds=d.target_only_block_seconds,

@@ -11,9 +11,10 @@ Conventions (TAU_CONVENTION is written into the report):
 - acceptance k (1..B, B the drafter's block size): of the passes that drafted position k, the fraction
   that had it accepted; acceptance is a prefix (k accepted only if 1..k-1 were);
 - histogram 0..B: verify passes by number of drafted tokens accepted; it sums to `passes`;
-- ms per token inside blocks: target-only = the time of the target passes that produced block tokens /
-  those tokens; speculative = the time of the block passes (drafting, verification, host work) / the
-  tokens they committed; speedup = target-only / speculative.
+- ms per token inside blocks: target-only = the compiled engine's time per decoded token (the answer's
+  time minus its prefill, over the tokens after the first; a target-only token costs one decode step, in
+  a block or not) x the block tokens, over those tokens; speculative = the time of the block programs
+  (drafting, verification, acceptance) / the tokens they committed; speedup = target-only / speculative.
 """
 
 from __future__ import annotations
