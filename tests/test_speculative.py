@@ -31,6 +31,7 @@ from valen_jax.decoding.speculative import (
     target_probs,
     verify_sampled,
 )
+from valen_jax.decoding.verification import first_argmax
 from valen_jax.models import mrope
 from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.drafter import Drafter, DrafterConfig, draft_hidden, text_positions
@@ -469,3 +470,10 @@ def test_a_vision_prompt_must_end_with_a_text_token_at_its_largest_position(toke
     early = {**prompt, "positions": prompt["positions"][::-1].copy()}
     with pytest.raises(ValueError, match="must end with a text token"):
         decoder.generate(early, None, max_new_tokens=4)
+
+
+def test_first_argmax_is_argmax_with_ties_to_the_lowest_id():
+    logits = jax.random.normal(jax.random.key(0), (40, 300))
+    logits = logits.at[3, 7].set(9.0).at[3, 9].set(9.0).at[5, -1].set(jnp.inf)
+    np.testing.assert_array_equal(first_argmax(logits), jnp.argmax(logits, axis=-1))
+    assert int(first_argmax(logits)[3]) == 7 and int(first_argmax(logits)[5]) == 299

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from valen_jax.decoding.sampling import mask_vocab
+from valen_jax.decoding.verification import first_argmax
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class TrainedRule:
         anchor = jnp.take(target.embed[...], last, axis=0)  # the target's frozen embedding, as in training
         hidden = drafter.draft_cached(state, cursor, anchor, position)[:, :width]  # [B, width, D]
         logits = jnp.einsum("bsd,dv->bsv", hidden, target.head_matrix(), preferred_element_type=jnp.float32)
-        return jnp.argmax(mask_vocab(logits, self.vocab), axis=-1).astype(jnp.int32), None
+        return first_argmax(mask_vocab(logits, self.vocab)), None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,17 @@ import jax.numpy as jnp
 from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab
 
 
+def first_argmax(logits):
+    """int32 argmax over the last axis, ties to the lowest id (as `jnp.argmax`): a max, then the smallest
+    index reaching it. Two plain reductions instead of XLA's variadic (value, index) one, which XLA:CPU
+    runs unvectorised: over [17, 2176] logits 0.08 ms against 0.38 ms (measured in a loop, this CPU).
+    A row without a maximum (NaN) gives the last id rather than an id outside the vocabulary."""
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    first = jnp.min(jnp.where(logits == best, ids, logits.shape[-1] - 1), axis=-1)
+    return first.astype(jnp.int32)
+
+
 def verify_greedy(logits, draft, vocab: int):
     """logits f32 [d + 1, V] at [last, x_1 .. x_d]; draft int [d] → (accepted n, the target's next token).
     x_k is accepted while it equals the target's argmax (ties to the lower id, as `sample`)."""
@@ -55,7 +66,7 @@ def accept_pass(logits, draft, q, key, drafted, sampling: Sampling, vocab: int):
     deterministic drafter (q is then the point mass on its tokens) → (accepted n <= drafted, next token)."""
     slots = jnp.arange(draft.shape[0])
     if sampling.greedy:
-        target = jnp.argmax(mask_vocab(logits, vocab), axis=-1).astype(jnp.int32)
+        target = first_argmax(mask_vocab(logits, vocab))
         accepted = jnp.sum(jnp.cumprod((draft == target[:-1]) & (slots < drafted))).astype(jnp.int32)
         return accepted, target[accepted]
     if q is None:
