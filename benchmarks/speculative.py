@@ -290,6 +290,8 @@ class Result:
     engine_tokens: int  # the tokens that loop produced (all but the first)
     spec_seconds: float  # the fast path's block programs (draft + verify + accept, on the device)
     spec_tokens: int  # the tokens they committed
+    step_seconds: float = 0.0  # the fast path's own target-only steps outside blocks (a host round trip each)
+    steps: int = 0
 
     @property
     def identical(self) -> bool:
@@ -319,7 +321,8 @@ def decode_all(target, drafter: CachedDrafter, calls, answers: list[Answer], max
         spec = decoder.generate(prompt, drafter, max_new_tokens=max_new_tokens)
         _, sizes = block_indices(list(map(int, prompt["ids"])), spec, calls)
         results.append(Result(answer, list(reference), spec, decoder.stats, sizes, max(whole - first, 0.0),
-                              len(reference) - 1, decoder.timing.block_seconds, decoder.timing.block_tokens))
+                              len(reference) - 1, decoder.timing.block_seconds, decoder.timing.block_tokens,
+                              decoder.timing.step_seconds, decoder.timing.steps))
     return results
 
 
@@ -350,6 +353,9 @@ def summary(label: str, results: list[Result], block: int) -> tuple[float, float
     print(f"{label}: {len(results)} answers, {identical} identical; {stats.passes} passes committed {stats.committed} "
           f"block tokens: tau {stats.tau:.2f}; ms/token engine {engine:.3f}, spec in blocks {spec:.3f}; "
           f"speedup {speedup:.2f}x")
+    steps = ms_per_token(sum(r.step_seconds for r in results), sum(r.steps for r in results))
+    print(f"  the fast path's own target-only steps outside blocks: {steps:.3f} ms/token (one program and read-back "
+          f"each; blocks are {steps / spec if stats.committed else float('nan'):.2f}x faster than these)")
     if stats.passes:
         acceptance = stats.acceptance()
         print("  acceptance by draft position: " + " ".join(f"{k}:{acceptance[k]:.2f}" for k in sorted(acceptance)))
@@ -369,7 +375,7 @@ def fastest(runs: list[list[Result]]) -> list[Result]:
         engine = min(per_answer, key=lambda r: r.engine_seconds)
         spec = min(per_answer, key=lambda r: r.spec_seconds)
         best.append(Result(first.answer, first.engine, first.spec, first.stats, first.sizes, engine.engine_seconds,
-                           first.engine_tokens, spec.spec_seconds, first.spec_tokens))
+                           first.engine_tokens, spec.spec_seconds, first.spec_tokens, spec.step_seconds, first.steps))
     return best
 
 
