@@ -59,19 +59,23 @@ class TrainedRule:
         return first_argmax(mask_vocab(logits, self.vocab)), None
 
 
-@dataclass(frozen=True)
-class ScriptRule:
-    """Proposes a given continuation (params: int32 [N]) at the row's output index: with the target's
-    own greedy output it is the oracle, whose drafting costs a slice (the speed-up ceiling)."""
-
-    collect: tuple[int, ...] = ()
-    block_size: int | None = None
+class _Stateless:
+    """A rule that reads no target features: no drafter state to build or to absorb into."""
 
     def init(self, params, features, positions, length: int):
         return ()
 
     def absorb(self, params, state, features, positions, cursor):
         return state
+
+
+@dataclass(frozen=True)
+class ScriptRule(_Stateless):
+    """Proposes a given continuation (params: int32 [N]) at the row's output index: with the target's
+    own greedy output it is the oracle, whose drafting costs a slice (the speed-up ceiling)."""
+
+    collect: tuple[int, ...] = ()
+    block_size: int | None = None
 
     def draft(self, params, state, target, last, position, cursor, produced, key, width: int):
         # Padded so a slice near the end is not shifted back (dynamic_slice clamps its start).
@@ -81,18 +85,12 @@ class ScriptRule:
 
 
 @dataclass(frozen=True)
-class UniformRule:
+class UniformRule(_Stateless):
     """Uniform random tokens in [0, vocab) from the pass's key, q uniform: the worst honest drafter."""
 
     vocab: int
     collect: tuple[int, ...] = ()
     block_size: int | None = None
-
-    def init(self, params, features, positions, length: int):
-        return ()
-
-    def absorb(self, params, state, features, positions, cursor):
-        return state
 
     def draft(self, params, state, target, last, position, cursor, produced, key, width: int):
         rows, logits_width = last.shape[0], target.cfg.vocab_size
