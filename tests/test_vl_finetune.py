@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from tests.train_runs import ROOT, env_with_devices, metrics, run_train
-from tests.vl_checkpoints import make_vl_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -41,10 +40,9 @@ def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """(directory, info) of the tiny checkpoint every run here starts from."""
-    directory = tmp_path_factory.mktemp("base")
-    return directory, make_vl_checkpoint(directory, FAMILY)
+def base(vl_checkpoint):
+    """(directory, info) of the tiny checkpoint every run here starts from (the run's shared one: read only)."""
+    return vl_checkpoint(FAMILY)
 
 
 @pytest.fixture(scope="module")
