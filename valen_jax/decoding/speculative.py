@@ -60,13 +60,13 @@ from valen_jax.decoding.block_loop import FastRow, Timing
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
 from valen_jax.decoding.engine import GREEDY, bucket
 from valen_jax.decoding.sampling import Sampling, mask_vocab, sample
-from valen_jax.decoding.verification import accept_pass, target_probs, verify_greedy, verify_sampled
+from valen_jax.decoding.verification import accept_pass, target_probs, verify_sampled
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import kv_cache
 
 __all__ = ["AtomicCalls", "BlockStats", "CachedDrafter", "OracleDrafter", "Proposal", "RandomDrafter",
            "ScriptedDrafter", "SpeculativeDecoder", "Timing", "TrainedDrafter", "accept_pass", "target_probs",
-           "verify_greedy", "verify_sampled"]
+           "verify_sampled"]
 
 # -- drafters -------------------------------------------------------------------------------------
 
@@ -367,31 +367,22 @@ class SpeculativeDecoder:
         return max(-remaining, 0)
 
     def _verify(self, logits, padded, drafted: int, q, key) -> tuple[int, int]:
-        """(accepted, next token) from the verify pass's logits [W, V] over a draft padded with -1 to W - 1."""
-        draft = jnp.asarray(padded)
-        if self.sampling.greedy:
-            accepted, nxt = _verify_greedy(logits, draft, self.vocab)
-        else:
+        """(accepted, next token) from the verify pass's logits [W, V] over a draft padded with -1 to W - 1:
+        the block loop's own rule (`accept_pass`), so both paths accept alike."""
+        q_rows = None  # a deterministic drafter: accept_pass takes q as the point mass on its proposal
+        if not self.sampling.greedy and q is not None:
             width, vocab = logits.shape
-            q_padded = np.zeros((width - 1, vocab), np.float32)
-            if q is None:  # a deterministic drafter: q is the point mass on its proposal
-                q_padded[np.arange(drafted), padded[:drafted]] = 1.0
-            else:
-                q = np.asarray(q, np.float32)
-                if q.shape != (drafted, q.shape[1]) or q.shape[1] > vocab:
-                    raise ValueError(f"drafter q of shape {q.shape}; want [{drafted}, <= {vocab}]")
-                q_padded[:drafted, :q.shape[1]] = q
-            accepted, nxt = _verify_sampled(logits, jnp.maximum(draft, 0), jnp.asarray(q_padded), key,
-                                            jnp.int32(drafted), self.sampling, self.vocab)
+            q = np.asarray(q, np.float32)
+            if q.shape != (drafted, q.shape[1]) or q.shape[1] > vocab:
+                raise ValueError(f"drafter q of shape {q.shape}; want [{drafted}, <= {vocab}]")
+            q_rows = np.zeros((width - 1, vocab), np.float32)
+            q_rows[:drafted, :q.shape[1]] = q
+        accepted, nxt = _accept(logits, jnp.maximum(jnp.asarray(padded), 0), q_rows, key, jnp.int32(drafted),
+                                self.sampling, self.vocab)
         return int(accepted), int(nxt)
 
 
-_verify_greedy = jax.jit(verify_greedy, static_argnums=2)
-
-
-@functools.partial(jax.jit, static_argnums=(5, 6))
-def _verify_sampled(logits, draft, q, key, drafted, sampling, vocab):
-    return verify_sampled(target_probs(logits, sampling, vocab), draft, q, key, drafted)
+_accept = jax.jit(accept_pass, static_argnums=(5, 6))
 
 
 # -- drafters for tests and baselines -------------------------------------------------------------

@@ -4,7 +4,7 @@ Greedy: the longest prefix of the draft equal to the target's argmax, then the t
 (the bonus). Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023), so
 the emitted tokens follow the target's distribution p exactly. `accept_pass` is what the on-device
 block loop (`block_loop`) runs per pass; the host loop (`speculative.SpeculativeDecoder.block`) uses
-the same two rules.
+the same rule (`accept_pass`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,6 @@ def first_argmax(logits):
     ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     first = jnp.min(jnp.where(logits == best, ids, logits.shape[-1] - 1), axis=-1)
     return first.astype(jnp.int32)
-
-
-def verify_greedy(logits, draft, vocab: int):
-    """logits f32 [d + 1, V] at [last, x_1 .. x_d]; draft int [d] → (accepted n, the target's next token).
-    x_k is accepted while it equals the target's argmax (ties to the lower id, as `sample`)."""
-    target = jnp.argmax(mask_vocab(logits, vocab), axis=-1).astype(jnp.int32)
-    accepted = jnp.sum(jnp.cumprod(draft == target[:-1])).astype(jnp.int32)
-    return accepted, target[accepted]
 
 
 def target_probs(logits, sampling: Sampling, vocab: int):
