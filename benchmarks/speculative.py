@@ -111,6 +111,7 @@ from valen_jax.decoding.speculative import (  # noqa: E402
     SpeculativeDecoder,
 )
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
+from valen_jax.evaluation.speculative import block_indices  # noqa: E402
 from valen_jax.evaluation.tokens import answer_spans, prompt_before  # noqa: E402
 from valen_jax.models import drafter as block_drafter  # noqa: E402
 
@@ -227,24 +228,6 @@ def restore_drafter(drafter_dir: Path, target: eval_workdir.Restored):
     print(f"drafter: {drafter_dir} step {step}, block_size {cfg.block_size}, {cfg.num_layers} layer(s), "
           f"target layers {cfg.target_layers}")
     return cfg, graphdef, params
-
-
-def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> tuple[set[int], list[int]]:
-    """(indices into `output` of announced block tokens, the announced block sizes), delimited as
-    `SpeculativeDecoder.generate` does: from the token after a completed call, block_size tokens, or
-    count x block_size for dense motion."""
-    inside, sizes, ids = set(), [], list(prompt)
-    for t in range(len(output) + 1):
-        if t not in inside and ids and ids[-1] == calls.close_id:
-            announced = calls.announced(ids)
-            if announced is not None:
-                dense = announced.count and output[t:t + 1] == [calls.dense_id]
-                blocks = announced.count if dense else 1
-                inside.update(range(t, t + announced.block_size * blocks))
-                sizes.append(announced.block_size)
-        if t < len(output):
-            ids.append(output[t])
-    return {i for i in inside if i < len(output)}, sizes
 
 
 # -- the answers ---------------------------------------------------------------------------------------

@@ -171,11 +171,12 @@ def call_prompts(examples: list[Example], mine: list[int], target: Restored, cal
 
 # -- decoding ------------------------------------------------------------------------------------------
 
-def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> set[int]:
-    """Indices into `output` of the tokens inside announced blocks, delimited as
-    `SpeculativeDecoder.generate` delimits them: from the token after a completed `atomic_decoding` call,
-    block_size tokens, or count x block_size for dense motion."""
+def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> tuple[set[int], list[int]]:
+    """(indices into `output` of the tokens inside announced blocks, the announced block sizes), delimited
+    as `SpeculativeDecoder.generate` delimits them: from the token after a completed `atomic_decoding`
+    call, block_size tokens, or count x block_size for dense motion."""
     inside: set[int] = set()
+    sizes: list[int] = []
     ids = list(prompt)
     for t in range(len(output) + 1):
         if t not in inside and ids and ids[-1] == calls.close_id:
@@ -183,9 +184,10 @@ def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> s
             if announced is not None:
                 dense = announced.count and output[t:t + 1] == [calls.dense_id]
                 inside.update(range(t, t + announced.block_size * (announced.count if dense else 1)))
+                sizes.append(announced.block_size)
         if t < len(output):
             ids.append(output[t])
-    return {i for i in inside if i < len(output)}
+    return {i for i in inside if i < len(output)}, sizes
 
 
 @dataclass
@@ -226,7 +228,7 @@ class PairDecoder:
         target_only, whole = self._engine(prompt, max_new_tokens)
         _, first = self._engine(prompt, 1)
         per_token = max(whole - first, 0.0) / (len(target_only) - 1) if len(target_only) > 1 else 0.0
-        inside = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
+        inside, _ = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
         speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, vocab=self.vocab,
                                          stop_ids=(self.eot,), sampling=GREEDY)
         drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
