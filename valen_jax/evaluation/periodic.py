@@ -38,7 +38,7 @@ class PeriodicEval:
         if not self.examples:
             raise ValueError(f"{config.data.eval}: no examples to evaluate during training (config.eval.every)")
         self.run = run
-        self.options = Options(batch_size=int(config.eval.batch_size), max_new_tokens=0)
+        self.options = Options(batch_size=int(config.eval.batch_size), max_new_tokens=0, image_reliance=False)
         log.info("evaluating every %d steps on %d of the %d examples of %s", config.eval.every,
                  len(self.examples), available, config.data.eval)
 

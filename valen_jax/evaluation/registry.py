@@ -24,6 +24,9 @@ class Options:
     max_new_tokens: int
     mode: str | None = None  # Valen sequence mode; None: the checkpoint's data.valen_mode
     samples: int | None = 8  # decoded answers listed in the report; None: all
+    # Answer again with each record's images swapped for another's (`image_reliance`): one more decoding
+    # of the image records; evaluation during training, which reports no answers, leaves it off.
+    image_reliance: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,190 @@
+"""Image reliance (issue 25): do a model's answers depend on its images? The same records are
+answered again with each record's images swapped for another record's, and the report says how many
+answers change and how the family's headline metric moves. A VLM that learnt to answer from the text
+alone scores the same either way, which no other figure of a report shows.
+
+The swap rule (`plan_swaps`):
+- A prompt's layout is the bytes of its `patch_positions` and `patch_segments` (`layout_of`): prompts
+  with one layout have the same media slots, grids and M-RoPE positions, so one's patches fill the
+  other's slots exactly while its text ids and positions stay as they are. A prompt without media (no
+  patch, or every segment 0) has no image to swap: it is left out and not counted.
+- Prompts are grouped by layout, in data order; within a group each takes the patches of the next one
+  (a cyclic rotation, so the result depends on the data alone). A prompt alone in its group, or whose
+  donor's patches are byte-identical to its own (the same image twice), is unswappable: counted, and
+  left out of the comparison.
+- Each process groups its own slice of the data (`hosts.local_indices`), so no patches cross hosts; the
+  counts are added across processes, and the metrics are summed stats (`hosts.sum_stats`) like the
+  rest of the report.
+
+The swapped prompts are decoded as the real ones were (`tokens.greedy`: greedy, the same budget and stop
+token); Valen questions are scored by the same score head. The report's `image_reliance`:
+
+    {"compared": int, "unswappable": int, "changed_fraction": float | None, "metric": str,
+     "with_images": float | None, "swapped_images": float | None, "drop": float | None}
+
+`compared` and `unswappable` count answers: a decoded assistant message (VFlash: each record's last
+answer; chat and vakforge: each decoded message whose prompt holds a media slot) or a Valen question.
+`changed_fraction`: of the compared answers, those whose decoded text (Valen: predicted candidate)
+differs with swapped images. `metric`: the family's headline, computed over the compared answers only,
+with the real images (`with_images`) and the swapped ones (`swapped_images`); `drop` is
+with_images − swapped_images, or swapped_images − with_images for a metric where lower is better
+(trajectory ADE), so a positive drop always means the images helped. The figures are None where no
+answer could be compared. Data in which no evaluated prompt holds media (text-only data, a model
+without a vision tower) gets no `image_reliance` key at all: there is nothing to measure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from data_pipeline.tokenizer import end_of_turn_id
+from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation.metrics import shown
+from valen_jax.evaluation.workdir import Restored, local_batch_size
+
+if TYPE_CHECKING:
+    from valen_jax.data.assemble import RowSpec
+    from valen_jax.evaluation.registry import Options
+
+log = logging.getLogger(__name__)
+
+# Below this fraction of changed answers the model is reported as answering from the text. Another
+# record's image moves the coordinates of nearly every grounding answer of a model that looks; a few
+# answers may rightly not move (a tool call the text decides, "no such object" in both images), but
+# fewer than 1 in 20 changing means the image plays no part in what the model says.
+CHANGE_FLOOR = 0.05
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the swap rule reads of one prompt's vision inputs: digests, so a pass may drop the arrays."""
+
+    key: bytes | None  # sha256 of patch_positions and patch_segments; None: the prompt holds no media
+    patches: bytes  # sha256 of the patches (equal digests: byte-identical patches)
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """Indices into the prompts `plan_swaps` was given (this process's, in data order)."""
+
+    donors: dict[int, int]  # compared prompt → the prompt whose patches it takes, in prompt order
+    unswappable: tuple[int, ...]  # prompts with media but no other image of their layout
+
+
+def _digest(*arrays: np.ndarray) -> bytes:
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())  # equal bytes in another shape differ
+        digest.update(array.tobytes())
+    return digest.digest()
+
+
+def layout_of(vision: Mapping[str, np.ndarray]) -> Layout:
+    """The layout of one prompt's (or Valen row's) vision arrays (`assemble.vision_arrays`)."""
+    segments = np.asarray(vision["patch_segments"])
+    if not segments.any():
+        return Layout(None, b"")
+    return Layout(_digest(vision["patch_positions"], segments), _digest(vision["patches"]))
+
+
+def sees_media(ids: np.ndarray, spec: RowSpec) -> bool:
+    """Whether a prompt's ids hold a media slot: patches fill slot tokens only, so a prompt that ends
+    before its record's first image (an early chat message) cannot see it, whatever the patches."""
+    slots = [spec.image_pad_id] + ([spec.video.video_pad_id] if spec.video is not None else [])
+    return bool(np.isin(np.asarray(ids), slots).any())
+
+
+def plan_swaps(layouts: Sequence[Layout]) -> SwapPlan:
+    """The swap rule (module docstring) over one process's prompts, in data order."""
+    groups: dict[bytes, list[int]] = {}
+    for index, layout in enumerate(layouts):
+        if layout.key is not None:
+            groups.setdefault(layout.key, []).append(index)
+    donors, unswappable = {}, []
+    for members in groups.values():
+        for position, index in enumerate(members):
+            donor = members[(position + 1) % len(members)]
+            if donor == index or layouts[donor].patches == layouts[index].patches:
+                unswappable.append(index)
+            else:
+                donors[index] = donor
+    return SwapPlan(dict(sorted(donors.items())), tuple(sorted(unswappable)))
+
+
+def with_patches(vision: Mapping[str, np.ndarray], donor: Mapping[str, np.ndarray]) -> dict:
+    """`vision` with the donor's patches; positions and segments its own (the same, by the layout)."""
+    return {**vision, "patches": donor["patches"]}
+
+
+def swap_prompts(prompts: Sequence[dict], plan: SwapPlan) -> list[dict]:
+    """The compared prompts (in `plan.donors` order), each with its donor's patches."""
+    return [{**prompts[i], "vision": with_patches(prompts[i]["vision"], prompts[donor]["vision"])}
+            for i, donor in plan.donors.items()]
+
+
+def global_counts(compared: int, unswappable: int, gather: hosts.Gather = hosts.process_gather) -> tuple[int, int]:
+    """(compared, unswappable) summed over processes: every process takes the same branch on them."""
+    total = hosts.sum_array(np.asarray([compared, unswappable]), gather)
+    return int(total[0]), int(total[1])
+
+
+def greedy(restored: Restored, prompts: list[dict], options: Options) -> list[list[int]]:
+    """Greedy ids of this process's `prompts`, decoded as evaluation decodes the real ones (`tokens.greedy`,
+    the options' budget, stop at end of turn); every process enters as many batches as the fullest needs."""
+    local_batch = local_batch_size(options.batch_size, restored.mesh)
+    batches = -(-max(hosts.gather_json(len(prompts))) // local_batch)
+    eot = end_of_turn_id(restored.tokenizer)
+    return tokens.greedy(restored.params, restored.graphdef, prompts, restored.spec, restored.mesh, local_batch,
+                         batches, options.max_new_tokens, eot, len(restored.tokenizer))
+
+
+def reliance(*, changed: int, compared: int, unswappable: int, metric: str, with_images: float | None,
+             swapped_images: float | None, lower_is_better: bool = False,
+             gather: hosts.Gather = hosts.process_gather) -> dict:
+    """The report's `image_reliance` from this process's counts (added across processes here) and the
+    metric of all processes' compared answers (already summed: `hosts.sum_stats`)."""
+    changed, compared, unswappable = (int(x) for x in hosts.sum_array(
+        np.asarray([changed, compared, unswappable]), gather))
+    drop = None
+    if with_images is not None and swapped_images is not None:
+        drop = swapped_images - with_images if lower_is_better else with_images - swapped_images
+    return {"compared": compared, "unswappable": unswappable,
+            "changed_fraction": changed / compared if compared else None, "metric": metric,
+            "with_images": with_images, "swapped_images": swapped_images, "drop": drop}
+
+
+def answers_from_text(part: dict | None) -> bool:
+    """The model's answers do not depend on its images: under CHANGE_FLOOR of at least one compared answer change."""
+    return bool(part) and part["compared"] > 0 and part["changed_fraction"] < CHANGE_FLOOR
+
+
+def _changed(part: dict) -> int:
+    return round(part["changed_fraction"] * part["compared"])
+
+
+def warn_if_text_only(report: dict) -> None:
+    """One warning line when the report's `image_reliance` says the answers ignore the images."""
+    part = report.get("image_reliance")
+    if not answers_from_text(part):
+        return
+    log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
+                "record's (%s %s → %s): the model answers from the text, not the image", _changed(part),
+                part["compared"], part["metric"], shown(part["with_images"]), shown(part["swapped_images"]))
+
+
+def summary(report: dict) -> str:
+    """The image-reliance clause of a family's summary line ('' without `image_reliance`)."""
+    part = report.get("image_reliance")
+    if part is None:
+        return ""
+    if not part["compared"]:
+        return f", image reliance: no answer compared ({part['unswappable']} unswappable)"
+    return (f", image reliance: {_changed(part)} of {part['compared']} answers change with swapped images "
+            f"({part['metric']} {shown(part['with_images'])} → {shown(part['swapped_images'])})")
