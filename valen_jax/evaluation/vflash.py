@@ -7,10 +7,14 @@ Masks: the Example keeps no `atom_loss_masks` strings, but they are recoverable 
 it does keep: `primitive_spans` locates every primitive with coordinates, and a coordinate token
 the mask removed has target weight 0. So the reference's masks are rebuilt from the Example, and a
 masked-out waypoint (e.g. an occluded dense point) is excluded from the metrics as in training.
+
+Image reliance (`evaluation.image_reliance`): the last answers are decoded again with each record's
+images swapped for another's and scored by the same `answer_stats`; the headline is `headline`'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +23,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
-from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation import hosts, image_reliance, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
 from valen_jax.evaluation.workdir import Restored, local_batch_size
@@ -27,6 +31,9 @@ from valen_jax.primitives import DENSE_SCALE
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options
+
+# The trajectory kinds of the metrics, in the order `headline` tries them for image reliance.
+TRAJECTORY_KINDS = ("robot_2d", "robot_3d", "drive")
 
 
 def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> list[str] | None:
@@ -82,19 +89,46 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     """The report's VFlash part; `options.samples` answers are listed (None: all, in data order)."""
     forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, restored.spec, restored.mesh,
                                    options.batch_size)
-    return {**forced, **answers_report(restored, examples, greedy_answers(restored, examples, options), options)}
+    prompts = last_answer_prompts(restored, examples)
+    generated = greedy_answers(restored, examples, options, prompts)
+    report = {**forced, **answers_report(restored, examples, generated, options)}
+    if options.image_reliance:
+        part = image_reliance_report(restored, examples, prompts, generated, options)
+        if part is not None:
+            report["image_reliance"] = part
+    return report
 
 
-def greedy_answers(restored: Restored, examples: list[Example], options: Options) -> list[list[int]]:
+def last_answer_prompts(restored: Restored, examples: list[Example]) -> list[dict]:
+    """The prompt of the last answer of each example this process evaluates (`hosts.local_indices` order)."""
+    eot = end_of_turn_id(restored.tokenizer)
+    return [tokens.prompt_of(examples[i], restored.spec, eot) for i in hosts.local_indices(len(examples))]
+
+
+def greedy_answers(restored: Restored, examples: list[Example], options: Options,
+                   prompts: list[dict] | None = None) -> list[list[int]]:
     """The greedy ids (stop token kept) of the last answer of each example this process evaluates
-    (`hosts.local_indices` order): every process enters the same batches."""
-    mine = hosts.local_indices(len(examples))
+    (`hosts.local_indices` order), from `prompts` (default: `last_answer_prompts`): every process
+    enters the same batches."""
+    prompts = last_answer_prompts(restored, examples) if prompts is None else prompts
     local_batch = local_batch_size(options.batch_size, restored.mesh)
     eot = end_of_turn_id(restored.tokenizer)
-    prompts = [tokens.prompt_of(examples[i], restored.spec, eot) for i in mine]
     return tokens.greedy(restored.params, restored.graphdef, prompts, restored.spec, restored.mesh, local_batch,
                          hosts.batch_count(len(examples), local_batch), options.max_new_tokens, eot,
                          len(restored.tokenizer))
+
+
+def answer_stats(tokenizer, examples: list[Example], texts: list[str]) -> VFlashStats:
+    """The metrics' sums of decoded last answers `texts` against their examples' references (this
+    process's; `hosts.sum_stats` adds the others')."""
+    eot = end_of_turn_id(tokenizer)
+    numbers = np.asarray(number_token_ids(tokenizer), np.int32)
+    stats = VFlashStats()
+    for example, text in zip(examples, texts, strict=True):
+        meta = contract.meta_of(example)
+        stats.add(meta.answers[-1], text, entry=meta.entry, masks=answer_masks(example, eot, numbers),
+                  dense_scale=dense_scale(example))
+    return stats
 
 
 def answers_report(restored: Restored, examples: list[Example], generated: list[list[int]], options: Options) -> dict:
@@ -106,16 +140,13 @@ def answers_report(restored: Restored, examples: list[Example], generated: list[
     local = [examples[i] for i in mine]
     eot = end_of_turn_id(tokenizer)
     texts = [tokens.decode(tokenizer, ids, eot) for ids in generated]
-    numbers = np.asarray(number_token_ids(tokenizer), np.int32)
-    stats = VFlashStats()
+    stats = answer_stats(tokenizer, local, texts)
     counts = np.zeros(3)  # answers, parsed, exact
     listed = []
     for i, example, text in zip(mine, local, texts, strict=True):
         reference = contract.meta_of(example).answers[-1]
         ok = parses(text)
         counts += (1, ok, text == reference)
-        stats.add(reference, text, entry=contract.meta_of(example).entry, masks=answer_masks(example, eot, numbers),
-                  dense_scale=dense_scale(example))
         if samples is None or i < samples:
             listed.append({"index": i, "source": contract.where(example),
                            "entry": contract.meta_of(example).entry, "image": _first_image(example),
@@ -131,6 +162,53 @@ def answers_report(restored: Restored, examples: list[Example], generated: list[
     }
 
 
+def headline(overall: dict) -> tuple[str, Callable[[dict], float | None], bool]:
+    """(name, its value in an overall metrics dict, lower is better) of the compared answers' headline,
+    chosen by what their references hold, so the real and the swapped answers are scored alike: point
+    accuracy, else box accuracy at IoU 0.5 (box mean IoU has the same denominator, so it is never there
+    when acc_at_0.5 is not), else the ADE of the first trajectory kind with references (robot_2d,
+    robot_3d, drive; lower is better; over the trajectories the answers give, so None where none of
+    them gives one), else the exact match of the whole answer."""
+    if overall["point"]["reference"]:
+        return "point_accuracy", lambda m: m["point"]["accuracy"], False
+    if overall["box"]["reference"]:
+        return "box_acc_at_0.5", lambda m: m["box"]["acc_at_0.5"], False
+    for kind in TRAJECTORY_KINDS:
+        if overall[kind]["reference"]:
+            return "trajectory_ade", lambda m, kind=kind: m[kind]["ade"], True
+    return "exact_match", lambda m: m["exact_match"], False
+
+
+def _overall(tokenizer, examples: list[Example], texts: list[str]) -> dict:
+    """All processes' overall metrics of these answers, with the exact match of the whole answer."""
+    overall = hosts.sum_stats(answer_stats(tokenizer, examples, texts)).report()["overall"]
+    exact, answers = hosts.sum_array(np.asarray(
+        [sum(t == contract.meta_of(e).answers[-1] for e, t in zip(examples, texts, strict=True)), len(texts)]))
+    return {**overall, "exact_match": exact / answers if answers else None}
+
+
+def image_reliance_report(restored: Restored, examples: list[Example], prompts: list[dict],
+                          generated: list[list[int]], options: Options) -> dict | None:
+    """The report's `image_reliance` (`evaluation.image_reliance`) of this process's last answers
+    (`prompts` and their `generated` ids, in `hosts.local_indices` order); None without media."""
+    plan = image_reliance.plan_swaps([image_reliance.layout_of(p["vision"]) for p in prompts])
+    if sum(image_reliance.global_counts(len(plan.donors), len(plan.unswappable))) == 0:
+        return None
+    tokenizer, eot = restored.tokenizer, end_of_turn_id(restored.tokenizer)
+    swapped = image_reliance.greedy(restored, image_reliance.swap_prompts(prompts, plan), options)
+    local = [examples[i] for i in hosts.local_indices(len(examples))]
+    compared = [local[j] for j in plan.donors]
+    real_texts = [tokens.decode(tokenizer, generated[j], eot) for j in plan.donors]
+    swapped_texts = [tokens.decode(tokenizer, ids, eot) for ids in swapped]
+    real, fake = _overall(tokenizer, compared, real_texts), _overall(tokenizer, compared, swapped_texts)
+    metric, value, lower_is_better = headline(real)
+    return image_reliance.reliance(
+        changed=sum(a != b for a, b in zip(real_texts, swapped_texts, strict=True)), compared=len(compared),
+        unswappable=len(plan.unswappable), metric=metric, with_images=value(real), swapped_images=value(fake),
+        lower_is_better=lower_is_better)
+
+
 def summary(report: dict) -> str:
     return (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
-            f"primitive parse rate {report['generation']['primitive_parse_rate']:.3f}")
+            f"primitive parse rate {report['generation']['primitive_parse_rate']:.3f}"
+            f"{image_reliance.summary(report)}")
