@@ -24,6 +24,10 @@ Shards converted before `answers` was recorded (an evaluation cache in WORKDIR/e
 shard directory) hold no reference text: their tool-call messages are still decoded and compared,
 their answers and entities are not; the report counts those examples under
 `skipped.examples_without_reference_answers`, and a warning says to reconvert.
+
+Image reliance (`evaluation.image_reliance`, `image_reliance_report`): the messages of records with
+images are decoded again with each record's images swapped for another's; the headline is the text
+answers' exact match (the tool calls' exact match where the compared messages have no text answer).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.data.assemble import expand_media_slots
-from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation import hosts, image_reliance, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.entities import EntityStats, Generated, entity_found
@@ -148,15 +152,12 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     generated = tokens.greedy(restored.params, restored.graphdef, [job[-1] for job in jobs], spec, mesh,
                               local_batch, decode_batches, max_new_tokens, eot, len(tokenizer))
     listed = []
-    for (i, example, k, calls, reference, entities, _), ids in zip(jobs, generated, strict=True):
+    for job, ids in zip(jobs, generated, strict=True):
+        i, example, k, calls, reference, entities, _ = job
         text = tokens.decode(tokenizer, ids, eot)
-        predicted = parse_tool_calls(text, family)
+        predicted = add_message(stats, job, ids, text, family, eot)
         breakdown = breakdown_of(example)
         finished = bool(ids) and ids[-1] == eot
-        if calls:
-            stats.add_tool_calls(calls, predicted, breakdown)
-        else:
-            stats.add_answer(reference, text, finished, breakdown)
         found = None
         if entities:
             answer = Generated.of(text, predicted)
@@ -176,6 +177,7 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
                     "for a JSONL file)", without_reference)
     overall = metrics["overall"]
     listed = sorted((s for part in hosts.gather_json(listed) for s in part), key=lambda s: (s["index"], s["message"]))
+    reliance = image_reliance_report(restored, jobs, generated, options) if options.image_reliance else None
     return {"target_tokens": int(overall["tokens"]), "loss": overall["token_loss"],
             "accuracy": overall["token_accuracy"], "tool_call_exact_match": overall["exact_match"],
             "answer_exact_match": overall["answers"]["exact_match"],
@@ -186,7 +188,70 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
                            "max_new_tokens": int(max_new_tokens)},
             "skipped": {"examples_without_reference_answers": without_reference},
             "metrics": metrics, "entities": entity_report,
-            "samples": listed[:samples] if samples is not None else listed}
+            "samples": listed[:samples] if samples is not None else listed,
+            **({"image_reliance": reliance} if reliance is not None else {})}
+
+
+def add_message(stats: ChatStats, job: tuple, ids: list[int], text: str, family: str | None, eot: int) -> list:
+    """One decoded message (`_jobs`' job, its ids and text) into `stats`; returns the calls it makes."""
+    _, example, _, calls, reference, _, _ = job
+    predicted = parse_tool_calls(text, family)
+    if calls:
+        stats.add_tool_calls(calls, predicted, breakdown_of(example))
+    else:
+        stats.add_answer(reference, text, bool(ids) and ids[-1] == eot, breakdown_of(example))
+    return predicted
+
+
+def _overall(restored: Restored, jobs: list[tuple], generated: list[list[int]], texts: list[str]) -> dict:
+    """All processes' overall chat metrics of these decoded messages."""
+    stats, family = ChatStats(), template_family(restored.tokenizer.chat_template)
+    eot = end_of_turn_id(restored.tokenizer)
+    for job, ids, text in zip(jobs, generated, texts, strict=True):
+        add_message(stats, job, ids, text, family, eot)
+    return hosts.sum_stats(stats).report()["overall"]
+
+
+def headline(overall: dict) -> tuple[str, float | None]:
+    """The compared messages' headline: exact match of the text answers, or of the tool calls when
+    there are none (chosen by the references, the same for the real and the swapped answers)."""
+    if overall["answers"]["messages"] or not overall["messages"]:
+        return "answer_exact_match", overall["answers"]["exact_match"]
+    return "tool_call_exact_match", overall["exact_match"]
+
+
+def image_reliance_report(restored: Restored, jobs: list[tuple], generated: list[list[int]], options: Options
+                          ) -> dict | None:
+    """The report's `image_reliance` (`evaluation.image_reliance`) of this process's decoded messages.
+
+    The swap is planned over records, not messages: every message of a record carries the record's
+    whole media (`tokens.prompt_before`), so two messages of one record would only swap an image for
+    itself. A compared record's messages whose prompts hold a media slot all take its donor's patches
+    and are counted one answer each; a message that ends before its record's first image is left out."""
+    seeing = [j for j, job in enumerate(jobs) if image_reliance.sees_media(job[-1]["ids"], restored.spec)]
+    first: dict[int, int] = {}  # record index → its first message that sees media
+    for j in seeing:
+        first.setdefault(jobs[j][0], j)
+    records = list(first)
+    plan = image_reliance.plan_swaps([image_reliance.layout_of(jobs[first[r]][-1]["vision"]) for r in records])
+    donor = {records[a]: jobs[first[records[b]]][-1]["vision"] for a, b in plan.donors.items()}
+    compared = [j for j in seeing if jobs[j][0] in donor]
+    if sum(image_reliance.global_counts(len(compared), len(seeing) - len(compared))) == 0:
+        return None
+    prompts = [{**jobs[j][-1], "vision": image_reliance.with_patches(jobs[j][-1]["vision"], donor[jobs[j][0]])}
+               for j in compared]
+    swapped = image_reliance.greedy(restored, prompts, options)
+    eot = end_of_turn_id(restored.tokenizer)
+    real_ids = [generated[j] for j in compared]
+    real_texts = [tokens.decode(restored.tokenizer, ids, eot) for ids in real_ids]
+    swapped_texts = [tokens.decode(restored.tokenizer, ids, eot) for ids in swapped]
+    compared_jobs = [jobs[j] for j in compared]
+    metric, with_images = headline(_overall(restored, compared_jobs, real_ids, real_texts))
+    _, swapped_images = headline(_overall(restored, compared_jobs, swapped, swapped_texts))
+    return image_reliance.reliance(
+        changed=sum(a != b for a, b in zip(real_texts, swapped_texts, strict=True)), compared=len(compared),
+        unswappable=len(seeing) - len(compared), metric=metric, with_images=with_images,
+        swapped_images=swapped_images)
 
 
 def summary(report: dict) -> str:
@@ -198,4 +263,4 @@ def summary(report: dict) -> str:
                  f"{shown(report['answer_normalised_match'])}")
     if report.get("entities", {}).get("overall", {}).get("entities"):
         line += f", entity accuracy {shown(report['entity_accuracy'])}"
-    return line
+    return line + image_reliance.summary(report)
