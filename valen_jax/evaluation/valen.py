@@ -12,6 +12,10 @@ Answer line (one per record, in data order):
       "probabilities": {CANDIDATE_KEY: q_k, …}   # keys as in the labels, in the record's candidate order
       "argmax": CANDIDATE_KEY,                    # highest q_k; ties go to the earliest candidate
       "expected": Σ_k k·q_k}}}                    # score questions only, in [0, K−1]
+
+Image reliance (`evaluation.image_reliance`): the labeled records are scored again with each record's
+images swapped for another's; the report gives the fraction of questions whose argmax changes and the
+hard-label accuracy with and without the record's own images.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -30,7 +35,7 @@ from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
-from valen_jax.evaluation import hosts
+from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
 from valen_jax.evaluation.workdir import Restored, host_local, local_batch_size, stack
@@ -100,27 +105,64 @@ def _question_probs(example: Example, log_probs: np.ndarray, row: dict) -> list[
     return out
 
 
-def score_records(restored: Restored, examples: list[Example], qspec: QuestionSpec, batch_size: int
-                  ) -> list[tuple[int, list[np.ndarray]]]:
-    """(index in `examples`, per-question probabilities) for the records this process evaluates."""
-    mine = hosts.local_indices(len(examples))
-    local_batch = local_batch_size(batch_size, restored.mesh)
-    batches = hosts.batch_count(len(examples), local_batch)
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """The inference rows of `examples`: one layout for all of them (`row_spec`, `question_spec`)."""
+
+    examples: list[Example]
+    spec: RowSpec
+    qspec: QuestionSpec
+
+    @classmethod
+    def of(cls, restored: Restored, examples: list[Example], qspec: QuestionSpec) -> _Rows:
+        return cls(examples, row_spec(restored.spec, examples, qspec), qspec)
+
+    def row(self, i: int, donor: int | None = None) -> dict:
+        """Record i's row; with `donor`, holding the donor record's patches (`image_reliance`: the same
+        layout, so every token, position and segment stays record i's)."""
+        row = valen_row(self.examples[i], self.spec, self.qspec, None)
+        if donor is None:
+            return row
+        return image_reliance.with_patches(row, valen_row(self.examples[donor], self.spec, self.qspec, None))
+
+
+def _score(restored: Restored, rows: _Rows, indices: list[int], batches: int, local_batch: int,
+           row_of: Callable[[int], dict]) -> list[tuple[int, list[np.ndarray]]]:
+    """(index, per-question probabilities) of this process's records `indices`, in `batches` batches
+    that every process enters together."""
     fn = _log_probs_fn(restored.graphdef)
-    spec, mesh = row_spec(restored.spec, examples, qspec), restored.mesh
     padding = None
     out = []
     for b in range(batches):
-        chunk = mine[b * local_batch:(b + 1) * local_batch]
-        rows = [valen_row(examples[i], spec, qspec, None) for i in chunk]
-        if not rows:  # this process is out of records while others are not
-            padding = padding or jax.tree.map(np.zeros_like, valen_row(examples[0], spec, qspec, None))
-            rows = [padding]
-        batch = sharding.global_batch(stack(rows, local_batch), mesh)
-        log_probs = host_local(fn(restored.params, batch), mesh)
+        chunk = indices[b * local_batch:(b + 1) * local_batch]
+        built = [row_of(i) for i in chunk]
+        if not built:  # this process is out of records while others are not
+            padding = padding or jax.tree.map(np.zeros_like, rows.row(0))
+            built = [padding]
+        batch = sharding.global_batch(stack(built, local_batch), restored.mesh)
+        log_probs = host_local(fn(restored.params, batch), restored.mesh)
         for k, i in enumerate(chunk):
-            out.append((i, _question_probs(examples[i], log_probs[k], rows[k])))
+            out.append((i, _question_probs(rows.examples[i], log_probs[k], built[k])))
     return out
+
+
+def score_records(restored: Restored, examples: list[Example], qspec: QuestionSpec, batch_size: int,
+                  rows: _Rows | None = None, layouts: list[image_reliance.Layout] | None = None
+                  ) -> list[tuple[int, list[np.ndarray]]]:
+    """(index in `examples`, per-question probabilities) for the records this process evaluates.
+    `rows`: their layout when the caller has it (default: made here); `layouts`, when given, receives
+    each scored record's image layout, in order, for the swapped pass (`image_reliance_report`)."""
+    rows = _Rows.of(restored, examples, qspec) if rows is None else rows
+    local_batch = local_batch_size(batch_size, restored.mesh)
+
+    def row_of(i: int) -> dict:
+        row = rows.row(i)
+        if layouts is not None:
+            layouts.append(image_reliance.layout_of(row))
+        return row
+
+    return _score(restored, rows, hosts.local_indices(len(examples)), hosts.batch_count(len(examples), local_batch),
+                  local_batch, row_of)
 
 
 def add_record(stats: ValenStats, example: Example, probs: list[np.ndarray]) -> None:
@@ -164,21 +206,62 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     unlabeled = [e for e in examples if not has_labels(e)]
     qspec = question_spec(restored.config, options.mode, labeled or examples)
     stats = ValenStats()
-    for i, probs in score_records(restored, labeled, qspec, options.batch_size) if labeled else ():
+    rows = _Rows.of(restored, labeled, qspec) if labeled else None
+    layouts: list[image_reliance.Layout] = []
+    scored = score_records(restored, labeled, qspec, options.batch_size, rows, layouts) if labeled else []
+    for i, probs in scored:
         add_record(stats, labeled[i], probs)
     for i in hosts.local_indices(len(unlabeled)):  # each host its share, as for scored records
         add_unlabeled_record(stats, unlabeled[i])
     metrics = hosts.sum_stats(stats).report()
     overall = metrics["overall"]
-    return {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
-            "accuracy": overall["accuracy"], "cross_entropy": overall["cross_entropy"],
-            "brier": overall["brier"], "rps": overall["rps"], "ece": overall["ece"], "metrics": metrics}
+    report = {"mode": qspec.mode, "questions": overall["questions"], "labeled": overall["labeled"],
+              "accuracy": overall["accuracy"], "cross_entropy": overall["cross_entropy"],
+              "brier": overall["brier"], "rps": overall["rps"], "ece": overall["ece"], "metrics": metrics}
+    # `labeled` is the whole data's, the same on every process: all take this branch or none.
+    part = image_reliance_report(restored, rows, scored, layouts, options) if labeled and options.image_reliance else None
+    if part is not None:
+        report["image_reliance"] = part
+    return report
+
+
+def _accuracy(rows: _Rows, scored: list[tuple[int, list[np.ndarray]]]) -> float | None:
+    """All processes' hard-label accuracy of these records' questions."""
+    stats = ValenStats()
+    for i, probs in scored:
+        add_record(stats, rows.examples[i], probs)
+    return hosts.sum_stats(stats).report()["overall"]["accuracy"]
+
+
+def image_reliance_report(restored: Restored, rows: _Rows, scored: list[tuple[int, list[np.ndarray]]],
+                          layouts: list[image_reliance.Layout], options: Options) -> dict | None:
+    """The report's `image_reliance` (`evaluation.image_reliance`): the same questions scored with each
+    record's images swapped for another record's, over this process's `scored` records (`layouts` in
+    the same order); an answer is a question, its predicted candidate the argmax. The swapped rows are
+    rebuilt (media processed again) rather than kept, so memory stays one batch of rows."""
+    plan = image_reliance.plan_swaps(layouts)
+    questions = [len(probs) for _, probs in scored]
+    compared = [scored[j] for j in plan.donors]
+    unswappable = sum(questions[j] for j in plan.unswappable)
+    if sum(image_reliance.global_counts(len(compared), len(plan.unswappable))) == 0:
+        return None
+    donor = {scored[j][0]: scored[d][0] for j, d in plan.donors.items()}
+    local_batch = local_batch_size(options.batch_size, restored.mesh)
+    # Every process enters as many batches as the one with the most swapped records needs.
+    batches = -(-max(hosts.gather_json(len(compared))) // local_batch)
+    swapped = _score(restored, rows, list(donor), batches, local_batch, lambda i: rows.row(i, donor[i]))
+    changed = sum(int(np.argmax(a)) != int(np.argmax(b)) for (_, real), (_, fake) in zip(compared, swapped, strict=True)
+                  for a, b in zip(real, fake, strict=True))
+    return image_reliance.reliance(changed=changed, compared=sum(questions[j] for j in plan.donors),
+                                   unswappable=unswappable, metric="accuracy", with_images=_accuracy(rows, compared),
+                                   swapped_images=_accuracy(rows, swapped))
 
 
 def summary(report: dict) -> str:
     return (f"{report['questions']} questions ({report['labeled']} labeled, {report['mode']} mode): "
             f"accuracy {shown(report['accuracy'])}, cross-entropy {shown(report['cross_entropy'])}, "
-            f"Brier {shown(report['brier'])}, RPS {shown(report['rps'])}, ECE {shown(report['ece'])}")
+            f"Brier {shown(report['brier'])}, RPS {shown(report['rps'])}, ECE {shown(report['ece'])}"
+            f"{image_reliance.summary(report)}")
 
 
 def predict_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int
