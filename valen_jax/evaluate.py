@@ -28,6 +28,9 @@ format. Every example of the data is evaluated unless `--max_examples`. The repo
   (`valen_jax.evaluation.metrics.chat`, `.answer_match`, `.entities`); answers come from KV-cache
   greedy decoding (`valen_jax.decoding`).
 With several processes each evaluates a slice and the sums are added before any ratio is formed.
+Every evaluation of image data (valen, vflash, chat, vakforge) also answers with each record's images
+swapped for another record's and reports `image_reliance` (`valen_jax.evaluation.image_reliance`); a
+model whose answers barely change is named in one warning line.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint, cli_logging
 from valen_jax.data.references import resolve_cli_data
-from valen_jax.evaluation import registry, speculative
+from valen_jax.evaluation import image_reliance, registry, speculative
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.workdir import Restored
 
@@ -70,6 +73,7 @@ def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str |
     report = {"data": str(data), "format": example_format, "task": restored.config.task, "step": restored.step,
               "examples": len(examples), "examples_in_data": available}
     report.update(evaluator.evaluate(restored, examples, chosen))
+    image_reliance.warn_if_text_only(report)  # here, so the end-of-training report warns too
     return report
 
 
