@@ -66,7 +66,8 @@ def test_model_flops_agree_with_xla_s_count_of_the_compiled_train_step():
     batch, seq = 8, 16
     train = ml_collections.ConfigDict(dict(steps=10, learning_rate=1e-3, warmup_steps=1, decay="cosine",
                                            end_learning_rate_fraction=0.1, weight_decay=0.01, adam_b1=0.9,
-                                           adam_b2=0.95, grad_clip_norm=1.0, param_groups=[]))
+                                           adam_b2=0.95, grad_clip_norm=1.0, param_groups=[],
+                                           vision_lr_multiplier=1.0))
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     layout = TrainLayout.from_config(cfg, train, mesh)
     shapes = {name: jax.ShapeDtypeStruct((batch, seq), dtype) for name, dtype in (

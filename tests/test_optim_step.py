@@ -12,7 +12,7 @@ import pytest
 from valen_jax import sharding
 from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.transformer import abstract_model, init_params
-from valen_jax.optim import ParamGroupError, learning_rate_schedule, param_labels
+from valen_jax.optim import ParamGroupError, groups_of, learning_rate_schedule, param_labels
 from valen_jax.step import StepOptions, TrainLayout, make_train_step
 
 VOCAB, SEQ, BATCH = 128, 16, 8
@@ -20,7 +20,8 @@ VOCAB, SEQ, BATCH = 128, 16, 8
 
 def train_cfg(**overrides) -> ml_collections.ConfigDict:
     values = dict(steps=100, learning_rate=1e-2, warmup_steps=10, decay="cosine", end_learning_rate_fraction=0.1,
-                  weight_decay=0.01, adam_b1=0.9, adam_b2=0.95, grad_clip_norm=1.0, param_groups=[])
+                  weight_decay=0.01, adam_b1=0.9, adam_b2=0.95, grad_clip_norm=1.0, param_groups=[],
+                  vision_lr_multiplier=1.0)
     values.update(overrides)
     return ml_collections.ConfigDict(values)
 
@@ -89,6 +90,27 @@ def test_param_groups_match_whole_paths_first_match_wins_and_an_unmatched_patter
         param_labels(shapes, [{"pattern": "embed", "frozen": True, "lr_multiplier": 0.1}])
     with pytest.raises(ParamGroupError, match="pattern"):
         param_labels(shapes, [{"pattern": "(", "frozen": True}])
+
+
+def test_the_vision_tower_trains_at_its_multiplier_after_the_configured_groups_and_a_text_model_has_none():
+    from flax import nnx
+    vision = VisionConfig(patch_size=8, merge_size=2, temporal_patch_size=2, dim=32, num_layers=1, num_heads=2,
+                          mlp_dim=64)
+    shapes = nnx.to_pure_dict(abstract_model(ModelConfig(vocab_size=VOCAB, dim=32, num_layers=1, num_heads=2,
+                                                         num_kv_heads=1, head_dim=16, mlp_dim=64, vision=vision))[1])
+    groups = groups_of(train_cfg(vision_lr_multiplier=0.1), shapes)
+    assert groups == [{"pattern": "vision/.*", "lr_multiplier": 0.1}]
+    labels = param_labels(shapes, groups)
+    assert set(jax.tree.leaves(labels["vision"])) == {"group0"} and labels["embed"] == "trained"
+    # A configured group that matches tower parameters wins over the implicit one (first match).
+    frozen = groups_of(train_cfg(vision_lr_multiplier=0.1, param_groups=[{"pattern": "vision/merge_.*", "frozen": True}]),
+                       shapes)
+    labels = param_labels(shapes, frozen)
+    assert labels["vision"]["merge_in"] == "frozen" and labels["vision"]["patch_embed"] == "group1"
+    # No tower (a text model, a drafter) or a multiplier of 1: nothing is added.
+    text = nnx.to_pure_dict(abstract_model(model_cfg())[1])
+    assert groups_of(train_cfg(vision_lr_multiplier=0.1), text) == []
+    assert groups_of(train_cfg(vision_lr_multiplier=1.0), shapes) == []
 
 
 def test_frozen_params_get_no_update_and_no_optimizer_state_and_multipliers_scale_the_step():

@@ -28,7 +28,8 @@ cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_head
 train = ml_collections.ConfigDict(dict(
     steps=10, learning_rate=1e-3, warmup_steps=2, decay="cosine", end_learning_rate_fraction=0.1, weight_decay=0.01,
     adam_b1=0.9, adam_b2=0.95, grad_clip_norm=1.0,
-    param_groups=[{"pattern": "vision/.*", "frozen": True}, {"pattern": "embed", "lr_multiplier": 0.1}]))
+    param_groups=[{"pattern": "vision/.*", "frozen": True}, {"pattern": "embed", "lr_multiplier": 0.1}],
+    vision_lr_multiplier=0.1))
 mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 layout = TrainLayout.from_config(cfg, train, mesh)
 params = init_params(cfg, 0, layout.param_shardings)

@@ -124,6 +124,13 @@ def _train() -> dict[str, Any]:
         # A tuple: ml_collections overrides tuples (not lists) from the command line,
         # --config.train.param_groups='({"pattern": "vision/.*", "frozen": True},)'.
         "param_groups": (),
+        # The learning rate of the vision tower (parameters under `vision/`, ours or an imported Qwen-VL
+        # tower) as a fraction of the schedule's, applied after param_groups (a group matching a tower
+        # parameter wins). Adam moves every element by about the learning rate whatever its gradient, and
+        # the tower's gradients are tiny and nearly rank one (most patches are background): at the full rate
+        # each tower matrix grows a shared direction step after step until every vision token is one vector
+        # and the decoder learns to answer from the text (issue 25; README "Vision tower learning rate").
+        "vision_lr_multiplier": 0.1,
         # Peak FLOP/s per device for MFU; None: from the device kind's datasheet, measured on CPU.
         # A fresh placeholder per config: a shared FieldReference would tie two configs together.
         "peak_flops": ml_collections.config_dict.placeholder(float),
@@ -258,6 +265,9 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
         optim.check_groups(list(train.param_groups))
     except optim.ParamGroupError as error:
         raise ConfigError(str(error)) from None
+    if not _finite("train.vision_lr_multiplier", train.vision_lr_multiplier) > 0:
+        raise ConfigError(f"config.train.vision_lr_multiplier must be a finite number > 0 (freeze the tower with "
+                          f"param_groups instead), got {train.vision_lr_multiplier!r}")
     # NaN passes every `<`/`>` comparison as False, so each bound is written as what must hold.
     for key, low, high, bounds in (("learning_rate", 0, math.inf, "> 0 (freeze with param_groups instead of 0)"),
                                    ("end_learning_rate_fraction", 0, 1, "in [0, 1]"),

@@ -5,6 +5,10 @@ must match the whole '/'-joined path (`embed`, `layers/0/attn/q`, `vision/patch_
 first matching group wins. A group is either `frozen` (no update, and no Adam moments held for
 it: optax.multi_transform gives it `set_to_zero`) or has an `lr_multiplier` that scales the
 schedule. A pattern that matches no parameter is an error: a typo must not freeze nothing.
+
+The vision tower (`vision/...`, when the model has one) trains at `config.train.vision_lr_multiplier`
+times the schedule: an implicit group after the configured ones, so a configured group that matches
+a tower parameter (freezing it, say) wins (`groups_of`).
 """
 
 from __future__ import annotations
@@ -98,8 +102,23 @@ def frozen_mask(params, groups: Sequence):
     return jax.tree.map(lambda label: label == FROZEN, param_labels(params, groups))
 
 
+VISION_PATTERN = "vision/.*"
+
+
+def groups_of(train_cfg, params) -> list[dict]:
+    """The configured param groups, then the vision tower's learning-rate group when the model has a tower
+    (a drafter or a text model has none) and the multiplier is not 1."""
+    groups = [dict(group) for group in train_cfg.param_groups]
+    multiplier = float(train_cfg.vision_lr_multiplier)
+    if multiplier != 1.0 and params is not None and any(
+            path_of(p).startswith("vision/") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
+        groups.append({"pattern": VISION_PATTERN, "lr_multiplier": multiplier})
+    return groups
+
+
 def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer and its base schedule; `params` (shapes suffice) is needed for param groups."""
+    """The optimizer and its base schedule; `params` (shapes suffice) is needed for param groups
+    and the vision tower's learning rate."""
     schedule = learning_rate_schedule(train_cfg)
 
     def adamw(multiplier: float) -> optax.GradientTransformation:
@@ -108,11 +127,11 @@ def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformatio
                            weight_decay=float(train_cfg.weight_decay), mask=_decay_mask)
 
     clip = optax.clip_by_global_norm(float(train_cfg.grad_clip_norm))
-    groups = list(train_cfg.param_groups)
+    if train_cfg.param_groups and params is None:
+        raise ValueError("build_optimizer: config.train.param_groups needs the parameter shapes")
+    groups = groups_of(train_cfg, params)
     if not groups:
         return optax.chain(clip, adamw(1.0)), schedule
-    if params is None:
-        raise ValueError("build_optimizer: config.train.param_groups needs the parameter shapes")
     checked = check_groups(groups)
     transforms = {TRAINED: adamw(1.0), FROZEN: optax.set_to_zero()}
     for index, group in enumerate(checked):
