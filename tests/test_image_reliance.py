@@ -26,7 +26,8 @@ from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.image_reliance import SwapPlan, layout_of, plan_swaps, swap_prompts
 
 VFLASH = ROOT / "data/smoke/vflash"
-KEYS = {"compared", "unswappable", "changed_fraction", "metric", "with_images", "swapped_images", "drop"}
+KEYS = {"compared", "unswappable", "changed_fraction", "differing", "reliance", "metric", "with_images",
+        "swapped_images", "drop"}
 NEW_TOKENS = 4
 
 
@@ -93,24 +94,64 @@ def test_a_swapped_prompt_keeps_its_text_and_takes_only_the_donors_patches():
 
 def test_counts_add_across_processes_and_the_drop_says_whether_the_images_helped():
     hosts = FakeHosts(2)
-    local = [dict(changed=1, compared=3, unswappable=1), dict(changed=2, compared=5, unswappable=0)]
+    local = [dict(changed=1, compared=3, unswappable=1, differing=2, differing_changed=1),
+             dict(changed=2, compared=5, unswappable=0, differing=2, differing_changed=2)]
     parts = hosts.run(lambda i: image_reliance.reliance(**local[i], metric="point_accuracy", with_images=0.75,
                                                         swapped_images=0.25, gather=hosts.gather))
     assert parts[0] == parts[1] == {"compared": 8, "unswappable": 1, "changed_fraction": 3 / 8,
+                                    "differing": 4, "reliance": 3 / 4,
                                     "metric": "point_accuracy", "with_images": 0.75, "swapped_images": 0.25,
                                     "drop": 0.5}
-    ade = image_reliance.reliance(changed=2, compared=2, unswappable=0, metric="trajectory_ade",
-                                  with_images=0.1, swapped_images=0.4, lower_is_better=True)
+    ade = image_reliance.reliance(changed=2, compared=2, unswappable=0, differing=0, differing_changed=0,
+                                  metric="trajectory_ade", with_images=0.1, swapped_images=0.4, lower_is_better=True)
     assert ade["drop"] == pytest.approx(0.3)  # lower is better: swapped − with images
-    none = image_reliance.reliance(changed=0, compared=0, unswappable=4, metric="point_accuracy",
-                                   with_images=None, swapped_images=None)
-    assert none == {"compared": 0, "unswappable": 4, "changed_fraction": None, "metric": "point_accuracy",
-                    "with_images": None, "swapped_images": None, "drop": None}
+    assert (ade["differing"], ade["reliance"]) == (0, None)  # no reference differs: nothing to rely on
+    none = image_reliance.reliance(changed=0, compared=0, unswappable=4, differing=0, differing_changed=0,
+                                   metric="point_accuracy", with_images=None, swapped_images=None)
+    assert none == {"compared": 0, "unswappable": 4, "changed_fraction": None, "differing": 0, "reliance": None,
+                    "metric": "point_accuracy", "with_images": None, "swapped_images": None, "drop": None}
 
 
-def _part(changed: int, compared: int) -> dict:
+def _part(changed: int, compared: int, differing_changed: int = 0, differing: int = 0) -> dict:
     return {"compared": compared, "unswappable": 0, "changed_fraction": changed / compared if compared else None,
+            "differing": differing, "reliance": differing_changed / differing if differing else None,
             "metric": "point_accuracy", "with_images": 0.6, "swapped_images": 0.6, "drop": 0.0}
+
+
+# The two-class task of issue 25: every answer is one of two points, so a record and the next one (its
+# donor) have different right answers for some pairs only.
+LEFT, RIGHT = "<point><250><500></point>", "<point><750><500></point>"
+
+
+def _two_class(count: int) -> tuple[list[str], list[str]]:
+    """(references, donor references) of `count` records in one layout, each swapped with the next (cyclic)."""
+    references = [LEFT if k % 4 < 2 else RIGHT for k in range(count)]  # L L R R L L R R ...: half the pairs differ
+    return references, references[1:] + references[:1]
+
+
+def test_a_model_that_looks_relies_fully_where_a_blind_one_does_not():
+    references, donors = _two_class(8)
+    perfect_real, perfect_swapped = references, donors  # answers what each image shows
+    differing, changed = image_reliance.differing_changes(references, donors, perfect_real, perfect_swapped)
+    part = image_reliance.reliance(changed=sum(a != b for a, b in zip(perfect_real, perfect_swapped, strict=True)),
+                                   compared=8, unswappable=0, differing=differing, differing_changed=changed,
+                                   metric="point_accuracy", with_images=1.0, swapped_images=0.5)
+    # Only half the swaps change the right answer: the changed fraction cannot pass 0.5, the reliance is 1.
+    assert (part["differing"], part["changed_fraction"], part["reliance"]) == (4, 0.5, 1.0)
+    blind = [LEFT] * 8  # the majority (here: first) class whatever the image
+    differing, changed = image_reliance.differing_changes(references, donors, blind, blind)
+    assert (differing, changed) == (4, 0)
+    part = image_reliance.reliance(changed=0, compared=8, unswappable=0, differing=differing, differing_changed=changed,
+                                   metric="point_accuracy", with_images=0.5, swapped_images=0.5)
+    assert (part["changed_fraction"], part["reliance"]) == (0.0, 0.0)
+
+
+def test_only_known_unequal_references_differ():
+    # None: a reference the record or its donor lacks (older shards, no message or question at that index,
+    # a soft label); equal references are not differing however the answers move.
+    assert image_reliance.differing_changes(["a", "a", None, "a", ["call"]], ["a", "b", "b", None, ["other"]],
+                                            ["x", "x", "x", "x", "x"], ["y", "x", "y", "y", "y"]) == (2, 1)
+    assert image_reliance.differing_changes([], [], [], []) == (0, 0)
 
 
 def test_the_warning_is_one_line_below_the_floor_only(caplog):
@@ -127,11 +168,35 @@ def test_the_warning_is_one_line_below_the_floor_only(caplog):
     assert image_reliance.answers_from_text(_part(4, 100)) and not image_reliance.answers_from_text(_part(5, 100))
 
 
+def test_the_warning_fires_too_when_the_differing_answers_do_not_change(caplog):
+    # 30 of 100 answers move, but only 1 of the 40 whose reference flips with the image: answers that shift
+    # where the right answer stays pass the changed-fraction floor, the reliance floor catches them.
+    with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
+        image_reliance.warn_if_text_only({"image_reliance": _part(30, 100, differing_changed=1, differing=40)})
+    assert [r.getMessage() for r in caplog.records] == [
+        "image reliance: 1 of the 40 answers whose reference differs with another record's images change when "
+        "they are swapped in (point_accuracy 0.6000 → 0.6000): the model answers from the text, not the image"]
+    # Below the floor but under 20 differing answers (too few to tell from chance), at the floor, a report
+    # written before `reliance` was recorded: no warning.
+    older = {key: value for key, value in _part(30, 100).items() if key not in ("differing", "reliance")}
+    for part in (_part(30, 100, 0, 19), _part(30, 100, 2, 40), older):
+        assert not image_reliance.answers_from_text(part)
+    assert image_reliance.answers_from_text(_part(30, 100, 0, 20))
+    # Both fire: one line, the changed-fraction one.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
+        image_reliance.warn_if_text_only({"image_reliance": _part(0, 100, 0, 40)})
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("image reliance: 0 of 100 answers")
+
+
 def test_summary_lines_carry_the_figures_when_present():
     base = {"loss": 1.0, "accuracy": 0.5, "generation": {"primitive_parse_rate": 0.25}}
     assert vflash.summary(base) == "loss 1.0000, accuracy 0.5000, primitive parse rate 0.250"
     assert vflash.summary({**base, "image_reliance": _part(3, 16)}).endswith(
         ", image reliance: 3 of 16 answers change with swapped images (point_accuracy 0.6000 → 0.6000)")
+    assert vflash.summary({**base, "image_reliance": _part(8, 16, 8, 8)}).endswith(
+        ", image reliance: 8 of 16 answers change with swapped images, 8 of 8 whose reference differs "
+        "(reliance 1.0000) (point_accuracy 0.6000 → 0.6000)")
     line = chat.summary({"loss": 1.5, "accuracy": None, "tool_call_exact_match": 0.25,
                          "image_reliance": {**_part(0, 0), "unswappable": 2}})
     assert line == "loss 1.5000, accuracy n/a, tool-call exact match 0.2500, image reliance: no answer compared (2 unswappable)"
@@ -159,6 +224,10 @@ def _check_shape(part: dict) -> None:
     assert set(part) == KEYS
     assert isinstance(part["compared"], int) and isinstance(part["unswappable"], int)
     assert isinstance(part["metric"], str)
+    assert isinstance(part["differing"], int) and 0 <= part["differing"] <= part["compared"]
+    assert (part["reliance"] is None) == (part["differing"] == 0)
+    if part["differing"]:
+        assert 0.0 <= part["reliance"] <= 1.0
     if part["compared"]:
         assert 0.0 <= part["changed_fraction"] <= 1.0
         if part["with_images"] is not None and part["swapped_images"] is not None:
@@ -178,12 +247,14 @@ def test_vflash_report_compares_every_smoke_record_and_warns_for_a_blind_model(v
     # The 16 smoke eval records: one 128×128 image each, all different, so one layout and all compared.
     assert report["examples"] == 16 and (part["compared"], part["unswappable"]) == (16, 0)
     assert part["metric"] == "point_accuracy"  # the smoke set holds point questions
+    assert part["differing"] == 16  # every smoke eval reference differs from the next record's
     assert part["with_images"] == report["metrics"]["overall"]["point"]["accuracy"]  # all compared: the same
     assert "image reliance: " in evaluate.summary(report)
 
     dark = blind_report["image_reliance"]
     _check_shape(dark)
     assert (dark["compared"], dark["changed_fraction"], dark["drop"]) == (16, 0.0, 0.0)
+    assert (dark["differing"], dark["reliance"]) == (16, 0.0)
     assert dark["with_images"] == dark["swapped_images"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("image reliance:")]
     assert lines == ["image reliance: 0 of 16 answers change when each record's images are swapped for another "
@@ -298,6 +369,9 @@ def test_chat_messages_that_see_an_image_are_compared(chat_restored, tmp_path):
     # image is unswappable; its "Hi." comes before any image and row 4 has none: neither is counted.
     assert (part["compared"], part["unswappable"]) == (3, 1)
     assert part["metric"] == "answer_exact_match"
+    # One reference, "A red circle.", for every message that sees an image: row 2's donor (row 3) opens with
+    # "Hi.", but messages pair by their place among those that see an image, not by message index.
+    assert (part["differing"], part["reliance"]) == (0, None)
     assert "image reliance: " in chat.summary(report)
 
 
@@ -324,6 +398,7 @@ def test_valen_questions_are_scored_again_with_swapped_images(valen_restored, tm
     text = json.loads((ROOT / "data/smoke/valen/train.jsonl").read_text().splitlines()[0])
     records = [_valen_record(0, "assets/0.png"), _valen_record(1, "assets/1.png"), _valen_record(2, "assets/2.png"),
                _valen_record(3, "assets/0.png"), text]
+    records[1]["targets"]["ball_color"]["probabilities"] = {"red": 1.0, "green": 0.0, "blue": 0.0}  # others: green
     data = tmp_path / "valen.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     with jax.set_mesh(restored.mesh):
@@ -335,5 +410,8 @@ def test_valen_questions_are_scored_again_with_swapped_images(valen_restored, tm
     # Three questions a record: records 0, 1, 2 compared (2 takes record 3's image, 0.png, not its own);
     # record 3 would get 0.png back; the text record has no image.
     assert (part["compared"], part["unswappable"], part["metric"]) == (9, 3, "accuracy")
+    # The gold ball colour differs for 0 ← 1 (green, red) and 1 ← 2 (red, green) only; the other questions'
+    # labels are the same in every record.
+    assert part["differing"] == 2
     assert part["with_images"] is not None and part["swapped_images"] is not None
     assert "image reliance: " in valen.summary(report)

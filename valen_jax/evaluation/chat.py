@@ -235,6 +235,7 @@ def image_reliance_report(restored: Restored, jobs: list[tuple], generated: list
     records = list(first)
     plan = image_reliance.plan_swaps([image_reliance.layout_of(jobs[first[r]][-1]["vision"]) for r in records])
     donor = {records[a]: jobs[first[records[b]]][-1]["vision"] for a, b in plan.donors.items()}
+    donor_record = {records[a]: records[b] for a, b in plan.donors.items()}
     compared = [j for j in seeing if jobs[j][0] in donor]
     if sum(image_reliance.global_counts(len(compared), len(seeing) - len(compared))) == 0:
         return None
@@ -248,10 +249,35 @@ def image_reliance_report(restored: Restored, jobs: list[tuple], generated: list
     compared_jobs = [jobs[j] for j in compared]
     metric, with_images = headline(_overall(restored, compared_jobs, real_ids, real_texts))
     _, swapped_images = headline(_overall(restored, compared_jobs, swapped, swapped_texts))
+    differing, differing_changed = image_reliance.differing_changes(
+        [_reference(job) for job in compared_jobs], _donor_references(jobs, seeing, compared, donor_record),
+        real_texts, swapped_texts)
     return image_reliance.reliance(
         changed=sum(a != b for a, b in zip(real_texts, swapped_texts, strict=True)), compared=len(compared),
-        unswappable=len(seeing) - len(compared), metric=metric, with_images=with_images,
-        swapped_images=swapped_images)
+        unswappable=len(seeing) - len(compared), differing=differing, differing_changed=differing_changed,
+        metric=metric, with_images=with_images, swapped_images=swapped_images)
+
+
+def _reference(job: tuple) -> list | str:
+    """A decoded message's reference as `add_message` compares it: its tool calls, else its text."""
+    _, _, _, calls, reference, _, _ = job
+    return calls or reference
+
+
+def _donor_references(jobs: list[tuple], seeing: list[int], compared: list[int], donor_record: dict[int, int]
+                      ) -> list[list | str | None]:
+    """Per compared message, the reference of the donor record's message in its place: the n-th message that
+    sees media of its record is paired with the donor's n-th (by message index, a record that opens with a
+    text exchange would pair its image question with the donor's greeting); None where the donor has fewer."""
+    by_record: dict[int, list[int]] = {}
+    for j in seeing:
+        by_record.setdefault(jobs[j][0], []).append(j)
+    out = []
+    for j in compared:
+        record = jobs[j][0]
+        theirs, place = by_record[donor_record[record]], by_record[record].index(j)
+        out.append(_reference(jobs[theirs[place]]) if place < len(theirs) else None)
+    return out
 
 
 def summary(report: dict) -> str:

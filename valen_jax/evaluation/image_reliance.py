@@ -19,13 +19,25 @@ The swap rule (`plan_swaps`):
 The swapped prompts are decoded as the real ones were (`tokens.greedy`: greedy, the same budget and stop
 token); Valen questions are scored by the same score head. The report's `image_reliance`:
 
-    {"compared": int, "unswappable": int, "changed_fraction": float | None, "metric": str,
-     "with_images": float | None, "swapped_images": float | None, "drop": float | None}
+    {"compared": int, "unswappable": int, "changed_fraction": float | None, "differing": int,
+     "reliance": float | None, "metric": str, "with_images": float | None,
+     "swapped_images": float | None, "drop": float | None}
 
 `compared` and `unswappable` count answers: a decoded assistant message (VFlash: each record's last
 answer; chat and vakforge: each decoded message whose prompt holds a media slot) or a Valen question.
 `changed_fraction`: of the compared answers, those whose decoded text (Valen: predicted candidate)
-differs with swapped images. `metric`: the family's headline, computed over the compared answers only,
+differs with swapped images. `differing`: the compared answers whose donor record's reference differs
+from the record's own (VFlash: the last answer's reference text; chat and vakforge: the message's
+reference, its tool calls or text, against the donor's message in its place among the messages that see
+media; Valen: the hard-labeled
+question's gold candidate key, the donor's question at the same index, both hard-labeled); a
+reference missing on either side (older shards, a donor with fewer messages or questions, a soft or
+no label) is not counted as differing. `reliance`: of the differing answers, those whose decoded text
+(Valen: predicted candidate) changes with swapped images; None when none differs. Where answers repeat
+(a two-class task), another record's image changes the right answer for only some records, so a
+model that looks changes only those: its `changed_fraction` stays near the share of differing pairs
+(0.5 for two balanced classes) while its `reliance` reaches 1; a blind model scores 0 on both.
+`metric`: the family's headline, computed over the compared answers only,
 with the real images (`with_images`) and the swapped ones (`swapped_images`); `drop` is
 with_images − swapped_images, or swapped_images − with_images for a metric where lower is better
 (trajectory ADE), so a positive drop always means the images helped. The figures are None where no
@@ -59,6 +71,12 @@ log = logging.getLogger(__name__)
 # answers may rightly not move (a tool call the text decides, "no such object" in both images), but
 # fewer than 1 in 20 changing means the image plays no part in what the model says.
 CHANGE_FLOOR = 0.05
+# Below this fraction of the differing answers changing, with at least RELIANCE_MIN_DIFFERING of them,
+# the model is reported as answering from the text too: where another record's image changes the right
+# answer, a model that looks changes its own nearly always; a handful of differing answers is too few
+# to tell that from chance.
+RELIANCE_FLOOR = 0.05
+RELIANCE_MIN_DIFFERING = 20
 
 
 @dataclass(frozen=True)
@@ -145,28 +163,64 @@ def greedy(restored: Restored, prompts: list[dict], options: Options) -> list[li
                          batches, options.max_new_tokens, eot, len(restored.tokenizer))
 
 
-def reliance(*, changed: int, compared: int, unswappable: int, metric: str, with_images: float | None,
-             swapped_images: float | None, lower_is_better: bool = False,
+def differing_changes(references: Sequence, donor_references: Sequence, real: Sequence, swapped: Sequence
+                      ) -> tuple[int, int]:
+    """(differing, changed of them) over compared answers: answer k differs when both its references are
+    known (not None) and unequal, and changes when `real[k] != swapped[k]` (decoded text, predicted candidate)."""
+    differing = changed = 0
+    for own, donor, a, b in zip(references, donor_references, real, swapped, strict=True):
+        if own is not None and donor is not None and own != donor:
+            differing += 1
+            changed += a != b
+    return differing, changed
+
+
+def reliance(*, changed: int, compared: int, unswappable: int, differing: int, differing_changed: int,
+             metric: str, with_images: float | None, swapped_images: float | None, lower_is_better: bool = False,
              gather: hosts.Gather = hosts.process_gather) -> dict:
-    """The report's `image_reliance` from this process's counts (added across processes here) and the
-    metric of all processes' compared answers (already summed: `hosts.sum_stats`)."""
-    changed, compared, unswappable = (int(x) for x in hosts.sum_array(
-        np.asarray([changed, compared, unswappable]), gather))
+    """The report's `image_reliance` from this process's counts (added across processes here; `differing`
+    and `differing_changed` from `differing_changes`) and the metric of all processes' compared answers
+    (already summed: `hosts.sum_stats`)."""
+    changed, compared, unswappable, differing, differing_changed = (int(x) for x in hosts.sum_array(
+        np.asarray([changed, compared, unswappable, differing, differing_changed]), gather))
     drop = None
     if with_images is not None and swapped_images is not None:
         drop = swapped_images - with_images if lower_is_better else with_images - swapped_images
     return {"compared": compared, "unswappable": unswappable,
-            "changed_fraction": changed / compared if compared else None, "metric": metric,
+            "changed_fraction": changed / compared if compared else None, "differing": differing,
+            "reliance": differing_changed / differing if differing else None, "metric": metric,
             "with_images": with_images, "swapped_images": swapped_images, "drop": drop}
 
 
+def _few_change(part: dict) -> bool:
+    return part["compared"] > 0 and part["changed_fraction"] < CHANGE_FLOOR
+
+
+def _differing_kept(part: dict) -> bool:
+    # .get: reports written before `reliance` was recorded hold only the changed fraction.
+    return (part.get("reliance") is not None and part["differing"] >= RELIANCE_MIN_DIFFERING
+            and part["reliance"] < RELIANCE_FLOOR)
+
+
 def answers_from_text(part: dict | None) -> bool:
-    """The model's answers do not depend on its images: under CHANGE_FLOOR of at least one compared answer change."""
-    return bool(part) and part["compared"] > 0 and part["changed_fraction"] < CHANGE_FLOOR
+    """The model's answers do not depend on its images, by either test. Under CHANGE_FLOOR of the compared
+    answers changing needs nothing of the references and covers data where none differs (`reliance` None),
+    but answers moving for any reason pass it: on a task whose answers repeat, a model whose answers shift
+    where the right answer stays and stay where it flips changes often enough. Under RELIANCE_FLOOR of the
+    differing answers changing catches that model, whatever the share of differing pairs."""
+    return bool(part) and (_few_change(part) or _differing_kept(part))
 
 
 def _changed(part: dict) -> int:
     return round(part["changed_fraction"] * part["compared"])
+
+
+def _differing_changed(part: dict) -> int:
+    return round(part["reliance"] * part["differing"])
+
+
+def _figures(part: dict) -> str:
+    return f"{part['metric']} {shown(part['with_images'])} → {shown(part['swapped_images'])}"
 
 
 def warn_if_text_only(report: dict) -> None:
@@ -174,9 +228,14 @@ def warn_if_text_only(report: dict) -> None:
     part = report.get("image_reliance")
     if not answers_from_text(part):
         return
-    log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
-                "record's (%s %s → %s): the model answers from the text, not the image", _changed(part),
-                part["compared"], part["metric"], shown(part["with_images"]), shown(part["swapped_images"]))
+    if _few_change(part):
+        log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
+                    "record's (%s): the model answers from the text, not the image", _changed(part),
+                    part["compared"], _figures(part))
+    else:
+        log.warning("image reliance: %d of the %d answers whose reference differs with another record's images "
+                    "change when they are swapped in (%s): the model answers from the text, not the image",
+                    _differing_changed(part), part["differing"], _figures(part))
 
 
 def summary(report: dict) -> str:
@@ -186,5 +245,7 @@ def summary(report: dict) -> str:
         return ""
     if not part["compared"]:
         return f", image reliance: no answer compared ({part['unswappable']} unswappable)"
-    return (f", image reliance: {_changed(part)} of {part['compared']} answers change with swapped images "
-            f"({part['metric']} {shown(part['with_images'])} → {shown(part['swapped_images'])})")
+    line = f", image reliance: {_changed(part)} of {part['compared']} answers change with swapped images"
+    if part.get("reliance") is not None:  # .get: reports written before it was recorded
+        line += f", {_differing_changed(part)} of {part['differing']} whose reference differs (reliance {shown(part['reliance'])})"
+    return line + f" ({_figures(part)})"

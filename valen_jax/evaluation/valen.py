@@ -14,8 +14,9 @@ Answer line (one per record, in data order):
       "expected": Σ_k k·q_k}}}                    # score questions only, in [0, K−1]
 
 Image reliance (`evaluation.image_reliance`): the labeled records are scored again with each record's
-images swapped for another's; the report gives the fraction of questions whose argmax changes and the
-hard-label accuracy with and without the record's own images.
+images swapped for another's; the report gives the fraction of questions whose argmax changes (of all,
+and of those whose gold candidate differs from the donor record's: `reliance`) and the hard-label
+accuracy with and without the record's own images.
 """
 
 from __future__ import annotations
@@ -250,11 +251,27 @@ def image_reliance_report(restored: Restored, rows: _Rows, scored: list[tuple[in
     # Every process enters as many batches as the one with the most swapped records needs.
     batches = -(-max(hosts.gather_json(len(compared))) // local_batch)
     swapped = _score(restored, rows, list(donor), batches, local_batch, lambda i: rows.row(i, donor[i]))
-    changed = sum(int(np.argmax(a)) != int(np.argmax(b)) for (_, real), (_, fake) in zip(compared, swapped, strict=True)
-                  for a, b in zip(real, fake, strict=True))
-    return image_reliance.reliance(changed=changed, compared=sum(questions[j] for j in plan.donors),
-                                   unswappable=unswappable, metric="accuracy", with_images=_accuracy(rows, compared),
-                                   swapped_images=_accuracy(rows, swapped))
+    real_argmax = [int(np.argmax(a)) for _, real in compared for a in real]
+    swapped_argmax = [int(np.argmax(b)) for _, fake in swapped for b in fake]
+    own, theirs = [], []  # per compared question: its gold key and the donor's question's at the same index
+    for i, probs in compared:
+        donor_gold = gold_keys(rows.examples[donor[i]])
+        own += gold_keys(rows.examples[i])
+        theirs += [donor_gold[q] if q < len(donor_gold) else None for q in range(len(probs))]
+    differing, differing_changed = image_reliance.differing_changes(own, theirs, real_argmax, swapped_argmax)
+    return image_reliance.reliance(changed=sum(a != b for a, b in zip(real_argmax, swapped_argmax, strict=True)),
+                                   compared=sum(questions[j] for j in plan.donors), unswappable=unswappable,
+                                   differing=differing, differing_changed=differing_changed, metric="accuracy",
+                                   with_images=_accuracy(rows, compared), swapped_images=_accuracy(rows, swapped))
+
+
+def gold_keys(example: Example) -> list[str | None]:
+    """Per question, the candidate key its hard label picks (what hard-label accuracy compares the argmax
+    with); None for a soft-labeled or unlabeled question."""
+    meta, arrays = contract.meta_of(example), example.arrays
+    owner = arrays["candidate_question"]
+    return [keys[int(np.argmax(arrays["labels"][owner == q]))] if arrays["labeled"][q] and hard else None
+            for q, (keys, hard) in enumerate(zip(meta.candidate_keys, meta.hard_labels, strict=True))]
 
 
 def summary(report: dict) -> str:

@@ -202,10 +202,13 @@ def image_reliance_report(restored: Restored, examples: list[Example], prompts: 
     swapped_texts = [tokens.decode(tokenizer, ids, eot) for ids in swapped]
     real, fake = _overall(tokenizer, compared, real_texts), _overall(tokenizer, compared, swapped_texts)
     metric, value, lower_is_better = headline(real)
+    differing, differing_changed = image_reliance.differing_changes(
+        [contract.meta_of(e).answers[-1] for e in compared],
+        [contract.meta_of(local[d]).answers[-1] for d in plan.donors.values()], real_texts, swapped_texts)
     return image_reliance.reliance(
         changed=sum(a != b for a, b in zip(real_texts, swapped_texts, strict=True)), compared=len(compared),
-        unswappable=len(plan.unswappable), metric=metric, with_images=value(real), swapped_images=value(fake),
-        lower_is_better=lower_is_better)
+        unswappable=len(plan.unswappable), differing=differing, differing_changed=differing_changed,
+        metric=metric, with_images=value(real), swapped_images=value(fake), lower_is_better=lower_is_better)
 
 
 def summary(report: dict) -> str:
