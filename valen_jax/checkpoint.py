@@ -350,7 +350,9 @@ def restore_intact(mgr: ocp.CheckpointManager, workdir: str | Path, abstract_sta
         check_meta(step, meta)
         if meta.get("state_layout") is not None:
             _refuse_other_layout(step, meta["state_layout"], state_layout(abstract_state),
-                                 "train-state layout (model, optimizer or param_groups changed)")
+                                 "train-state layout (model, optimizer, param_groups or vision_lr_multiplier "
+                                 "changed; a workdir trained before vision_lr_multiplier resumes with "
+                                 "--config.train.vision_lr_multiplier=1.0)")
         try:
             state = restore_state(mgr, step, abstract_state, iterator)
             verify(step, meta, state, iterator)
