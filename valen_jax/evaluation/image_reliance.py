@@ -115,8 +115,7 @@ def layout_of(vision: Mapping[str, np.ndarray]) -> Layout:
 def sees_media(ids: np.ndarray, spec: RowSpec) -> bool:
     """Whether a prompt's ids hold a media slot: patches fill slot tokens only, so a prompt that ends
     before its record's first image (an early chat message) cannot see it, whatever the patches."""
-    slots = [spec.image_pad_id] + ([spec.video.video_pad_id] if spec.video is not None else [])
-    return bool(np.isin(np.asarray(ids), slots).any())
+    return bool(np.isin(np.asarray(ids), tokens.media_slot_ids(spec)).any())
 
 
 def plan_swaps(layouts: Sequence[Layout]) -> SwapPlan:

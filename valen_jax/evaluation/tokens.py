@@ -102,6 +102,11 @@ def answer_spans(ids: np.ndarray, weights: np.ndarray, end_of_turn: int) -> list
     return spans
 
 
+def media_slot_ids(spec: RowSpec) -> list[int]:
+    """The tokens media slots are made of (`assemble.expand_slots`): image pads, and video pads for a model with them."""
+    return [spec.image_pad_id] + ([spec.video.video_pad_id] if spec.video is not None else [])
+
+
 def prompt_of(example: Example, spec: RowSpec, end_of_turn: int, answer: int = -1) -> dict:
     """The expanded token ids before the `answer`-th trained answer, and the example's vision inputs."""
     expanded = expand_media_slots(example, spec)
