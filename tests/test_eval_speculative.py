@@ -58,10 +58,11 @@ def reports(runs, tmp_path_factory):
 def test_the_ar_part_is_the_target_workdirs_own_report(reports):
     own, report = reports
     assert report["ar"] == {key: own[key] for key in report["ar"]}
-    # The speculative evaluation does not swap images (issue 25 measured image reliance in `evaluate.run`'s
-    # reports only), so its `ar` part has no `image_reliance`.
+    # The speculative evaluation does not swap images nor read the target's training data (issue 25 measured
+    # image reliance and the text-only baseline in `evaluate.run`'s reports only), so its `ar` part has no
+    # `image_reliance` and no `text_only_baseline`.
     assert set(report["ar"]) == set(own) - {"data", "format", "task", "step", "examples", "examples_in_data",
-                                            "image_reliance"}
+                                            "image_reliance", "text_only_baseline"}
     assert report["examples"] == own["examples"] == 4 and report["format"] == "vflash"
     # The speculative answers are scored by the same code: equal outputs give equal metrics.
     assert report["speculative"]["identical"] == 1.0

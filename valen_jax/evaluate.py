@@ -18,7 +18,8 @@ format. Every example of the data is evaluated unless `--max_examples`. The repo
   (`valen_jax.evaluation.metrics.valen`), in `--mode` (default: the checkpoint's `data.valen_mode`);
 - vflash: assistant-token `loss`/`accuracy` (teacher forcing); greedy decoding of each last answer:
   `generation.primitive_parse_rate`, and point/box/trajectory/dense metrics overall and per recipe
-  entry (`valen_jax.evaluation.metrics.vflash`);
+  entry (`valen_jax.evaluation.metrics.vflash`); `text_only_baseline`, the headline metric of answers
+  taken from the workdir's training records with the same prompt (`valen_jax.evaluation.text_only`);
 - a vflash (drafter) workdir: its target's VFlash report (`ar`, exactly the target workdir's), the same
   generation metrics from speculative decoding with the drafter, `identical` (must be 1.0) and per
   recipe entry tau (bonus token included), per-position acceptance, the histogram of accepted draft

@@ -10,10 +10,22 @@ masked-out waypoint (e.g. an occluded dense point) is excluded from the metrics 
 
 Image reliance (`evaluation.image_reliance`): the last answers are decoded again with each record's
 images swapped for another's and scored by the same `answer_stats`; the headline is `headline`'s.
+
+Text-only baseline (`evaluation.text_only`): the last answers a predictor reading only the prompt's text
+gives (the most common training answer of the same prompt), scored by the same `answer_stats` and
+`headline`, so a reader sees whether the data needs the image at all. The report's `text_only_baseline`:
+
+    {"metric": str, "value": float | None, "same_prompt": int, "records": int, "training_records": int}
+
+`records`: the evaluated records; `same_prompt`: those answered from training records with the same
+prompt (the rest get the most common training answer overall); `training_records`: those read (the
+first `text_only.TRAINING_RECORDS`). Training data that cannot be read (moved since training) gives
+`{"metric": str, "value": None, "unavailable": "<reason naming the path>"}` and one warning line.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,7 +35,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.primitives import PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
-from valen_jax.evaluation import hosts, image_reliance, tokens
+from valen_jax.evaluation import hosts, image_reliance, text_only, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
 from valen_jax.evaluation.workdir import Restored, local_batch_size
@@ -31,6 +43,8 @@ from valen_jax.primitives import DENSE_SCALE
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options
+
+log = logging.getLogger(__name__)
 
 # The trajectory kinds of the metrics, in the order `headline` tries them for image reliance.
 TRAJECTORY_KINDS = ("robot_2d", "robot_3d", "drive")
@@ -92,6 +106,7 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     prompts = last_answer_prompts(restored, examples)
     generated = greedy_answers(restored, examples, options, prompts)
     report = {**forced, **answers_report(restored, examples, generated, options)}
+    report["text_only_baseline"] = text_only_baseline(restored, examples, report["metrics"]["overall"])
     if options.image_reliance:
         part = image_reliance_report(restored, examples, prompts, generated, options)
         if part is not None:
@@ -211,7 +226,36 @@ def image_reliance_report(restored: Restored, examples: list[Example], prompts: 
         metric=metric, with_images=value(real), swapped_images=value(fake), lower_is_better=lower_is_better)
 
 
+def text_only_baseline(restored: Restored, examples: list[Example], overall: dict) -> dict:
+    """The report's `text_only_baseline` (module docstring) of the evaluated `examples` (the whole data);
+    `overall`: the real answers' overall metrics, whose references name the metric when the training data
+    is unavailable."""
+    try:
+        predictor = text_only.fit_training(restored)
+    except text_only.TrainingDataUnavailable as error:
+        log.warning("text-only baseline unavailable: %s", error)
+        return {"metric": headline(overall)[0], "value": None, "unavailable": str(error)}
+    slots, eot = tokens.media_slot_ids(restored.spec), end_of_turn_id(restored.tokenizer)
+    local = [examples[i] for i in hosts.local_indices(len(examples))]
+    answered = [predictor.answer(text_only.prompt_key(e, slots, eot)) for e in local]
+    baseline = _overall(restored.tokenizer, local, [text for text, _ in answered])
+    metric, value, _ = headline(baseline)
+    same, records = hosts.sum_array(np.asarray([sum(same for _, same in answered), len(local)]))
+    return {"metric": metric, "value": value(baseline), "same_prompt": int(same), "records": int(records),
+            "training_records": predictor.records}
+
+
+def _baseline_summary(report: dict) -> str:
+    part = report.get("text_only_baseline")  # absent: a report written before it was recorded
+    if part is None:
+        return ""
+    if "unavailable" in part:
+        return ", text-only baseline unavailable"
+    return (f", text-only baseline {part['metric']} {shown(part['value'])} "
+            f"({part['same_prompt']} of {part['records']} by a training prompt)")
+
+
 def summary(report: dict) -> str:
     return (f"loss {shown(report['loss'])}, accuracy {shown(report['accuracy'])}, "
             f"primitive parse rate {report['generation']['primitive_parse_rate']:.3f}"
-            f"{image_reliance.summary(report)}")
+            f"{_baseline_summary(report)}{image_reliance.summary(report)}")
