@@ -84,7 +84,7 @@ def test_report_names_drafter_target_and_conventions(reports, runs):
     assert set(blocks["by_entry"]) == {"drive", "robot2d", "points"}
     for group in (blocks["overall"], *blocks["by_entry"].values()):
         assert set(group) == {"answers", "identical", "passes", "committed", "tau", "acceptance", "histogram",
-                              "target_only_block_tokens", "ms_per_token", "speedup"}
+                              "target_only_block_tokens", "target_only_timed_tokens", "ms_per_token", "speedup"}
         assert list(group["acceptance"]) == [str(k) for k in range(1, 9)] and len(group["histogram"]) == 9
     assert [blocks["by_entry"][e]["answers"] for e in ("drive", "robot2d", "points")] == [2, 1, 1]
 
@@ -111,8 +111,14 @@ def test_from_call_blocks_are_drafted_and_their_sums_agree(reports):
     accepted_first = sum(histogram[1:]) / overall["passes"]  # passes that accepted position 1
     assert first == pytest.approx(accepted_first)
     speed = overall["ms_per_token"]
-    assert speed["target_only"] > 0 and speed["speculative"] > 0
-    assert overall["speedup"] == pytest.approx(speed["target_only"] / speed["speculative"])
+    assert speed["speculative"] > 0
+    # The target-only cost of a decode step is measured on answers of more than one token (the time after
+    # the first); where the tiny target ends every answer at once there is none, and the figure is None.
+    if overall["target_only_timed_tokens"]:
+        assert speed["target_only"] > 0
+        assert overall["speedup"] == pytest.approx(speed["target_only"] / speed["speculative"])
+    else:
+        assert speed["target_only"] is None and overall["speedup"] is None
 
 
 @pytest.mark.slow
@@ -150,6 +156,7 @@ def _answer(passes: list[tuple[int, int, int]], entry: str, seconds: float = 0.0
         blocks.record(drafted, accepted, committed)
     stats = BlockSums(4)
     stats.add(blocks, identical=True, target_only_block_tokens=blocks.committed,
+              target_only_timed_tokens=blocks.committed,
               target_only_block_seconds=2 * seconds, speculative_block_seconds=seconds, entry=entry)
     return stats
 
@@ -169,6 +176,22 @@ def test_block_sums_of_two_processes_are_the_merged_sums():
     assert overall["speedup"] == pytest.approx(2.0)
     assert merged["by_entry"]["robot2d"]["tau"] == 1.0 and merged["by_entry"]["robot2d"]["acceptance"]["1"] == 0
     assert BlockSums(4).report()["overall"]["tau"] is None  # no pass: null, not 0
+
+
+def test_an_answer_whose_step_cost_was_not_measured_does_not_count_as_zero_milliseconds():
+    blocks = BlockStats()
+    blocks.record(4, 4, 5)
+    timed = BlockSums(4)
+    timed.add(blocks, identical=True, target_only_block_tokens=5, target_only_timed_tokens=5,
+              target_only_block_seconds=0.005, speculative_block_seconds=0.001)
+    alone = BlockSums(4)  # a one-token answer: its block token counted, its cost unknown
+    alone.add(blocks, identical=True, target_only_block_tokens=1, target_only_timed_tokens=0,
+              target_only_block_seconds=0.0, speculative_block_seconds=0.001)
+    assert alone.report()["overall"]["ms_per_token"]["target_only"] is None
+    assert alone.report()["overall"]["speedup"] is None
+    both = timed.merge(alone).report()["overall"]
+    assert both["target_only_block_tokens"] == 6 and both["target_only_timed_tokens"] == 5
+    assert both["ms_per_token"]["target_only"] == pytest.approx(1.0)  # 5 ms over the 5 timed tokens, not 6
 
 
 def test_block_sums_refuse_draft_positions_past_the_block():

@@ -196,7 +196,8 @@ class Decoded:
     speculative: list[int]
     blocks: BlockStats
     target_only_block_tokens: int
-    target_only_block_seconds: float  # the engine's cost per token x the block tokens
+    target_only_timed_tokens: int  # block tokens whose engine cost was measured (none in a one-token answer)
+    target_only_block_seconds: float  # the engine's cost per token x the timed block tokens
     speculative_block_seconds: float  # the block programs (drafting, verification, acceptance)
 
 
@@ -229,10 +230,11 @@ class PairDecoder:
         _, first = self._engine(prompt, 1)
         per_token = max(whole - first, 0.0) / (len(target_only) - 1) if len(target_only) > 1 else 0.0
         inside, _ = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
+        timed = len(inside) if len(target_only) > 1 else 0
         speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, vocab=self.vocab,
                                          stop_ids=(self.eot,), sampling=GREEDY)
         drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
-        return Decoded(target_only, drafted, speculative.stats, len(inside), per_token * len(inside),
+        return Decoded(target_only, drafted, speculative.stats, len(inside), timed, per_token * timed,
                        speculative.timing.block_seconds)
 
 
@@ -267,6 +269,7 @@ def _block_report(run: DrafterRun, answers: list[Answer], references: list[list[
             lossy.append(f"example {answer.index}: engine greedy {reference}, the engine on it alone {d.target_only}, "
                          f"speculative {d.speculative}")
         stats.add(d.blocks, identical=identical, target_only_block_tokens=d.target_only_block_tokens,
+                  target_only_timed_tokens=d.target_only_timed_tokens,
                   target_only_block_seconds=d.target_only_block_seconds,
                   speculative_block_seconds=d.speculative_block_seconds, entry=answer.entry)
     return hosts.sum_stats(stats).report(), lossy

@@ -44,7 +44,8 @@ class BlockSums(GroupedSums):
                 *(f"drafted_{k}" for k in range(1, block_size + 1)),
                 *(f"accepted_{k}" for k in range(1, block_size + 1)),
                 *(f"histogram_{n}" for n in range(block_size + 1)),
-                "target_only_block_tokens", "target_only_block_seconds", "speculative_block_seconds")
+                "target_only_block_tokens", "target_only_timed_tokens", "target_only_block_seconds",
+                "speculative_block_seconds")
 
     def _config(self) -> dict:
         return {"block_size": self.block_size}
@@ -62,16 +63,19 @@ class BlockSums(GroupedSums):
                 stats._row(key)[:] = block
         return stats
 
-    def add(self, blocks, *, identical: bool, target_only_block_tokens: int, target_only_block_seconds: float,
-            speculative_block_seconds: float, entry: str | None = None) -> None:
+    def add(self, blocks, *, identical: bool, target_only_block_tokens: int, target_only_timed_tokens: int,
+            target_only_block_seconds: float, speculative_block_seconds: float, entry: str | None = None) -> None:
         """One answer: `blocks` its speculative decoding's `BlockStats`, whether its output equals
-        target-only greedy, and the two timings of its block tokens."""
+        target-only greedy, and the two timings of its block tokens. `target_only_timed_tokens`: the block
+        tokens whose target-only cost was measured (0 for a one-token answer: a decode step's cost is the
+        answer's time after its first token, and there is none), so it never counts as 0 ms."""
         too_long = [k for k in blocks.drafted_at if not 1 <= k <= self.block_size]
         if too_long:
             raise ValueError(f"draft positions {too_long} outside 1..{self.block_size} (the drafter's block size)")
         amounts = {"answers": 1, "identical": float(identical), "passes": blocks.passes,
                    "committed": blocks.committed,
                    "target_only_block_tokens": target_only_block_tokens,
+                   "target_only_timed_tokens": target_only_timed_tokens,
                    "target_only_block_seconds": target_only_block_seconds,
                    "speculative_block_seconds": speculative_block_seconds}
         amounts.update({f"drafted_{k}": n for k, n in blocks.drafted_at.items()})
@@ -81,7 +85,7 @@ class BlockSums(GroupedSums):
 
     def _metrics(self, s: dict[str, float]) -> dict:
         block = range(1, self.block_size + 1)
-        target_only = ratio(1e3 * s["target_only_block_seconds"], s["target_only_block_tokens"])
+        target_only = ratio(1e3 * s["target_only_block_seconds"], s["target_only_timed_tokens"])
         speculative = ratio(1e3 * s["speculative_block_seconds"], s["committed"])
         return {
             "answers": int(s["answers"]),
@@ -92,6 +96,7 @@ class BlockSums(GroupedSums):
             "acceptance": {str(k): ratio(s[f"accepted_{k}"], s[f"drafted_{k}"]) for k in block},
             "histogram": [int(s[f"histogram_{n}"]) for n in range(self.block_size + 1)],
             "target_only_block_tokens": int(s["target_only_block_tokens"]),
+            "target_only_timed_tokens": int(s["target_only_timed_tokens"]),
             "ms_per_token": {"target_only": target_only, "speculative": speculative},
             "speedup": None if target_only is None or not speculative else target_only / speculative,
         }
