@@ -41,8 +41,9 @@ train: setup
 
 # Two pytest-xdist workers, whole files to each (module fixtures that train are built once); the
 # session-wide trained workdirs and checkpoints are built once per run for both (tests/once_per_run.py).
-# Measured on a 2-core machine: 1430 tests in 36 min 49 s on two workers, against 40 min 28 s for 1407
-# tests on one (XLA's execution already uses both cores, so the second worker mostly fills compile time).
+# Measured on a 2-core machine: 1463 tests in 20 min 35 s on two workers (quiet, load ~2); the last run on a
+# busier machine took 36 min 49 s for 1430, against 40 min 28 s for 1407 tests on one worker (XLA's
+# execution already uses both cores, so the second worker mostly fills compile time).
 TEST_WORKERS ?= 2
 test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
