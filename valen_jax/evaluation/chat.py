@@ -147,8 +147,7 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     without_reference = sum(contract.meta_of(e).answers is None for e in local)
     jobs = [job for i, example in zip(mine, local, strict=True) for job in _jobs(i, example, spec, eot)]
     # Every process decodes the same number of batches, however many messages it holds.
-    counts = hosts.gather_json(len(jobs))
-    decode_batches = -(-max(counts) // local_batch) if max(counts) else 0
+    decode_batches = hosts.batches_for_local(len(jobs), local_batch)
     generated = tokens.greedy(restored.params, restored.graphdef, [job[-1] for job in jobs], spec, mesh,
                               local_batch, decode_batches, max_new_tokens, eot, len(tokenizer))
     listed = []

@@ -49,6 +49,12 @@ def batch_count(count: int, local_batch: int, process_count: int | None = None) 
     return -(-most // local_batch)
 
 
+def batches_for_local(local_count: int, local_batch: int, gather: Gather = process_gather) -> int:
+    """Batches every process runs over items it holds itself (decoded messages, swapped prompts), whose
+    numbers differ by process: enough for the process holding the most; the others pad."""
+    return -(-max(gather_json(int(local_count), gather)) // local_batch)
+
+
 def gather_json(value, gather: Gather = process_gather) -> list:
     """Every process's JSON-serialisable `value`, in process order (lengths first, then padded bytes)."""
     own = np.frombuffer(json.dumps(value, ensure_ascii=False).encode(), np.uint8)

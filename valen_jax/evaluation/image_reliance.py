@@ -156,7 +156,7 @@ def greedy(restored: Restored, prompts: list[dict], options: Options) -> list[li
     """Greedy ids of this process's `prompts`, decoded as evaluation decodes the real ones (`tokens.greedy`,
     the options' budget, stop at end of turn); every process enters as many batches as the fullest needs."""
     local_batch = local_batch_size(options.batch_size, restored.mesh)
-    batches = -(-max(hosts.gather_json(len(prompts))) // local_batch)
+    batches = hosts.batches_for_local(len(prompts), local_batch)
     eot = end_of_turn_id(restored.tokenizer)
     return tokens.greedy(restored.params, restored.graphdef, prompts, restored.spec, restored.mesh, local_batch,
                          batches, options.max_new_tokens, eot, len(restored.tokenizer))

@@ -249,7 +249,7 @@ def image_reliance_report(restored: Restored, rows: _Rows, scored: list[tuple[in
     donor = {scored[j][0]: scored[d][0] for j, d in plan.donors.items()}
     local_batch = local_batch_size(options.batch_size, restored.mesh)
     # Every process enters as many batches as the one with the most swapped records needs.
-    batches = -(-max(hosts.gather_json(len(compared))) // local_batch)
+    batches = hosts.batches_for_local(len(compared), local_batch)
     swapped = _score(restored, rows, list(donor), batches, local_batch, lambda i: rows.row(i, donor[i]))
     real_argmax = [int(np.argmax(a)) for _, real in compared for a in real]
     swapped_argmax = [int(np.argmax(b)) for _, fake in swapped for b in fake]
