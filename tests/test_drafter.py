@@ -307,7 +307,6 @@ def test_drafter_variants_parse():
 
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.loss.weights.update(drafter=0.5), "weights.drafter=0.5 needs config.train.mode=vflash"),
-    (lambda c: setattr(c.train, "mode", "diffusion"), "choose one of ar, vflash"),
     (lambda c: setattr(c.model, "target_from", "/tmp/target"), "target_from is read only with config.train.mode=vflash"),
 ])
 def test_ar_configs_refuse_drafter_settings(change, message):
@@ -333,15 +332,24 @@ def test_vflash_configs_are_checked(change, message):
         validate_config(config)
 
 
+def test_an_unknown_training_mode_is_refused_naming_the_registered_ones():
+    from valen_jax.tasks.modes import check_mode
+
+    config = vflash.get_config("tiny")
+    config.train.mode = "diffusion"
+    validate_config(config)  # the schema checks the built-in modes' keys; the mode table refuses the name
+    with pytest.raises(ConfigError, match="train.mode='diffusion'; choose one of ar, vflash"):
+        check_mode(config)
+
+
 def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
     from valen_jax import checkpoint
-    from valen_jax.train import Target, _compatibility_check
+    from valen_jax.vflash.task import Target, check_trained_against
 
     record = {"workdir": "/runs/target", "step": 4, "params_sha256": "a" * 64, "tokenizer": {}}
     target = Target(TARGET, None, None, None, {}, {**record, "params_sha256": "b" * 64})
-    check = _compatibility_check(tmp_path, {}, TARGET, None, target)
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint 3 is a drafter for target .*other weights"):
-        check(3, {"drafter": {"target": record}})
+        check_trained_against(tmp_path, 3, {"drafter": {"target": record}}, target)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])

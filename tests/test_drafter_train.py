@@ -27,7 +27,7 @@ from valen_jax.models.drafter import (
     init_drafter_params,
 )
 from valen_jax.models.transformer import Transformer
-from valen_jax.train import restore_target
+from valen_jax.vflash.task import restore_target
 
 sys.path.insert(0, str(ROOT))
 from configs import vflash  # noqa: E402

@@ -14,6 +14,7 @@ import pytest
 from configs import prepared as prepared_config
 from tests.train_runs import ROOT, metrics, run_train
 from valen_jax import train
+from valen_jax.training import loop
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.prepared_checks import check_prepared_run
 
@@ -76,8 +77,8 @@ def test_train_refuses_before_shards_or_mesh(tmp_path, monkeypatch):
     def claimed(*args, **kwargs):
         raise AssertionError("a device was claimed before the prepared rows were checked")
 
-    monkeypatch.setattr(train, "ensure_shards", claimed)
-    monkeypatch.setattr(train.sharding, "make_mesh", claimed)
+    monkeypatch.setattr(loop, "ensure_shards", claimed)
+    monkeypatch.setattr(loop.sharding, "make_mesh", claimed)
     with pytest.raises(ConfigError, match="longestRow"):
         train.run(_config(seq_len=256), tmp_path)
 

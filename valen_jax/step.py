@@ -299,3 +299,18 @@ class TrainLayout:
     def abstract_state(self):
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.state_shapes, self.state_shardings)
+
+
+def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *inputs):
+    """`step(state, batch, *inputs) -> (state, metrics)` jitted with the layout's shardings (the state
+    donated, metrics replicated) and compiled for the layout's mesh from abstract shapes alone.
+
+    `inputs`: abstract arrays (ShapeDtypeStruct with their sharding) of read-only arguments after the
+    batch, e.g. a drafter's frozen target. The one place a train step is compiled: tasks, benchmarks and
+    the ahead-of-time compile all come here.
+    """
+    jitted = jax.jit(step, in_shardings=(layout.state_shardings, layout.batch_shardings(batch_shapes),
+                                         *(jax.tree.map(lambda leaf: leaf.sharding, x) for x in inputs)),
+                     out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+    with jax.set_mesh(layout.mesh):
+        return jitted.lower(layout.abstract_state(), batch_shapes, *inputs).compile()

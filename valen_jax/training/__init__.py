@@ -1,0 +1,1 @@
+"""The training loop and the Task protocol it drives (`loop`, `task`)."""

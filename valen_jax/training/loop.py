@@ -1,0 +1,253 @@
+"""The training loop: one run of any training mode, resumable, from a validated config.
+
+`run(config, workdir, open_task)` converts the run's data into `WORKDIR/shards/` (and the eval data
+into `WORKDIR/eval_shards/`) when needed, opens the mode's Task (`valen_jax.training.task`), resumes
+from the workdir's latest intact checkpoint of the same setup (or starts fresh), then steps, logs
+(`metrics.jsonl`, TensorBoard), evaluates as the task says, and checkpoints asynchronously every
+`train.checkpoint_every` steps, at the end and on SIGTERM. Nothing here depends on the mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import valen_jax
+from data_pipeline.tokenizer import load_tokenizer
+from valen_jax import checkpoint, sharding, workdir_lock
+from valen_jax.config_schema import check_batch_split, validate_config
+from valen_jax.data.assemble import RowSpec
+from valen_jax.data.pipeline import build_dataset
+from valen_jax.data.prepared_checks import check_prepared_run
+from valen_jax.data.references import resolve_config_data
+from valen_jax.data.separation import check_separation
+from valen_jax.data.shard_cache import ensure_shards, summary
+from valen_jax.data.vision_processor import media_kwargs_of
+from valen_jax.metrics import MetricsLog, peak_flops_per_device
+from valen_jax.models.config import ModelConfig
+from valen_jax.progress import FinishedSteps
+from valen_jax.training.task import Setup, Task
+
+log = logging.getLogger("valen_jax.train")
+
+OpenTask = Callable[[Setup, object], Task]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss went NaN or infinite: the run stops instead of training on (issue 19)."""
+
+
+class Preempted:
+    """SIGTERM (preemption) asks the loop to checkpoint and stop at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def run(config, workdir: str | Path, open_task: OpenTask) -> dict:
+    """Train `config` in `workdir` with the task `open_task(setup, train_set)` gives; the run's result."""
+    validate_config(config)
+    workdir = Path(workdir).resolve()
+    # Seed 003: registry references resolved (a resumed run: to the versions its checkpoint recorded)
+    # before any device is claimed; an unknown one is refused here.
+    references = resolve_config_data(config, workdir)
+    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
+    workdir.mkdir(parents=True, exist_ok=True)
+    # Before anything is written there: a second trainer on this workdir is refused (issue 19).
+    with workdir_lock.exclusive(workdir):
+        return _train(config, workdir, references, open_task)
+
+
+def compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest, task: Task):
+    """check_meta for restore_intact: a checkpoint of another setup is an error, never a fallback."""
+
+    def check(step: int, saved: dict) -> None:
+        task.check_resume(step, saved)
+        if saved["tokenizer"]["fingerprint"] != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: checkpoint {step} was trained with tokenizer {saved['tokenizer']['fingerprint']}, "
+                f"this run uses {fingerprint}")
+        shards = saved["shards"]["train"]["tokenizer"]["fingerprint"]
+        if shards != train_manifest.fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{workdir}: checkpoint {step} was trained on shards made with tokenizer {shards}; "
+                f"this run's train shards were made with {train_manifest.fingerprint}")
+        if ModelConfig.from_json(saved["model"]) != model_cfg:
+            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} has another model config")
+
+    return check
+
+
+def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) -> dict:
+    tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
+    fingerprint = checkpoint.fingerprint_of(tokenizer)
+    mesh = sharding.make_mesh(config.mesh)
+    train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
+                              config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
+    log.info("train shards: %s", summary(train_set))
+    # Seed 003: train and eval kept apart, checked on the shards before the step compiles. The eval
+    # shards land where evaluation during and after training reads them (WORKDIR/eval_shards).
+    eval_set = ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
+                             config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
+    overlap = check_separation(train_set, eval_set, allow_overlap=bool(config.data.allow_overlap),
+                               train_name=str(config.data.train), eval_name=str(config.data.eval))
+    task = open_task(Setup(config, workdir, tokenizer, fingerprint, mesh), train_set)
+    model_cfg = task.model_cfg
+    # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
+    media_kwargs, media_sources = media_kwargs_of(config, model_cfg.vision)
+    task.check_media(media_kwargs)
+    log.info("media_kwargs: %s", ", ".join(f"{k}={v} ({media_sources[k]})" for k, v in media_kwargs.items()))
+
+    check_batch_split(config, mesh)
+    layout = task.layout()
+    spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)  # evaluation's rows
+    train_spec = task.row_spec(spec)
+    assembly = task.assembly(train_spec)
+    dataset = build_dataset(train_set, train_spec, assembly, global_batch=config.data.global_batch,
+                            seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
+                            workers=config.data.workers, training=True, media_log_dir=workdir)
+    batch_shapes = assembly.batch_shapes(train_spec, config.data.global_batch)
+    iterator = iter(dataset)
+
+    meta = {
+        "project_version": valen_jax.__version__,
+        "model": model_cfg.to_json(),
+        "media_kwargs": media_kwargs, "media_kwargs_sources": media_sources,
+        "tokenizer": {"fingerprint": fingerprint, "source": str(config.data.tokenizer)},
+        "shards": {"train": train_set.manifest.data},
+        **({"data_references": references} if references else {}),
+        **({"train_eval_overlap": overlap} if overlap else {}),
+        "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
+        "config": json.loads(config.to_json_best_effort()),
+        "state_layout": checkpoint.state_layout(layout.abstract_state()),
+        **task.meta(),
+    }
+    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
+                             compress=bool(config.train.checkpoint_compression))
+    restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
+                                         compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest, task),
+                                         allow_fresh_start=bool(config.train.allow_fresh_start))
+    if restored is not None:
+        state = restored[1]
+        log.info("resumed from step %d", restored[0])
+    else:
+        checkpoint.save_tokenizer(workdir, tokenizer)
+        params = task.initial_params(layout)
+        opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
+
+    started = time.perf_counter()
+    compiled = task.compile(layout, batch_shapes)
+    train_step = task.step_function(compiled)
+    log.info("compiled the train step in %.1fs", time.perf_counter() - started)
+    _print_memory(compiled)
+    peak, peak_source = peak_flops_per_device(config.train.peak_flops)
+    flops_per_step = task.flops_per_step()
+    log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
+             peak, jax.device_count(), peak_source, flops_per_step)
+    # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.
+    evaluation = task.evaluation(layout, spec)
+
+    step = int(state["step"])
+    metrics_log = MetricsLog(workdir, start_step=step)
+    preempted = Preempted()
+    first_step = step
+    losses = []
+    window = _Window(step)
+    bar = tqdm(total=config.train.steps, initial=step, desc="train", disable=jax.process_index() != 0,
+               dynamic_ncols=True)
+    finished = FinishedSteps(bar)  # the bar counts steps the device finished, one behind dispatch
+    while step < config.train.steps:
+        local = next(iterator)
+        window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
+        batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
+        state, metrics = train_step(state, batch)
+        step += 1
+        finished.dispatched(metrics)
+        evaluate_now = evaluation.periodic is not None and step % int(config.eval.every) == 0
+        if (step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1
+                or evaluate_now):
+            finished.flush()  # reading the metrics back waits for this step anyway
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
+                                       peak * jax.device_count()))
+            values["examples_seen"] = step * config.data.global_batch
+            if step == first_step + 1:  # allowed overlap (config.data.allow_overlap), once per run
+                values.update({f"overlap_{kind}": float(count) for kind, count in overlap.items()})
+            if evaluate_now:
+                values.update(evaluation.periodic(state["params"]))
+            losses.append((step, values["loss"]))
+            metrics_log.write(step, values)
+            if not math.isfinite(values["loss"]):
+                _stop_on_non_finite_loss(step, values["loss"], mgr, metrics_log)
+            bar.set_postfix({k: f"{values[k]:.3f}" for k in ("loss", "accuracy") if k in values})
+            window = _Window(step)  # after evaluation, so its time does not count as training
+        if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
+            # Never a checkpoint of non-finite weights (reading the loss waits for the step, which the
+            # save's copy off the devices does anyway).
+            if not math.isfinite(loss := float(metrics["loss"])):
+                _stop_on_non_finite_loss(step, loss, mgr, metrics_log)
+            checkpoint.save(mgr, step, state, iterator, meta, force=True)
+        if preempted.requested:
+            log.warning("SIGTERM: saved step %d, stopping", step)
+            break
+    finished.flush()
+    bar.close()
+    mgr.wait_until_finished()
+    metrics_log.close()
+    result = {"workdir": str(workdir), "step": step, "checkpoint": str(checkpoint.checkpoint_dir(workdir) / str(step)),
+              "losses": losses, "preempted": preempted.requested, **task.result()}
+    if evaluation.at_end is not None and not preempted.requested:
+        result["report"] = str(evaluation.at_end(state["params"], step))
+    mgr.close()
+    return result
+
+
+def _print_memory(compiled) -> None:
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    parts = [f"{f.replace('_size_in_bytes', '')}={getattr(analysis, f) / 2**20:.1f}MiB"
+             for f in fields if hasattr(analysis, f)]
+    log.info("train step memory per device: %s", " ".join(parts))
+
+
+def _stop_on_non_finite_loss(step: int, loss: float, mgr, metrics_log: MetricsLog) -> None:
+    """Stop without checkpointing `step`: the update that came with a non-finite loss has made the weights
+    non-finite, so every later step would be too, and its checkpoints would push the last good ones out
+    of `keep_checkpoints`. The saves already started finish first."""
+    mgr.wait_until_finished()
+    metrics_log.close()
+    raise NonFiniteLoss(f"step {step}: the training loss is {loss}; stopped without checkpointing this step "
+                        f"(latest checkpoint: step {mgr.latest_step()}). Lower config.train.learning_rate or "
+                        "config.train.grad_clip_norm, or check the data, then resume from that checkpoint")
+
+
+class _Window:
+    """Throughput over the steps since the last log line."""
+
+    def __init__(self, step: int):
+        self.step, self.tokens, self.start = step, 0, time.perf_counter()
+
+    def rates(self, step: int, slots_per_step: int, flops_per_step: float, peak_flops: float) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        steps = step - self.step
+        return {"tokens_per_second": self.tokens / elapsed, "step_time_s": elapsed / steps,
+                "mfu": flops_per_step * steps / elapsed / peak_flops,
+                "padding_fraction": 1.0 - self.tokens / (steps * slots_per_step)}

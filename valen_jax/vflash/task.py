@@ -1,0 +1,155 @@
+"""`train.mode=vflash` (seed 004's --training_mode): VFlash's block drafter trained against the frozen
+target of an `ar` workdir.
+
+The target is that workdir's latest checkpoint, its params verified against their save-time digests;
+the drafter's checkpoint meta records it (workdir, step, sha256 of its params, tokenizer) and a resumed
+run refuses a target with other weights. The rows are the target's token rows with the primitive blocks
+marked (`draft_block`); the state holds the drafter alone, the target's params are a read-only input of
+the step. `metrics.jsonl` gets the drafter's loss, per-position accuracy and expected acceptance length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from flax import nnx
+
+from valen_jax import checkpoint, sharding
+from valen_jax.config_schema import ConfigError
+from valen_jax.data.valen_rows import is_valen
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
+from valen_jax.models.transformer import abstract_model
+from valen_jax.step import DrafterOptions, TrainLayout, compile_step, make_drafter_train_step
+from valen_jax.tasks.token_lm import token_assembly
+from valen_jax.training.task import Setup, Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A `vflash` run's frozen target: an `ar` workdir's latest params, and what identifies them."""
+
+    model_cfg: ModelConfig
+    graphdef: object
+    params: object
+    shardings: object
+    media_kwargs: dict
+    record: dict  # meta["drafter"]["target"]: workdir, step, params_sha256
+
+
+def restore_target(config, fingerprint: dict, mesh) -> Target:
+    """The target of `config.model.target_from`: an ar run of this tokenizer, its latest step, params verified."""
+    workdir = Path(config.model.target_from).resolve()
+    where = f"config.model.target_from={workdir}"
+    if not checkpoint.checkpoint_dir(workdir).is_dir():
+        raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; train the ar target "
+                                         "there first (train.mode=ar)")
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        step = checkpoint.select_step(mgr, workdir)
+        meta = checkpoint.restore_meta(mgr, step)
+        mode = meta["config"]["train"].get("mode", "ar")  # runs from before train.mode were ar runs
+        if mode != "ar":
+            raise checkpoint.CheckpointError(f"{where}: checkpoint {step} was trained with train.mode={mode}; "
+                                             "a drafter's target must be an ar run")
+        if meta["tokenizer"]["fingerprint"] != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{where}: the target was trained with tokenizer {meta['tokenizer']['fingerprint']}, this run's "
+                f"config.data.tokenizer gives {fingerprint}; the drafter must share the target's vocabulary")
+        model_cfg = ModelConfig.from_json(meta["model"])
+        graphdef, abstract = abstract_model(model_cfg)
+        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+        params = checkpoint.restore_params_verified(
+            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
+    finally:
+        mgr.close()
+    record = {"workdir": str(workdir), "step": step, "params_sha256": checkpoint.params_sha256(params),
+              "tokenizer": meta["tokenizer"]["fingerprint"]}
+    log.info("target: %s step %d, params sha256 %s", workdir, step, record["params_sha256"])
+    return Target(model_cfg, graphdef, params, shardings, meta["media_kwargs"], record)
+
+
+def check_trained_against(workdir: Path, step: int, saved: dict, target: Target) -> None:
+    """Refuse a drafter checkpoint trained against other target weights (the same weights moved: a warning)."""
+    # The target is its weights: the same params found in a moved or copied workdir are the same target.
+    trained_against = saved.get("drafter", {}).get("target") or {}
+    if trained_against.get("params_sha256") != target.record["params_sha256"]:
+        raise checkpoint.CheckpointError(
+            f"{workdir}: checkpoint {step} is a drafter for target {trained_against}; "
+            f"config.model.target_from now gives {target.record} (other weights)")
+    if trained_against["workdir"] != target.record["workdir"]:
+        log.warning("%s: checkpoint %d was trained against the same target weights in %s; now read from %s",
+                    workdir, step, trained_against["workdir"], target.record["workdir"])
+
+
+class DrafterTask(Task):
+    """The block drafter's objective (seed 004) against a frozen target; config.model's own dims are not read."""
+
+    mode = "vflash"
+
+    @classmethod
+    def open(cls, setup: Setup, train_set) -> DrafterTask:
+        target = restore_target(setup.config, setup.fingerprint, setup.mesh)
+        log.info("train.mode=vflash: the target's architecture comes from its checkpoint meta; config.model's "
+                 "dims, dtype and remat are not read (the drafter's width and heads are the target's)")
+        if is_valen(train_set):
+            raise ConfigError("config.train.mode=vflash trains on token data with primitive blocks (seed 004); "
+                              f"config.data.format={setup.config.data.format!r} has none")
+        return cls(setup, target, train_set)
+
+    def __init__(self, setup: Setup, target: Target, train_set):
+        super().__init__(setup, target.model_cfg, train_set)
+        self.target = target
+        try:
+            self.drafter_cfg = DrafterConfig.of(self.config.model.drafter, target.model_cfg)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+    def check_media(self, media_kwargs: dict) -> None:
+        if json.loads(json.dumps(media_kwargs)) != self.target.media_kwargs:  # as JSON: tuples are lists there
+            # The drafter reads the target's features of the images: they must be processed as the target saw them.
+            raise ConfigError(f"config.media_kwargs give {media_kwargs}; the target in config.model.target_from was "
+                              f"trained with {self.target.media_kwargs}")
+
+    def layout(self) -> TrainLayout:
+        return TrainLayout.for_drafter(self.drafter_cfg, self.config.train, self.setup.mesh)
+
+    def row_spec(self, spec):
+        return dataclasses.replace(spec, draft_blocks=True)  # the rows also mark the primitive blocks
+
+    def assembly(self, spec):
+        return token_assembly(self.config, self.train_set)
+
+    def meta(self) -> dict:
+        # `model` is the target's architecture; the state holds the drafter, trained against `target`.
+        return {"drafter": {"config": self.drafter_cfg.to_json(), "target": self.target.record}}
+
+    def check_resume(self, step: int, saved: dict) -> None:
+        check_trained_against(self.setup.workdir, step, saved, self.target)
+
+    def initial_params(self, layout):
+        return init_drafter_params(self.drafter_cfg, int(self.config.train.seed), layout.param_shardings)
+
+    def compile(self, layout, batch_shapes: dict):
+        step = make_drafter_train_step(layout.graphdef, self.target.graphdef, layout.tx, layout.schedule,
+                                       DrafterOptions.from_config(self.config))
+        return compile_step(step, layout, batch_shapes,
+                            checkpoint.abstract_with(self.target.params, self.target.shardings))
+
+    def step_function(self, compiled):
+        params = self.target.params  # an argument, never donated: its arrays are read, never written
+
+        def train_step(state, batch):
+            return compiled(state, batch, params)
+
+        return train_step
+
+    def flops_per_step(self) -> float:
+        data = self.config.data
+        return drafter_flops_per_step(self.drafter_cfg, self.model_cfg, data.global_batch, data.seq_len,
+                                      int(self.config.model.drafter.anchors_per_row))
