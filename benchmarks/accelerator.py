@@ -6,8 +6,9 @@
 For each model (0.5B: hidden 896, 24 layers, 14/2 heads; 1.5B: hidden 1536, 28 layers, 12/2 heads;
 vocab 151,936, tied embeddings, Qwen2 q/k/v biases) and each attention implementation this backend has
 (GPU: cudnn, flash; TPU: splash, flash; CPU: blockwise, flash), one child process compiles
-`valen_jax.step.make_train_step` (AdamW, f32 master weights, bf16 compute, scanned layers), runs
-warm-up + `--steps` steps on one random batch, and reports step time, tokens/s, peak device memory
+`valen_jax.step.make_train_step` (AdamW, f32 master weights, bf16 compute, scanned layers) through
+`valen_jax.step.compile_step` (the state donated, as training runs it), runs warm-up + `--steps`
+steps on one random batch, and reports step time, tokens/s, peak device memory
 (`device.memory_stats()`, fresh per child; on CPU the compiled step's own memory analysis), and MFU
 against the datasheet peak (`valen_jax.metrics.peak_flops_per_device`; on CPU a measured matmul).
 The batch is sized to the device from a batch-1 compile's memory analysis: rows × its temp memory +
@@ -89,16 +90,15 @@ def run_child(args) -> None:
     """One (model, attention) pair in a fresh process: its own compile cache and peak-memory counter."""
     import jax
     import jax.numpy as jnp
-    from step_setup import train_layout
+    from step_setup import compiled_step, train_layout
 
     from valen_jax import sharding
     from valen_jax.metrics import model_flops_per_step, peak_flops_per_device
     from valen_jax.models.transformer import init_params
-    from valen_jax.step import make_train_step
 
     name, attention = args.child.split(":")
     cfg = model_config(name, attention, args.smoke, remat=not args.no_remat)
-    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-5)
+    mesh, tx, _, layout = train_layout(cfg, learning_rate=1e-5)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     # CPU has no memory limit to size against; it sizes against 256 MiB so the path runs (--smoke).
@@ -106,11 +106,7 @@ def run_child(args) -> None:
 
     def compiled_for(rows):
         batch = sharding.global_batch(make_batch(rows, args.seq, cfg.vocab_size), mesh)
-        step = jax.jit(make_train_step(layout.graphdef, tx, schedule),
-                       in_shardings=(layout.state_shardings, layout.batch_shardings(batch)),
-                       out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
-        with jax.set_mesh(mesh):
-            return step.lower(layout.abstract_state(), batch).compile(), batch
+        return compiled_step(layout, batch), batch
 
     def footprint(compiled):
         m = compiled.memory_analysis()

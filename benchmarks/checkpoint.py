@@ -36,15 +36,16 @@ from pathlib import Path
 import grain
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
+from step_setup import compiled_step, train_config, train_layout
 
 from valen_jax import checkpoint, sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
-from valen_jax.step import TrainLayout, make_train_step
+from valen_jax.step import TrainLayout
 
 ROOT = Path(__file__).resolve().parent.parent
+LEARNING_RATE = 1e-4
 
 
 def parse_args():
@@ -64,12 +65,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def train_config() -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(dict(
-        steps=1000, learning_rate=1e-4, warmup_steps=10, decay="cosine", end_learning_rate_fraction=0.1,
-        weight_decay=0.0, adam_b1=0.9, adam_b2=0.95, grad_clip_norm=1.0, param_groups=[]))
-
-
 def make_batch(args) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
@@ -78,14 +73,6 @@ def make_batch(args) -> dict:
             "segment_ids": np.ones(tokens.shape, np.int32), "patches": np.zeros((args.batch, 0, 0), np.float32),
             "patch_positions": np.zeros((args.batch, 0, 3), np.int32),
             "patch_segments": np.zeros((args.batch, 0), np.int32)}
-
-
-def compile_step(layout: TrainLayout, batch: dict):
-    step = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule),
-                   in_shardings=(layout.state_shardings, layout.batch_shardings(batch)),
-                   out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
-    with jax.set_mesh(layout.mesh):
-        return step.lower(layout.abstract_state(), batch).compile()
 
 
 def timed_block(compiled, state, batch, steps: int, save=None):
@@ -127,13 +114,12 @@ def main() -> None:
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, num_layers=args.layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, head_dim=args.dim // args.heads, mlp_dim=args.mlp,
                       tie_embeddings=False, dtype=args.dtype, param_dtype="float32")
-    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    layout = TrainLayout.from_config(cfg, train_config(), mesh)
+    mesh, _, _, layout = train_layout(cfg, LEARNING_RATE)
     params = init_params(cfg, 0, layout.param_shardings)
     state = {"params": params, "opt_state": jax.jit(layout.tx.init)(params), "step": jnp.zeros((), jnp.int32)}
     state_mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
     batch = sharding.global_batch(make_batch(args), mesh)
-    compiled = compile_step(layout, batch)
+    compiled = compiled_step(layout, batch)
     print(f"backend={jax.default_backend()} devices={jax.device_count()} dim={args.dim} layers={args.layers} "
           f"vocab={args.vocab} batch={args.batch}x{args.seq} dtype={args.dtype}; train state {state_mib:.0f} MiB")
 
@@ -180,7 +166,7 @@ def main() -> None:
     step, state, _ = checkpoint.restore_intact(mgr, workdir / "inproc", layout.abstract_state(), fresh_iterator,
                                                lambda step, meta: None)
     restored = time.perf_counter()
-    compiled = compile_step(TrainLayout.from_config(cfg, train_config(), mesh), batch)
+    compiled = compiled_step(TrainLayout.from_config(cfg, train_config(LEARNING_RATE), mesh), batch)
     compiled_at = time.perf_counter()
     state, metrics = compiled(state, batch)
     jax.device_get(metrics["loss"])

@@ -13,9 +13,10 @@ tokenizer data/tokenizer. Three measurements:
 2. Packing efficiency (non-pad fraction of the rows) of best fit against first fit on the same
    stream of examples (65–150 tokens each after media expansion) in rows of `--pack-seq-len`, in
    steady state (an endless shuffled stream, so no final partial rows), plus the same at 192.
-3. The compiled train step of configs/vflash.py's model (as train.py builds it) timed on the
-   loader's own batches; `loader_vs_step` is the fastest loader configuration's rows per second
-   over the rows per second the step consumes (> 1: the step, not the loader, sets the pace).
+3. The compiled train step of configs/vflash.py's model (as train.py builds it: the token-LM
+   task's `compile`, i.e. valen_jax.step.compile_step) timed on the loader's own batches;
+   `loader_vs_step` is the fastest loader configuration's rows per second over the rows per
+   second the step consumes (> 1: the step, not the loader, sets the pace).
 
 Last line: `packing_efficiency=X loader_vs_step=Y` (X: best fit at --pack-seq-len).
 """
@@ -45,8 +46,9 @@ from valen_jax.data.assemble import RowSpec, batch_shapes_of  # noqa: E402
 from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of  # noqa: E402
 from valen_jax.data.pipeline import TokenAssembly, build_dataset  # noqa: E402
 from valen_jax.data.sources import ShardSet, decode, sampling_indices  # noqa: E402
-from valen_jax.models.build import initial_params, model_config  # noqa: E402
-from valen_jax.step import StepOptions, TrainLayout, make_train_step  # noqa: E402
+from valen_jax.models.build import model_config  # noqa: E402
+from valen_jax.tasks.token_lm import TokenLMTask  # noqa: E402
+from valen_jax.training.task import Setup  # noqa: E402
 
 
 def parse_args():
@@ -93,20 +95,17 @@ def packing_efficiency(pieces, spec, packing: PackingSpec, rows: int) -> float:
 
 
 def time_train_step(config, model_cfg, tokenizer, spec, batches, steps: int) -> float:
-    """Seconds per compiled train step, built the way valen_jax.train builds it."""
+    """Seconds per compiled train step, built the way valen_jax.train builds it: the token-LM task's
+    layout, initial parameters and `compile` (valen_jax.step.compile_step)."""
     mesh = sharding.make_mesh(config.mesh)
-    layout = TrainLayout.from_config(model_cfg, config.train, mesh)
-    params = initial_params(config, model_cfg, tokenizer, layout.param_shardings)
+    task = TokenLMTask(Setup(config, None, tokenizer, {}, mesh), model_cfg, None)
+    layout = task.layout()
+    params = task.initial_params(layout)
     opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
     state = {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32),
                                                                                 layout.replicated)}
     batch_shapes = batch_shapes_of(spec, config.data.global_batch)
-    step_fn = jax.jit(make_train_step(layout.graphdef, layout.tx, layout.schedule,
-                                      StepOptions.from_config(config, layout.frozen)),
-                      in_shardings=(layout.state_shardings, layout.batch_shardings(batch_shapes)),
-                      out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(layout.abstract_state(), batch_shapes).compile()
+    compiled = task.compile(layout, batch_shapes)
     device_batches = [sharding.global_batch({k: b[k] for k in batch_shapes}, mesh) for b in batches[:steps + 1]]
     state, metrics = compiled(state, device_batches[0])  # warm-up
     jax.block_until_ready(metrics)

@@ -6,12 +6,12 @@
         --fit-gib=80                                             # longest 1.5B row on one 80 GB device
 
 For each length, `valen_jax.step.make_train_step` (AdamW, f32 master weights, bf16 compute, remat
-`--remat`, scanned layers, token-tiled loss) is lowered for one row of that many tokens and
-compiled on this backend; `compiled.memory_analysis()` gives the step's temporary memory (every
-buffer live inside the step: activations, residuals, logits chunks, gradients) next to its
-arguments (parameters + optimizer state + batch). Nothing is allocated, so lengths far beyond this
-machine's memory compile. Scanned layers make the compile time independent of depth, so the 1.5B
-model compiles with all its layers.
+`--remat`, scanned layers, token-tiled loss) is compiled by `valen_jax.step.compile_step` (the state
+donated, as training runs it) for one row of that many tokens on this backend;
+`compiled.memory_analysis()` gives the step's temporary memory (every buffer live inside the step:
+activations, residuals, logits chunks, gradients) next to its arguments (parameters + optimizer
+state + batch). Nothing is allocated, so lengths far beyond this machine's memory compile. Scanned
+layers make the compile time independent of depth, so the 1.5B model compiles with all its layers.
 
 Growth: each line shows the slope of log(temp) against log(length) from the previous length, and the
 exponent is that slope between the two longest lengths, where what grows with length weighs most.
@@ -35,12 +35,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from step_setup import train_layout
+from step_setup import compiled_step, train_layout
 
-from valen_jax import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.remat import REMAT_POLICIES
-from valen_jax.step import make_train_step
 
 GIB = 1024**3
 MODELS = {
@@ -71,20 +69,14 @@ def model_config(args) -> ModelConfig:
                        dtype="bfloat16", param_dtype="float32")
 
 
-def compile_step(cfg: ModelConfig, length: int):
+def compile_length(cfg: ModelConfig, length: int):
     """The compiled train step for one row of `length` tokens (abstract inputs only)."""
-    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-5)
+    _, _, _, layout = train_layout(cfg, learning_rate=1e-5)
     shapes = {"tokens": ((1, length), jnp.int32), "targets": ((1, length), jnp.int32),
               "target_weights": ((1, length), jnp.float32), "positions": ((1, length), jnp.int32),
               "segment_ids": ((1, length), jnp.int32), "patches": ((1, 0, 0), jnp.float32),
               "patch_positions": ((1, 0, 3), jnp.int32), "patch_segments": ((1, 0), jnp.int32)}
-    batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
-             for name, (shape, dtype) in shapes.items()}
-    step = jax.jit(make_train_step(layout.graphdef, tx, schedule),
-                   in_shardings=(layout.state_shardings, layout.batch_shardings(batch)),
-                   out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
-    with jax.set_mesh(mesh):
-        return step.lower(layout.abstract_state(), batch).compile()
+    return compiled_step(layout, {name: jax.ShapeDtypeStruct(*shape) for name, shape in shapes.items()})
 
 
 def main() -> None:
@@ -101,7 +93,7 @@ def main() -> None:
     temps, fits = [], []
     for length in lengths:
         started = time.perf_counter()
-        memory = compile_step(cfg, length).memory_analysis()
+        memory = compile_length(cfg, length).memory_analysis()
         seconds = time.perf_counter() - started
         temp = memory.temp_size_in_bytes
         # Parameters + optimizer state + batch in, the updated state out (donated: aliased to the input).

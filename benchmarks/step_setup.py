@@ -1,25 +1,38 @@
-"""The optimizer and train layout every step benchmark builds the same way (one place, so they compare alike).
+"""The optimizer, train layout and compiled train step every step benchmark builds the same way (one
+place, so they compare alike).
 
-    from step_setup import train_layout
+    from step_setup import compiled_step, train_layout
     mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-4)
+    compiled = compiled_step(layout, batch)   # batch: arrays or ShapeDtypeStructs
 """
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 
 from valen_jax import sharding
 from valen_jax.models.config import ModelConfig
-from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout
+from valen_jax.step import TrainLayout, compile_step, make_train_step
+
+
+def train_config(learning_rate: float) -> ml_collections.ConfigDict:
+    """config.train for a benchmark step: AdamW + cosine schedule, no param groups."""
+    return ml_collections.ConfigDict(dict(learning_rate=learning_rate, warmup_steps=10, steps=1000,
+                                          end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
+                                          adam_b2=0.95, weight_decay=0.0, decay="cosine", param_groups=[],
+                                          vision_lr_multiplier=1.0))
 
 
 def train_layout(cfg: ModelConfig, learning_rate: float):
     """(mesh over every device as `data`, AdamW + cosine schedule, TrainLayout) for a benchmark step."""
-    train = ml_collections.ConfigDict(dict(learning_rate=learning_rate, warmup_steps=10, steps=1000,
-                                           end_learning_rate_fraction=0.1, grad_clip_norm=1.0, adam_b1=0.9,
-                                           adam_b2=0.95, weight_decay=0.0, decay="cosine", param_groups=[],
-                                           vision_lr_multiplier=1.0))
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-    tx, schedule = build_optimizer(train)
-    return mesh, tx, schedule, TrainLayout(cfg, tx, mesh)
+    layout = TrainLayout.from_config(cfg, train_config(learning_rate), mesh)
+    return mesh, layout.tx, layout.schedule, layout
+
+
+def compiled_step(layout: TrainLayout, batch: dict):
+    """The token train step (`make_train_step`, default StepOptions) compiled by `valen_jax.step.compile_step`
+    (state donated, the layout's shardings) for the shapes and dtypes of `batch`."""
+    shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in batch.items()}
+    return compile_step(make_train_step(layout.graphdef, layout.tx, layout.schedule), layout, shapes)

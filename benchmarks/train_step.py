@@ -19,13 +19,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from step_setup import train_layout
+from step_setup import compiled_step, train_layout
 
 from valen_jax import sharding
 from valen_jax.metrics import measured_matmul_flops, model_flops_per_step
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
-from valen_jax.step import make_train_step
 
 
 def parse_args():
@@ -46,15 +45,12 @@ def parse_args():
 
 
 def jax_step_time(cfg: ModelConfig, batch: dict, steps: int) -> float:
-    mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-4)
+    mesh, tx, _, layout = train_layout(cfg, learning_rate=1e-4)
     params = init_params(cfg, 0, layout.param_shardings)
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
     device_batch = sharding.global_batch(batch, mesh)
-    step = jax.jit(make_train_step(layout.graphdef, tx, schedule),
-                   in_shardings=(layout.state_shardings, layout.batch_shardings(device_batch)),
-                   out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+    compiled = compiled_step(layout, device_batch)
     with jax.set_mesh(mesh):
-        compiled = step.lower(layout.abstract_state(), device_batch).compile()
         state, metrics = compiled(state, device_batch)
         jax.block_until_ready(metrics)
         start = time.perf_counter()
