@@ -206,15 +206,14 @@ def regenerate(target_dir: Path, prompts: Path, output: Path, max_new_tokens: in
 
 def restore_drafter(drafter_dir: Path, target: eval_workdir.Restored):
     """(DrafterConfig, graphdef, params) of the drafter workdir's latest step, refused unless it was
-    trained against exactly these target weights (meta.drafter.target.params_sha256)."""
+    trained against exactly these target weights (meta.drafter.target's params identity)."""
     mgr = checkpoint.manager(drafter_dir, read_only=True)
     try:
         step = checkpoint.select_step(mgr, drafter_dir)
         meta = checkpoint.restore_meta(mgr, step)
         if "drafter" not in meta:
             raise SystemExit(f"--drafter={drafter_dir}: checkpoint {step} is not a vflash (drafter) run")
-        recorded = meta["drafter"]["target"]["params_sha256"]
-        if recorded != checkpoint.params_sha256(target.params):
+        if not checkpoint.same_weights(meta["drafter"]["target"], target.identity, target.params):
             raise SystemExit(f"--drafter={drafter_dir}: trained against target {meta['drafter']['target']}, not "
                              f"the weights of {target.workdir} step {target.step}")
         cfg = block_drafter.DrafterConfig.from_json(meta["drafter"]["config"])

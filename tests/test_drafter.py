@@ -346,10 +346,40 @@ def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
     from valen_jax import checkpoint
     from valen_jax.vflash.task import Target, check_trained_against
 
-    record = {"workdir": "/runs/target", "step": 4, "params_sha256": "a" * 64, "tokenizer": {}}
-    target = Target(TARGET, None, None, None, {}, {**record, "params_sha256": "b" * 64})
+    record = {"workdir": "/runs/target", "step": 4, "params_identity": "a" * 64, "tokenizer": {}}
+    target = Target(TARGET, None, None, None, {}, {**record, "params_identity": "b" * 64})
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint 3 is a drafter for target .*other weights"):
         check_trained_against(tmp_path, 3, {"drafter": {"target": record}}, target)
+    check_trained_against(tmp_path, 3, {"drafter": {"target": record}}, Target(TARGET, None, None, None, {}, record))
+
+
+def test_a_drafter_saved_before_params_identity_is_checked_on_the_sha256_of_its_targets_weights(tmp_path):
+    """Meta schema 1: the record holds params_sha256 (every byte of the weights), compared the old way."""
+    from valen_jax import checkpoint
+    from valen_jax.vflash.task import Target, check_trained_against
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    legacy = {"workdir": "/runs/target", "step": 4, "params_sha256": checkpoint.params_sha256(params), "tokenizer": {}}
+    now = {**legacy, "params_identity": checkpoint.params_identity_of(params)}
+    now.pop("params_sha256")
+    check_trained_against(tmp_path, 3, {"drafter": {"target": legacy}}, Target(TARGET, None, params, None, {}, now))
+    other = {**params, "b": params["b"] * 2}
+    with pytest.raises(checkpoint.CheckpointError, match="other weights"):
+        check_trained_against(tmp_path, 3, {"drafter": {"target": legacy}},
+                              Target(TARGET, None, other, None, {}, {**now, "params_identity": "c" * 64}))
+
+
+def test_metas_are_migrated_to_the_current_schema_and_a_newer_one_is_refused():
+    from valen_jax import checkpoint
+
+    old = {"config": {"train": {"steps": 4}}, "model": {}}
+    migrated = checkpoint.migrate_meta(old)
+    assert migrated["schema_version"] == checkpoint.META_SCHEMA and migrated["config"]["train"]["mode"] == "ar"
+    assert "schema_version" not in old  # a copy
+    vflash_run = {"schema_version": 2, "config": {"train": {"mode": "vflash"}}}
+    assert checkpoint.migrate_meta(vflash_run)["config"]["train"]["mode"] == "vflash"
+    with pytest.raises(checkpoint.CheckpointError, match="schema_version 3 was written by a newer valen_jax"):
+        checkpoint.migrate_meta({"schema_version": 3})
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])

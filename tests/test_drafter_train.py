@@ -83,10 +83,12 @@ def test_the_target_is_bitwise_unchanged_and_recorded_in_the_drafters_meta(runs)
     restored = restore_target(drafter_config(target), recorded["tokenizer"], _mesh())
     assert recorded == restored.record
     assert recorded["workdir"] == str(target.resolve()) and recorded["step"] == 4
-    assert len(recorded["params_sha256"]) == 64
-    # The sha256 is of the params' bytes: another set of weights gives another digest.
+    # The identity comes from the target's saved per-leaf digests (nothing gathered), and it is the one
+    # the params in memory give: another set of weights gives another identity.
+    assert len(recorded["params_identity"]) == 64 and "params_sha256" not in recorded
+    assert checkpoint.params_identity_of(restored.params) == recorded["params_identity"]
     other = jax.tree.map(lambda x: x + 1 if x.ndim == 1 else x, restored.params)
-    assert checkpoint.params_sha256(other) != recorded["params_sha256"]
+    assert checkpoint.params_identity_of(other) != recorded["params_identity"]
 
 
 def _mesh():

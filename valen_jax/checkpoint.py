@@ -229,8 +229,31 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.Data
     ))
 
 
+# The layout of `meta`. A meta is migrated to this version when it is read, so readers see one shape:
+# 1 (no `schema_version`): written before it was recorded; `config.train.mode` may be missing (ar runs)
+#   and a drafter's target record holds `params_sha256` (see `same_weights`);
+# 2: `schema_version`; every run records `config.train.mode`; a drafter's target record holds
+#   `params_identity` (`params_identity`).
+META_SCHEMA = 2
+
+
+def migrate_meta(meta: dict[str, Any], where: str = "checkpoint") -> dict[str, Any]:
+    """`meta` as META_SCHEMA lays it out (a copy); a meta from a newer valen_jax is refused."""
+    version = int(meta.get("schema_version", 1))
+    if version > META_SCHEMA:
+        raise CheckpointError(f"{where}: meta schema_version {version} was written by a newer valen_jax (this one "
+                              f"reads up to {META_SCHEMA}); upgrade valen_jax to read it")
+    meta = json.loads(json.dumps(meta))
+    if version < 2 and "config" in meta:
+        meta["config"].setdefault("train", {}).setdefault("mode", "ar")  # runs from before train.mode: ar runs
+    meta["schema_version"] = META_SCHEMA
+    return meta
+
+
 def restore_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    """Checkpoint `step`'s meta, migrated to META_SCHEMA."""
+    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    return migrate_meta(meta, f"{mgr.directory}: checkpoint {step}")
 
 
 def restore_state(mgr: ocp.CheckpointManager, step: int, abstract_state: Any,
@@ -424,6 +447,43 @@ def params_sha256(params: Any) -> str:
     return digest.hexdigest()
 
 
+def _identity(layout: list[str], digests: dict[str, int]) -> str:
+    params = {path: digests[path] for path in sorted(digests) if path.startswith("params/")}
+    entries = sorted(entry for entry in layout if entry.startswith("params/"))
+    return hashlib.sha256(json.dumps({"layout": entries, "digests": params}, sort_keys=True).encode()).hexdigest()
+
+
+def params_identity(meta: dict[str, Any], where: str = "checkpoint") -> str:
+    """The identity of a checkpoint's weights read from its meta alone: sha256 over its params' layout
+    (path, shape, dtype) and their save-time per-leaf digests (`_leaf_digest`).
+
+    No array is read or gathered, so it costs the same for a 7B target on a pod as for the smoke model;
+    `restore_params_verified` proves that the params read back match those digests. The same weights in a
+    moved or copied workdir, or saved again at another step, have the same identity. What a leaf digest
+    cannot tell apart (a permutation of whole words within one array) no training run produces."""
+    digests = (meta.get("digest") or {}).get("state")
+    if not digests:
+        raise CheckpointError(f"{where}: its meta has no state digests (written by a valen_jax before they were "
+                              "recorded), so its weights have no identity; train it again, or resume it once to "
+                              "write a checkpoint that has them")
+    return _identity(meta.get("state_layout", []), digests)
+
+
+def params_identity_of(params: Any) -> str:
+    """`params_identity` of params in memory (the digests computed on the devices, nothing gathered)."""
+    state = {"params": params}
+    return _identity(state_layout(state), state_digest(state))
+
+
+def same_weights(record: dict[str, Any], identity: str, params: Any) -> bool:
+    """Whether a drafter's record of its target (meta.drafter.target) names the weights of `identity`.
+    A drafter saved before records held `params_identity` (meta schema 1) recorded `params_sha256`, the
+    sha256 of every byte of the weights: it is compared the old way, gathering the weights once."""
+    if "params_identity" in record:
+        return record["params_identity"] == identity
+    return record.get("params_sha256") == params_sha256(params)
+
+
 def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
     return fingerprint(tokenizer).to_json()
 
@@ -431,4 +491,5 @@ def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 __all__ = ["TokenizerFingerprint", "CheckpointError", "CorruptCheckpoint", "manager", "save", "restore_meta",
            "restore_state", "restore_intact", "restore_params", "restore_params_verified",
            "verify", "verify_params", "state_digest", "state_layout", "abstract_with",
-           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir", "params_sha256"]
+           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir", "params_sha256",
+           "params_identity", "params_identity_of", "same_weights", "META_SCHEMA", "migrate_meta"]

@@ -367,7 +367,7 @@ def write_dataset(folder: Path, entries: list[Entry], regen: Regenerator, data: 
     (folder / "regenerate.json").write_text(json.dumps({
         "data": str(data),
         "target": {"workdir": str(target.workdir), "step": target.step,
-                   "params_sha256": checkpoint.params_sha256(target.params)},
+                   "params_identity": target.identity},
         "max_new_tokens": regen.max_new_tokens, "samples": samples,
         "sampling": {"temperature": regen.sampling.temperature, "top_k": regen.sampling.top_k,
                      "top_p": regen.sampling.top_p, "seed": regen.seed},

@@ -4,7 +4,7 @@ against, decoding every example's last trained answer target-only and speculativ
     python -m valen_jax.evaluate --workdir=runs/vflash-drafter --data=data/smoke/vflash/eval.jsonl \
         --output=runs/vflash-drafter/eval/report.json
 
-The drafter's checkpoint names its target (meta.drafter.target: workdir, step, params_sha256); that step
+The drafter's checkpoint names its target (meta.drafter.target: workdir, step, params_identity); that step
 of that workdir is restored and its params' sha256 must be the recorded one: a target retrained or
 replaced since is refused, naming both. The report holds
 - `ar`: the target's own VFlash report (teacher-forced loss/accuracy, greedy generation, geometry per
@@ -78,7 +78,7 @@ class DrafterRun:
     graphdef: object
     params: object
     target: Restored
-    record: dict  # meta.drafter.target: workdir, step, params_sha256, tokenizer
+    record: dict  # meta.drafter.target: workdir, step, params_identity, tokenizer
 
 
 def restore(workdir: str | Path, step: int | None = None) -> DrafterRun:
@@ -120,17 +120,22 @@ def _target(workdir: Path, step: int, record: dict) -> Restored:
 
 def _trained_against(workdir: Path, step: int, record: dict) -> str:
     return (f"{workdir}: checkpoint {step} is a drafter trained against target {record['workdir']} step "
-            f"{record['step']} (params sha256 {record['params_sha256']})")
+            f"{record['step']} ({_weights(record)})")
+
+
+def _weights(record: dict) -> str:
+    if "params_identity" in record:
+        return f"params identity {record['params_identity']}"
+    return f"params sha256 {record['params_sha256']}"  # a drafter saved before meta schema 2
 
 
 def check_target(workdir: Path, step: int, record: dict, target: Restored) -> None:
     """Refuses a target whose params are not the ones the drafter at `workdir` `step` recorded."""
-    found = checkpoint.params_sha256(target.params)
-    if found != record["params_sha256"]:
+    if not checkpoint.same_weights(record, target.identity, target.params):
         raise checkpoint.CheckpointError(
             f"{_trained_against(workdir, step, record)}; {target.workdir} step {target.step} now holds params "
-            f"sha256 {found}: the target changed since the drafter trained, so its acceptance would describe "
-            "other weights; train the drafter again (train.mode=vflash) against the target as it is")
+            f"identity {target.identity}: the target changed since the drafter trained, so its acceptance would "
+            "describe other weights; train the drafter again (train.mode=vflash) against the target as it is")
 
 
 # -- prompts -------------------------------------------------------------------------------------------

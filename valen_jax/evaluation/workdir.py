@@ -39,6 +39,7 @@ class Restored:
     mesh: Mesh
     graphdef: object
     params: object
+    identity: str | None = None  # checkpoint.params_identity of the step's weights (None: the run's own, in training)
 
 
 def restore(workdir: str | Path, step: int | None = None, devices=None) -> Restored:
@@ -70,7 +71,8 @@ def restore(workdir: str | Path, step: int | None = None, devices=None) -> Resto
         mgr.close()
     spec = RowSpec.of(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                       meta["media_kwargs"])
-    return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params)
+    return Restored(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params,
+                    checkpoint.params_identity(meta, f"{workdir}: checkpoint {step}"))
 
 
 def holds_drafter(workdir: str | Path, step: int | None = None) -> bool:

@@ -124,6 +124,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) 
     iterator = iter(dataset)
 
     meta = {
+        "schema_version": checkpoint.META_SCHEMA,
         "project_version": valen_jax.__version__,
         "model": model_cfg.to_json(),
         "media_kwargs": media_kwargs, "media_kwargs_sources": media_sources,

@@ -39,7 +39,7 @@ class Target:
     params: object
     shardings: object
     media_kwargs: dict
-    record: dict  # meta["drafter"]["target"]: workdir, step, params_sha256
+    record: dict  # meta["drafter"]["target"]: workdir, step, params_identity, tokenizer
 
 
 def restore_target(config, fingerprint: dict, mesh) -> Target:
@@ -53,7 +53,7 @@ def restore_target(config, fingerprint: dict, mesh) -> Target:
     try:
         step = checkpoint.select_step(mgr, workdir)
         meta = checkpoint.restore_meta(mgr, step)
-        mode = meta["config"]["train"].get("mode", "ar")  # runs from before train.mode were ar runs
+        mode = meta["config"]["train"]["mode"]
         if mode != "ar":
             raise checkpoint.CheckpointError(f"{where}: checkpoint {step} was trained with train.mode={mode}; "
                                              "a drafter's target must be an ar run")
@@ -68,9 +68,10 @@ def restore_target(config, fingerprint: dict, mesh) -> Target:
             mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
     finally:
         mgr.close()
-    record = {"workdir": str(workdir), "step": step, "params_sha256": checkpoint.params_sha256(params),
+    # The weights' identity from the digests the save recorded (and the restore just verified): nothing gathered.
+    record = {"workdir": str(workdir), "step": step, "params_identity": checkpoint.params_identity(meta, where),
               "tokenizer": meta["tokenizer"]["fingerprint"]}
-    log.info("target: %s step %d, params sha256 %s", workdir, step, record["params_sha256"])
+    log.info("target: %s step %d, params identity %s", workdir, step, record["params_identity"])
     return Target(model_cfg, graphdef, params, shardings, meta["media_kwargs"], record)
 
 
@@ -78,7 +79,7 @@ def check_trained_against(workdir: Path, step: int, saved: dict, target: Target)
     """Refuse a drafter checkpoint trained against other target weights (the same weights moved: a warning)."""
     # The target is its weights: the same params found in a moved or copied workdir are the same target.
     trained_against = saved.get("drafter", {}).get("target") or {}
-    if trained_against.get("params_sha256") != target.record["params_sha256"]:
+    if not checkpoint.same_weights(trained_against, target.record["params_identity"], target.params):
         raise checkpoint.CheckpointError(
             f"{workdir}: checkpoint {step} is a drafter for target {trained_against}; "
             f"config.model.target_from now gives {target.record} (other weights)")
