@@ -1,7 +1,10 @@
-"""The answer grammar of seed 004 ("Physical Primitives"), shared by the validator, renderer and evaluation.
+"""The answer grammar of seed 004 ("Physical Primitives"), shared by the validator, renderer, training,
+decoding and evaluation.
 
 `parse_answer` reads one `gpt` answer into its coordinate primitives and its `atomic_decoding`
 calls, or raises `PrimitiveError` naming what is wrong and at which character offset.
+`parse_announcement` reads one `<tool_call>` body into the `Announcement` it makes (or None for no
+`atomic_decoding` call), by the same argument rules for a reference answer and for generated text.
 
 Decisions where the seed leaves room (each refused rather than guessed, DESIGN "no silent fallbacks"):
 - Only the vocabulary tags are structure; any other `<name>` is plain text. A closing tag named after
@@ -108,6 +111,61 @@ def parse_answer(text: str) -> tuple[list[Primitive], list[AtomicCall]]:
     parser = _Parser(text)
     parser.scan()
     return parser.primitives, parser.link()
+
+
+# -- announcements: what an atomic_decoding call announces ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The arguments of one `atomic_decoding` call (seed 004): `block_size` counts every token of the
+    primitive, start and end tags included; `count`, when given, is the waypoints of a robot or driving
+    trajectory (P per arm for a dual-arm pair) or the trajectories of dense motion."""
+
+    block_size: int
+    count: int | None = None
+
+    def blocks(self, dense: bool) -> int:
+        """Blocks of `block_size` tokens the call announces; `dense`: its primitive opens with `<dense>`.
+
+        Seed 004: for dense motion `count` gives the number of trajectories, one block each (one block
+        without `count`); any other primitive is one block, a dual-arm pair's two atoms included.
+        """
+        return self.count if self.count and dense else 1
+
+
+def parse_announcement(call: object, offset: int = 0) -> Announcement | None:
+    """What one `<tool_call>` body announces, or None when it is no `atomic_decoding` call.
+
+    `call`: the body, as the text between `<tool_call>` and `</tool_call>` or as its parsed JSON value.
+    None for a JSON object naming another tool, any other JSON value, and text that is not JSON: the
+    seed gives those no meaning, so they stay text (`parse_answer` refuses a malformed body itself, as
+    the answer grammar; a decoder meeting one in generated text decodes on). An `atomic_decoding` call
+    is checked against the seed's arguments, each breach a `PrimitiveError` at `offset`: only the keys
+    `name` and `arguments`; `arguments` an object of only `block_size` (required) and `count`
+    (optional), each an integer >= 1 (a bool or 5.0 is not one).
+    """
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except ValueError:
+            return None
+    if not isinstance(call, dict) or call.get("name") != ATOMIC_DECODING:
+        return None
+    extra = sorted(set(call) - {"name", "arguments"})
+    if extra:
+        raise PrimitiveError(offset, f"atomic_decoding call has unknown keys {extra}")
+    args = call.get("arguments")
+    if not isinstance(args, dict):
+        raise PrimitiveError(offset, 'atomic_decoding call needs an "arguments" object')
+    extra = sorted(set(args) - {"block_size", "count"})
+    if extra:
+        raise PrimitiveError(
+            offset, f"atomic_decoding arguments has unknown keys {extra}; allowed: block_size, count"
+        )
+    block_size = _positive_int(offset, "block_size", args.get("block_size"))
+    count = _positive_int(offset, "count", args["count"]) if "count" in args else None
+    return Announcement(block_size, count)
 
 
 def _snippet(text: str) -> str:
@@ -298,27 +356,11 @@ class _Parser:
             raise PrimitiveError(m.end(), f"<tool_call> body is not valid JSON: {err}") from None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             raise PrimitiveError(m.end(), '<tool_call> body must be a JSON object with a string "name"')
-        if call["name"] != ATOMIC_DECODING:
+        announcement = parse_announcement(call, m.start())
+        if announcement is None:
             return stop  # another tool: the seed gives it no meaning here, so it stays text
-        self.items.append(_CallDraft(m.start(), stop, *self.atomic_arguments(m.start(), call)))
+        self.items.append(_CallDraft(m.start(), stop, announcement.block_size, announcement.count))
         return stop
-
-    @staticmethod
-    def atomic_arguments(offset: int, call: dict) -> tuple[int, int | None]:
-        extra = sorted(set(call) - {"name", "arguments"})
-        if extra:
-            raise PrimitiveError(offset, f"atomic_decoding call has unknown keys {extra}")
-        args = call.get("arguments")
-        if not isinstance(args, dict):
-            raise PrimitiveError(offset, 'atomic_decoding call needs an "arguments" object')
-        extra = sorted(set(args) - {"block_size", "count"})
-        if extra:
-            raise PrimitiveError(
-                offset, f"atomic_decoding arguments has unknown keys {extra}; allowed: block_size, count"
-            )
-        block_size = _positive_int(offset, "block_size", args.get("block_size"))
-        count = _positive_int(offset, "count", args["count"]) if "count" in args else None
-        return block_size, count
 
     # -- pass 2: calls to the trajectories they cover ----------------------------------------------
 

@@ -46,7 +46,6 @@ Fast path:
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data_pipeline.primitives import ATOMIC_DECODING, PrimitiveError, _Parser
+from data_pipeline.primitives import Announcement, PrimitiveError, parse_announcement
 from valen_jax.decoding.block_loop import FastRow, Timing
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
 from valen_jax.decoding.engine import GREEDY, bucket
@@ -83,12 +82,6 @@ class Drafter(Protocol):
 
 
 # -- the announcement -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Announcement:
-    block_size: int
-    count: int | None
-
 
 class AtomicCalls:
     """Finds a just-completed `atomic_decoding` call in committed token ids.
@@ -119,16 +112,10 @@ class AtomicCalls:
         start = len(ids) - 1 - ids[::-1].index(self.open_id)
         body = self.tokenizer.decode(ids[start + 1:-1])
         try:
-            call = json.loads(body)
-        except ValueError:
-            return None  # the seed gives a malformed tool call no meaning: it stays text, decoding goes on
-        if not isinstance(call, dict) or call.get("name") != ATOMIC_DECODING:
-            return None
-        try:
-            block_size, count = _Parser.atomic_arguments(0, call)
+            # A malformed tool call or another tool announces nothing: it stays text, decoding goes on.
+            return parse_announcement(body)
         except PrimitiveError as err:
             raise ValueError(f"generated atomic_decoding call {body!r}: {err.reason}") from None
-        return Announcement(block_size, count)
 
 
 # -- statistics -----------------------------------------------------------------------------------
