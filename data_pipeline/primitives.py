@@ -168,6 +168,77 @@ def parse_announcement(call: object, offset: int = 0) -> Announcement | None:
     return Announcement(block_size, count)
 
 
+class AtomicCalls:
+    """`atomic_decoding` calls and the blocks they announce, in the token ids of one tokenizer.
+
+    By ids, not by re-reading the whole text: `<tool_call>`, `</tool_call>` and the trajectory tags are
+    single tokens (data_pipeline.vocabulary), so a call ends exactly when `</tool_call>` is committed.
+    An announced block is the `block_size` tokens right after the call's `</tool_call>`, `count` such
+    blocks back to back when the first of them is `<dense>` (`Announcement.blocks`); a call completed
+    inside a block announces nothing. `SpeculativeDecoder` drafts these blocks as it decodes (`announced`
+    on the committed ids); `announced_spans` finds them afterwards in a whole output. They differ in one
+    case: a call completed by a block's last token, which the decoder misses when its last pass committed
+    a bonus token past that block (it reads the ids up to that bonus), and `announced_spans` announces.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.open_id = self._id("<tool_call>")
+        self.close_id = self._id("</tool_call>")
+        self.dense_id = self._id("<dense>")
+
+    def _id(self, token: str) -> int:
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"tokenizer: {token} is {len(ids)} tokens, not one; add the primitive tokens "
+                             f"(data_pipeline.tokenizer.add_primitive_tokens)")
+        return ids[0]
+
+    def announced(self, ids) -> Announcement | None:
+        """The call that `ids` (ending with `</tool_call>`) completes, or None for another tool.
+
+        Its body (the ids back to the last `<tool_call>`) is read by `parse_announcement`; arguments
+        that break the seed's rules raise ValueError quoting the body."""
+        ids = list(ids)
+        if not ids or ids[-1] != self.close_id:
+            return None
+        if self.open_id not in ids:
+            return None
+        start = len(ids) - 1 - ids[::-1].index(self.open_id)
+        body = self.tokenizer.decode(ids[start + 1:-1])
+        try:
+            # A malformed tool call or another tool announces nothing: it stays text, decoding goes on.
+            return parse_announcement(body)
+        except PrimitiveError as err:
+            raise ValueError(f"generated atomic_decoding call {body!r}: {err.reason}") from None
+
+    def call_ends(self, ids) -> list[tuple[int, Announcement]]:
+        """(j, announcement) for every `atomic_decoding` call that `ids[:j + 1]` completes, in order."""
+        ids = [int(t) for t in ids]
+        ends = [(j, self.announced(ids[:j + 1])) for j, t in enumerate(ids) if t == self.close_id]
+        return [(j, a) for j, a in ends if a is not None]
+
+    def announced_spans(self, prompt, output) -> list[tuple[int, int, Announcement]]:
+        """(start, stop, announcement) per block announcement in `output`, decoded after `prompt`, in order.
+
+        [start, stop) indexes `output`: from the token after the completed call (0 for a prompt that ends
+        with one), `block_size` tokens, or `count` x `block_size` for dense motion. `stop` may pass the
+        end of `output`, where decoding stopped inside the announced blocks (a stop token, the budget),
+        and `start` equals its length for a call that the last token completes."""
+        output = [int(t) for t in output]
+        ids = [int(t) for t in prompt]
+        spans: list[tuple[int, int, Announcement]] = []
+        for t in range(len(output) + 1):
+            if (not spans or t >= spans[-1][1]) and ids and ids[-1] == self.close_id:
+                announcement = self.announced(ids)
+                if announcement is not None:
+                    blocks = announcement.blocks(output[t:t + 1] == [self.dense_id])
+                    spans.append((t, t + announcement.block_size * blocks, announcement))
+            if t < len(output):
+                ids.append(output[t])
+        return spans
+
+
 def _snippet(text: str) -> str:
     return repr(text if len(text) <= 24 else text[:21] + "...")
 

@@ -3,9 +3,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from data_pipeline.primitives import Announcement, PrimitiveError, parse_announcement, parse_answer
+from data_pipeline.primitives import (
+    Announcement,
+    AtomicCalls,
+    PrimitiveError,
+    parse_announcement,
+    parse_answer,
+)
+from data_pipeline.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def body(arguments: str, **extra: str) -> str:
@@ -80,3 +91,96 @@ def test_blocks_count_dense_trajectories_and_nothing_else():
     # A robot or driving count is waypoints, not blocks; a dual-arm pair is one block.
     assert Announcement(10, 4).blocks(dense=False) == 1
     assert Announcement(16).blocks(dense=False) == 1
+
+
+# -- AtomicCalls: announcements and their blocks in token ids ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ROOT / "data" / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def calls(tokenizer):
+    return AtomicCalls(tokenizer)
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tool_call(block_size: int, count: int | None = None) -> str:
+    arguments = f'{{"block_size":{block_size}' + (f',"count":{count}' if count is not None else "") + "}"
+    return f"<tool_call>{body(arguments)}</tool_call>"
+
+
+ROBOT_2D = "<robot_single_2d><612><540><560><548><498><552><431><550></robot>"  # P = 4: 2P + 2 = 10
+DENSE = "<dense><1><2><3><4><5><6></dense>"  # F = 2: 3F + 2 = 8 per trajectory
+
+
+def test_call_ends_index_the_calls_an_answer_completes(tokenizer, calls):
+    answer = ids(tokenizer, "<action>Pull.</action>" + tool_call(10, 4) + ROBOT_2D
+                 + '<tool_call>{"name":"search","arguments":{}}</tool_call>' + tool_call(8, 2) + DENSE + DENSE)
+    ends = calls.call_ends(answer)
+    assert [a for _, a in ends] == [Announcement(10, 4), Announcement(8, 2)]
+    assert all(answer[j] == calls.close_id for j, _ in ends)
+    assert calls.announced(answer[:ends[0][0] + 1]) == Announcement(10, 4)
+    assert calls.call_ends(ids(tokenizer, "no call here" + ROBOT_2D)) == []
+
+
+def test_spans_start_after_the_call_and_cover_block_size_tokens(tokenizer, calls):
+    prompt = ids(tokenizer, "Plan the arm." + tool_call(10, 4))
+    output = ids(tokenizer, ROBOT_2D + " done")
+    # A prompt ending with the call: the block is the output's first block_size tokens, the seed's atom.
+    assert calls.announced_spans(prompt, output) == [(0, 10, Announcement(10, 4))]
+    assert tokenizer.decode(output[:10]) == ROBOT_2D
+    # A call written in the output: its block starts at the token after `</tool_call>`.
+    head = ids(tokenizer, "ok " + tool_call(10))
+    assert calls.announced_spans(ids(tokenizer, "Plan."), head + output) == [
+        (len(head), len(head) + 10, Announcement(10))]
+
+
+def test_dense_count_announces_count_blocks_back_to_back(tokenizer, calls):
+    output = ids(tokenizer, DENSE + DENSE + DENSE)
+    assert calls.announced_spans(ids(tokenizer, tool_call(8, 3)), output) == [(0, 24, Announcement(8, 3))]
+    # Without count, one block; a count that opens no <dense> counts waypoints, not blocks.
+    assert calls.announced_spans(ids(tokenizer, tool_call(8)), output) == [(0, 8, Announcement(8))]
+    assert calls.announced_spans(ids(tokenizer, tool_call(10, 4)), ids(tokenizer, ROBOT_2D * 2)) == [
+        (0, 10, Announcement(10, 4))]
+
+
+def test_a_call_inside_a_block_announces_nothing(tokenizer, calls):
+    inner = ids(tokenizer, tool_call(3))
+    output = inner + ids(tokenizer, "ab") + ids(tokenizer, tool_call(4)) + ids(tokenizer, "<drive><1><2></drive>")
+    # The prompt's call announces a block longer than `inner`: the call closing inside it is text.
+    size = len(inner) + 2
+    spans = calls.announced_spans(ids(tokenizer, tool_call(size)), output)
+    assert [(s, a.block_size) for s, _, a in spans] == [(0, size), (len(output) - 4, 4)]
+
+
+def test_spans_may_run_past_an_output_that_stopped_early(tokenizer, calls):
+    prompt = ids(tokenizer, tool_call(10))
+    assert calls.announced_spans(prompt, ids(tokenizer, "<robot_single_2d><1>")) == [(0, 10, Announcement(10))]
+    # A call completed by the output's last token: its block starts where the output ends.
+    output = ids(tokenizer, "go " + tool_call(26))
+    assert calls.announced_spans([], output) == [(len(output), len(output) + 26, Announcement(26))]
+    assert calls.announced_spans([], []) == [] and calls.announced_spans(prompt[:-1], []) == []
+
+
+def test_generated_arguments_against_the_seed_are_refused_quoting_the_call(tokenizer, calls):
+    with pytest.raises(ValueError, match=r"generated atomic_decoding call .*block_size must be an integer >= 1"):
+        calls.announced_spans(ids(tokenizer, tool_call(0)), [])
+    with pytest.raises(ValueError, match=r"count must be an integer >= 1"):
+        calls.call_ends(ids(tokenizer, tool_call(5, 0)))
+    # Malformed JSON or another tool in generated text is text: nothing announced, no error.
+    assert calls.announced(ids(tokenizer, '<tool_call>{"name":"atomic_decoding"</tool_call>')) is None
+
+
+def test_a_tokenizer_without_single_primitive_tokens_is_refused():
+    class Split:
+        def encode(self, text, add_special_tokens=False):
+            return list(range(len(text)))
+
+    with pytest.raises(ValueError, match=r"<tool_call> is 11 tokens, not one; add the primitive tokens"):
+        AtomicCalls(Split())
