@@ -3,8 +3,15 @@ decoding and evaluation.
 
 `parse_answer` reads one `gpt` answer into its coordinate primitives and its `atomic_decoding`
 calls, or raises `PrimitiveError` naming what is wrong and at which character offset.
-`parse_announcement` reads one `<tool_call>` body into the `Announcement` it makes (or None for no
-`atomic_decoding` call), by the same argument rules for a reference answer and for generated text.
+
+Announcements, the one home of the rule "which tokens after an `atomic_decoding` call form the block
+the drafter drafts" (training, decoding, evaluation and the benchmarks all call these):
+- `parse_announcement`: one `<tool_call>` body → its `Announcement` (block_size, count), or None for
+  no `atomic_decoding` call; the same argument rules for a reference answer and for generated text.
+- `Announcement.blocks`: how many blocks of `block_size` follow (dense motion: `count`; else one).
+- `AtomicCalls(tokenizer)`: the same in token ids: `announced` (the call committed ids complete),
+  `call_ends` (every call of an answer), `announced_spans` (the blocks of a decoded output).
+- `rendered_blocks`: the blocks of a rendered Example, from its `primitive_spans`/`primitive_blocks`.
 
 Decisions where the seed leaves room (each refused rather than guessed, DESIGN "no silent fallbacks"):
 - Only the vocabulary tags are structure; any other `<name>` is plain text. A closing tag named after
@@ -23,6 +30,8 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from data_pipeline import vocabulary
 
@@ -166,6 +175,57 @@ def parse_announcement(call: object, offset: int = 0) -> Announcement | None:
     block_size = _positive_int(offset, "block_size", args.get("block_size"))
     count = _positive_int(offset, "count", args["count"]) if "count" in args else None
     return Announcement(block_size, count)
+
+
+class BlockError(ValueError):
+    """Rendered primitives that do not fill the blocks their `atomic_decoding` call announces."""
+
+
+def rendered_blocks(primitive_spans, primitive_blocks) -> list[tuple[int, int]]:
+    """[first, stop) token spans of the blocks announced in a rendered example, in order.
+
+    The arrays are an Example's (`data_pipeline.examples`): `primitive_spans` rows (kind, first token,
+    one past the last) and `primitive_blocks` rows (call index or -1, block_size, count). A call's
+    primitives fill blocks of its `block_size` one after another, the atoms of one block adjacent in
+    tokens: a dual-arm pair's two atoms make one block, each of a dense call's `count` trajectories its
+    own (`Announcement.blocks`). Primitives of no call (points, boxes) are in no block. A call whose
+    primitives overrun a block or leave one short raises BlockError.
+
+    These are the blocks `AtomicCalls.announced_spans` finds in the same ids when nothing stands between
+    a call and its atoms. Seed 004 allows whitespace there (after the call, between the arms of a pair,
+    between dense trajectories); its tokens then shift or break the span `AtomicCalls` reads, and a
+    dual-arm pair split by whitespace is refused here (its left arm leaves the block short).
+    """
+    found: list[tuple[int, int]] = []
+    open_block = None  # (call, first token, end so far, block size)
+    for (_, first, end), (call, size, _) in zip(
+        np.asarray(primitive_spans).tolist(), np.asarray(primitive_blocks).tolist(), strict=True
+    ):
+        if call < 0:
+            continue
+        if open_block is not None and open_block[0] == call and open_block[2] == first:
+            open_block = (call, open_block[1], end, size)
+        else:
+            _check_closed(open_block)
+            open_block = (call, first, end, size)
+        call, start, stop, size = open_block
+        if stop - start > size:
+            raise BlockError(
+                f"atomic_decoding call {call} announces block_size={size}, but its primitive spans {stop - start} tokens"
+            )
+        if stop - start == size:
+            found.append((start, stop))
+            open_block = None
+    _check_closed(open_block)
+    return found
+
+
+def _check_closed(open_block) -> None:
+    if open_block is not None:
+        call, start, stop, size = open_block
+        raise BlockError(
+            f"atomic_decoding call {call} announces block_size={size}, but its primitives span {stop - start} tokens"
+        )
 
 
 class AtomicCalls:

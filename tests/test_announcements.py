@@ -3,17 +3,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from data_pipeline.formats.vflash import read_vflash
 from data_pipeline.primitives import (
     Announcement,
     AtomicCalls,
+    BlockError,
     PrimitiveError,
     parse_announcement,
     parse_answer,
+    rendered_blocks,
 )
+from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,3 +190,55 @@ def test_a_tokenizer_without_single_primitive_tokens_is_refused():
 
     with pytest.raises(ValueError, match=r"<tool_call> is 11 tokens, not one; add the primitive tokens"):
         AtomicCalls(Split())
+
+
+# -- rendered_blocks: the blocks of a rendered example -----------------------------------------------
+
+
+def test_rendered_blocks_cut_each_call_into_its_blocks():
+    # A point (no call), a block of 4, a dual-arm pair of 3 + 3 (one call, block_size 6), a dense call
+    # of two trajectories of 2 tokens: one block each.
+    spans = [(0, 1, 3), (4, 4, 8), (4, 9, 12), (4, 12, 15), (5, 16, 18), (5, 18, 20)]
+    blocks = [(-1, 0, 0), (0, 4, 0), (1, 6, 0), (1, 6, 0), (2, 2, 2), (2, 2, 2)]
+    assert rendered_blocks(spans, blocks) == [(4, 8), (9, 15), (16, 18), (18, 20)]
+    assert rendered_blocks(np.zeros((0, 3), np.int32), np.zeros((0, 3), np.int32)) == []
+
+
+@pytest.mark.parametrize("spans, blocks, message", [
+    ([(4, 4, 8)], [(0, 5, 0)], "atomic_decoding call 0 announces block_size=5, but its primitives span 4 tokens"),
+    ([(4, 4, 8)], [(0, 3, 0)], "atomic_decoding call 0 announces block_size=3, but its primitive spans 4 tokens"),
+    # A pair whose right arm does not start where the left one ended leaves the block short.
+    ([(4, 4, 7), (5, 8, 11)], [(0, 6, 0), (0, 6, 0)],
+     "atomic_decoding call 0 announces block_size=6, but its primitives span 3 tokens"),
+    # A block still open when the next call's primitive begins.
+    ([(4, 4, 7), (4, 7, 10)], [(0, 6, 0), (1, 3, 0)],
+     "atomic_decoding call 0 announces block_size=6, but its primitives span 3 tokens"),
+])
+def test_rendered_blocks_refuse_primitives_that_miss_the_announced_size(spans, blocks, message):
+    with pytest.raises(BlockError) as err:
+        rendered_blocks(spans, blocks)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("answer", [
+    "<action>Pull the drawer open.</action>" + tool_call(32)
+    + "<robot_single><521><489><61><520><488><64><518><487><67><517><485><70><516><483><73><515><480><76>"
+      "<513><478><78><512><475><80><510><473><83><509><470><85></robot>",  # seed 004's robot 3D answer
+    tool_call(10, 4) + ROBOT_2D,
+    tool_call(26) + "<drive><62><500><500><86><500><500><110><501><501><134><501><501><158><502><502><181>"
+                    "<503><502><205><504><503><228><505><503></drive>",
+    tool_call(12) + "<robot_left_2d><1><2><3><4></robot><robot_right_2d><5><6><7><8></robot>",  # 4P + 4
+    tool_call(8, 2) + DENSE + DENSE,
+    "<point><218><365></point> then " + tool_call(10) + ROBOT_2D + " and " + tool_call(8) + DENSE,
+])
+def test_training_and_decoding_find_the_same_blocks_in_a_rendered_answer(tokenizer, calls, tmp_path, answer):
+    row = {"conversations": [{"from": "human", "value": "Move."}, {"from": "gpt", "value": answer}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    (record,) = read_vflash(tmp_path / "a.jsonl", dense_scale=2.0)
+    example = VFlashRenderer(tokenizer).render(record, "entry")
+    training = rendered_blocks(example.arrays["primitive_spans"], example.arrays["primitive_blocks"])
+    tokens = example.arrays["input_ids"].tolist()
+    decoding = []  # each announcement's span cut into its blocks
+    for start, stop, announcement in calls.announced_spans([], tokens):
+        decoding += [(b, b + announcement.block_size) for b in range(start, stop, announcement.block_size)]
+    assert training and training == decoding
