@@ -100,18 +100,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's packages
     sys.path.insert(0, str(ROOT))
 
+from data_pipeline.primitives import AtomicCalls  # noqa: E402
 from data_pipeline.tokenizer import end_of_turn_id  # noqa: E402
 from valen_jax import checkpoint  # noqa: E402
 from valen_jax.data.assemble import expand_media_slots  # noqa: E402
 from valen_jax.decoding.engine import generate_ids  # noqa: E402
-from valen_jax.decoding.speculative import (  # noqa: E402
-    AtomicCalls,
-    BlockStats,
-    CachedDrafter,
-    SpeculativeDecoder,
-)
+from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder  # noqa: E402
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
-from valen_jax.evaluation.speculative import block_indices  # noqa: E402
 from valen_jax.evaluation.tokens import answer_spans, prompt_before  # noqa: E402
 from valen_jax.models import drafter as block_drafter  # noqa: E402
 
@@ -254,8 +249,7 @@ def trajectory_answers(target: eval_workdir.Restored, calls: AtomicCalls, data: 
             total += 1
             where = f"{data.name} record {index} answer {k}"
             answer = [int(i) for i in expanded.ids[start:stop]]
-            calls_at = [(j, calls.announced(answer[:j + 1])) for j, token in enumerate(answer) if token == calls.close_id]
-            calls_at = [(j, a) for j, a in calls_at if a is not None]
+            calls_at = calls.call_ends(answer)
             if not calls_at:
                 continue
             # from_call: the reference's answer up to its first atomic_decoding call joins the prompt.
@@ -308,7 +302,7 @@ def decode_all(target, drafter: CachedDrafter, calls, answers: list[Answer], max
         first = engine_time(target, prompt, 1, vocab, eot)
         decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
         spec = decoder.generate(prompt, drafter, max_new_tokens=max_new_tokens)
-        _, sizes = block_indices(list(map(int, prompt["ids"])), spec, calls)
+        sizes = [announcement.block_size for *_, announcement in calls.announced_spans(prompt["ids"], spec)]
         results.append(Result(answer, list(reference), spec, decoder.stats, sizes, max(whole - first, 0.0),
                               len(reference) - 1, decoder.timing.block_seconds, decoder.timing.block_tokens,
                               decoder.timing.step_seconds, decoder.timing.steps))

@@ -29,9 +29,10 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, ".")
+from data_pipeline.primitives import AtomicCalls  # noqa: E402
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from valen_jax.decoding import generate_ids  # noqa: E402
-from valen_jax.decoding.speculative import AtomicCalls, CachedDrafter, ScriptedDrafter, SpeculativeDecoder  # noqa: E402
+from valen_jax.decoding.speculative import CachedDrafter, ScriptedDrafter, SpeculativeDecoder  # noqa: E402
 from valen_jax.models.config import ModelConfig  # noqa: E402
 from valen_jax.models.drafter import Drafter, DrafterConfig  # noqa: E402
 from valen_jax.models.transformer import Transformer  # noqa: E402

@@ -22,7 +22,7 @@ Geometry conventions of the synthetic scenes (what the labels are computed from)
   pixel columns l..r-1 and rows t..b-1 has the box (l, t, r, b) and the centre ((l+r)/2, (t+b)/2).
 * Image coordinates are quantised as `quantise(x, 0, W)` / `quantise(y, 0, H)`: linear to
   0..1000 with half-up rounding, e.g. x = 8 px of 128 -> 62.5 -> <63>. `quantise` is the library's
-  (`valen_jax.primitives`), so the labels round every written half (-4.995 m) the way training
+  (`data_pipeline.primitives`), so the labels round every written half (-4.995 m) the way training
   and evaluation read them back; `round_half_up` here only places drawn pixels.
 * Robot 3D points are in the camera frame (x right, y down, z forward, metres) and drawn with a
   pinhole camera (f = 80 px, principal point at the image centre); x and y are quantised over
@@ -47,14 +47,14 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from valen_jax.primitives import quantise
+from data_pipeline.primitives import ATOMIC_DECODING, RANGES, quantise
 
 IMAGE_SIZE = 128
 VALEN_VIDEO_SIZE = 64
 FOCAL_PX = 80.0
 
-ROBOT3D_RANGE = ((-5.0, 5.0), (-5.0, 5.0), (0.0, 10.0))
-DRIVE_RANGE = ((-10.0, 250.0), (-65.0, 65.0), (-math.pi, math.pi))
+ROBOT3D_RANGE = RANGES["robot_single"]  # seed 004's camera-frame ranges, from the library's table
+DRIVE_RANGE = RANGES["drive"]
 
 BACKGROUNDS = [(245, 245, 240), (232, 232, 232), (240, 232, 214), (226, 236, 242)]
 COLOURS = {
@@ -69,8 +69,6 @@ CATEGORIES = ("cup", "ball", "box", "block")
 ABSENT_CATEGORIES = ("dog", "cat", "bottle", "plate")
 GRIPPER_COLOUR = (25, 25, 25)
 PATH_COLOUR = (90, 90, 90)
-
-ATOMIC_DECODING = "atomic_decoding"
 
 
 # --------------------------------------------------------------------------- quantiser

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from data_pipeline import primitives
+
 SIZE = 64
 RADIUS = 6
 BACKGROUND = (200, 200, 200)
@@ -36,8 +38,8 @@ TASKS = ("leftright", "locate")
 
 
 def quantise(pixels: float) -> int:
-    """A pixel coordinate on a SIZE-pixel side → seed 004's 0..1000 grid (half up, as primitives.py)."""
-    return int(pixels * 1000 / SIZE + 0.5)
+    """A pixel coordinate on a SIZE-pixel side → seed 004's 0..1000 grid: the library's one quantiser."""
+    return primitives.quantise(pixels, 0, SIZE)
 
 
 def centre(rng: random.Random, task: str) -> tuple[float, float]:

@@ -74,7 +74,7 @@ ARRAYS: dict[str, tuple[ArrayField, ...]] = {
         ArrayField("target_weights", "float32", "[T]", "loss weight of token t as a prediction target (0 = none)"),
         ArrayField("primitive_spans", "int32", "[N, 3]",
                    "vflash: (PRIMITIVE_KINDS index, first token, one past last token) per primitive", False),
-        # Nothing reads it yet: the VFlash block drafter (its own issue) trains on these blocks.
+        # Read by `primitives.rendered_blocks`: the blocks the VFlash drafter trains on.
         ArrayField("primitive_blocks", "int32", "[N, 3]",
                    "vflash: per primitive, its atomic_decoding call index (-1 none), block_size, count", False),
     ),

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from data_pipeline.primitives import parse_answer
+from data_pipeline.primitives import coordinates, dequantise, parse_answer
 from data_pipeline.tokenizer import end_of_turn_id, load_tokenizer
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT, env_with_devices
@@ -30,7 +30,6 @@ from valen_jax.evaluation import answers, tokens
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
-from valen_jax.primitives import coordinates, dequantise
 
 VFLASH_DATA = ROOT / "data/smoke/vflash/eval.jsonl"
 CHAT_DATA = ROOT / "data/smoke/chat/eval.jsonl"

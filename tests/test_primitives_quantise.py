@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from data_pipeline.primitives import parse_answer
-from valen_jax.primitives import RANGES, coordinates, dequantise, quantise, ranges
+from data_pipeline.primitives import RANGES, coordinates, dequantise, parse_answer, quantise, ranges
 
 AXES = sorted({r for axes in RANGES.values() for r in axes}) + [(-3.0, 3.0)]
 

@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 from scipy import stats as scipy_stats
 
+from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
 from valen_jax.decoding import Sampling, generate_ids
 from valen_jax.decoding.speculative import (
-    AtomicCalls,
     CachedDrafter,
     OracleDrafter,
     Proposal,

@@ -14,12 +14,13 @@ import jax
 import numpy as np
 import pytest
 
+from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import end_of_turn_id
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
 from valen_jax import checkpoint
 from valen_jax.decoding import generate_ids
-from valen_jax.decoding.speculative import AtomicCalls, RandomDrafter, SpeculativeDecoder
+from valen_jax.decoding.speculative import RandomDrafter, SpeculativeDecoder
 from valen_jax.evaluation import speculative
 from valen_jax.evaluation import workdir as eval_workdir
 

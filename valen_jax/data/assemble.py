@@ -26,6 +26,7 @@ import numpy as np
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline import vocabulary
+from data_pipeline.primitives import BlockError, rendered_blocks
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import token_id
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
@@ -249,41 +250,22 @@ def draft_block_of(example: Example) -> np.ndarray:
     call announces (seed 004: `block_size` counts every token of the primitive, start and end tags
     included), 0 elsewhere; what the VFlash drafter is trained to propose.
 
-    A call's primitives (`primitive_blocks` rows with the same call index) are cut into blocks of its
-    `block_size`: a dual-arm pair's two adjacent atoms make one block, each of a dense call's `count`
-    trajectories its own. Points and boxes (call index -1) are no block. Primitives whose lengths do not
-    add up to the announced size are an error naming the record.
+    The blocks are `data_pipeline.primitives.rendered_blocks` of the example's `primitive_spans` /
+    `primitive_blocks`: a dual-arm pair's two adjacent atoms make one block, each of a dense call's
+    `count` trajectories its own, points and boxes none. Primitives whose lengths do not add up to the
+    announced size are an error naming the record.
     """
     arrays = example.arrays
     blocks = np.zeros(len(arrays["input_ids"]), np.int32)
     if "primitive_blocks" not in arrays:
         return blocks
-    spans, calls = arrays["primitive_spans"], arrays["primitive_blocks"]
-    open_block = None  # (call, first token, end so far, block size)
-    for (_, first, end), (call, size, _) in zip(spans.tolist(), calls.tolist(), strict=True):
-        if call < 0:
-            continue
-        if open_block is not None and open_block[0] == call and open_block[2] == first:
-            open_block = (call, open_block[1], end, size)
-        else:
-            _check_closed(open_block, example)
-            open_block = (call, first, end, size)
-        call, start, stop, size = open_block
-        if stop - start > size:
-            raise AssemblyError(f"{_where(example)}: atomic_decoding call {call} announces block_size={size}, "
-                                f"but its primitive spans {stop - start} tokens")
-        if stop - start == size:
-            blocks[start:stop] = np.arange(1, size + 1, dtype=np.int32)
-            open_block = None
-    _check_closed(open_block, example)
+    try:
+        spans = rendered_blocks(arrays["primitive_spans"], arrays["primitive_blocks"])
+    except BlockError as err:
+        raise AssemblyError(f"{_where(example)}: {err}") from None
+    for start, stop in spans:
+        blocks[start:stop] = np.arange(1, stop - start + 1, dtype=np.int32)
     return blocks
-
-
-def _check_closed(open_block, example: Example) -> None:
-    if open_block is not None:
-        call, start, stop, size = open_block
-        raise AssemblyError(f"{_where(example)}: atomic_decoding call {call} announces block_size={size}, "
-                            f"but its primitives span {stop - start} tokens")
 
 
 def vision_arrays(media: list[ProcessedMedia], spec: RowSpec, where: str) -> dict[str, np.ndarray]:

@@ -2,11 +2,11 @@
 the target verifies it in ONE pass over its KV cache, and the output is the target's own.
 
 Outside announced blocks the target decodes one token per step, as `engine.generate_ids` does. When
-the committed ids complete an `atomic_decoding` tool call (detected by token ids: `</tool_call>` just
-committed; the ids back to the last `<tool_call>` are decoded and their JSON checked by
-`data_pipeline.primitives`' own argument rules), the next `block_size` tokens (seed 004: every token of
-the primitive, start and end tags included; `count` blocks for `<dense>` motion, one block otherwise)
-are drafted and verified:
+the committed ids complete an `atomic_decoding` tool call (`data_pipeline.primitives.AtomicCalls`, by
+token ids: `</tool_call>` just committed; the ids back to the last `<tool_call>` read by
+`parse_announcement`), the blocks it announces, the next `block_size` tokens each (seed 004: every
+token of the primitive, start and end tags included; `count` blocks for `<dense>` motion, one block
+otherwise: `Announcement.blocks`), are drafted and verified:
 
 - the drafter proposes the d tokens still missing from the block (d capped by the token budget);
 - one `extend` pass over [last committed token, proposal] gives the target's logits at all d + 1 slots;
@@ -46,7 +46,6 @@ Fast path:
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data_pipeline.primitives import ATOMIC_DECODING, PrimitiveError, _Parser
+from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding.block_loop import FastRow, Timing
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
 from valen_jax.decoding.engine import GREEDY, bucket
@@ -64,7 +63,7 @@ from valen_jax.decoding.verification import accept_pass, target_probs, verify_sa
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import kv_cache
 
-__all__ = ["AtomicCalls", "BlockStats", "CachedDrafter", "OracleDrafter", "Proposal", "RandomDrafter",
+__all__ = ["BlockStats", "CachedDrafter", "OracleDrafter", "Proposal", "RandomDrafter",
            "ScriptedDrafter", "SpeculativeDecoder", "Timing", "TrainedDrafter", "accept_pass", "target_probs",
            "verify_sampled"]
 
@@ -80,55 +79,6 @@ class Drafter(Protocol):
     def propose(self, context: np.ndarray, block: int, key: jax.Array) -> Proposal:
         """1 to `block` tokens to follow `context` (every committed id of the row: prompt and output)."""
         ...
-
-
-# -- the announcement -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Announcement:
-    block_size: int
-    count: int | None
-
-
-class AtomicCalls:
-    """Finds a just-completed `atomic_decoding` call in committed token ids.
-
-    By ids, not by re-reading the whole text: `<tool_call>`, `</tool_call>` and the trajectory tags are
-    single tokens (data_pipeline.vocabulary), so a call ends exactly when `</tool_call>` is committed."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.open_id = self._id("<tool_call>")
-        self.close_id = self._id("</tool_call>")
-        self.dense_id = self._id("<dense>")
-
-    def _id(self, token: str) -> int:
-        ids = self.tokenizer.encode(token, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"tokenizer: {token} is {len(ids)} tokens, not one; add the primitive tokens "
-                             f"(data_pipeline.tokenizer.add_primitive_tokens)")
-        return ids[0]
-
-    def announced(self, ids) -> Announcement | None:
-        """The call that `ids` (ending with `</tool_call>`) completes, or None for another tool."""
-        ids = list(ids)
-        if not ids or ids[-1] != self.close_id:
-            return None
-        if self.open_id not in ids:
-            return None
-        start = len(ids) - 1 - ids[::-1].index(self.open_id)
-        body = self.tokenizer.decode(ids[start + 1:-1])
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None  # the seed gives a malformed tool call no meaning: it stays text, decoding goes on
-        if not isinstance(call, dict) or call.get("name") != ATOMIC_DECODING:
-            return None
-        try:
-            block_size, count = _Parser.atomic_arguments(0, call)
-        except PrimitiveError as err:
-            raise ValueError(f"generated atomic_decoding call {body!r}: {err.reason}") from None
-        return Announcement(block_size, count)
 
 
 # -- statistics -----------------------------------------------------------------------------------
@@ -243,9 +193,8 @@ class SpeculativeDecoder:
             if announced is not None and drafting:
                 start = len(row.output)
                 overflow = block(announced.block_size, key)
-                first = row.output[start:start + 1]
                 # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
-                blocks = announced.count if announced.count and first == [self.calls.dense_id] else 1
+                blocks = announced.blocks(row.output[start:start + 1] == [self.calls.dense_id])
                 for _ in range(blocks - 1):
                     # A bonus token past the previous block is this block's first.
                     overflow = block(announced.block_size - overflow, key)

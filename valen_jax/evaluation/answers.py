@@ -14,7 +14,7 @@ converted with assistant_turns=last trains only the last message: it is answer 0
 "stop" when the end-of-turn token ended the answer (counted in `generated_tokens`, not written in
 `text`), "length" when the token budget did. Per family:
 - vflash (seed 004): `primitives`, each {"kind", "label", "tokens", "coordinates", "units"} with the
-  number tokens dequantised to the seed's ranges (`valen_jax.primitives.coordinates`: fractions of the
+  number tokens dequantised to the seed's ranges (`data_pipeline.primitives.coordinates`: fractions of the
   image, metres in the camera frame, ego metres and radians, dense metres for the data's scale `s`),
   `atomic_decoding` (each call's block_size, count and the primitives it covers) and `parse_error`
   (null, or why the text is not a primitive answer; the primitives are then empty);
@@ -32,7 +32,7 @@ import jax
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.chat_templates import template_family
-from data_pipeline.primitives import PrimitiveError, parse_answer
+from data_pipeline.primitives import PrimitiveError, coordinates, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.data.assemble import expand_media_slots
@@ -41,7 +41,6 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.workdir import Restored, local_batch_size
-from valen_jax.primitives import coordinates
 
 GENERATED_FAMILIES = ("vflash", "chat", "vakforge")
 GREEDY = Sampling()  # temperature 0: argmax, no draws

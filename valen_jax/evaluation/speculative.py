@@ -42,17 +42,13 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline import examples as contract
+from data_pipeline.primitives import AtomicCalls
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import GREEDY, generate_ids
-from valen_jax.decoding.speculative import (
-    AtomicCalls,
-    BlockStats,
-    CachedDrafter,
-    SpeculativeDecoder,
-)
+from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder
 from valen_jax.evaluation import hosts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
@@ -167,33 +163,14 @@ def call_prompts(examples: list[Example], mine: list[int], target: Restored, cal
             raise ValueError(f"{contract.where(example)}: no trained assistant answer to decode")
         start, stop = spans[-1]
         answer = [int(t) for t in expanded.ids[start:stop]]
-        ends = [j for j, t in enumerate(answer) if t == calls.close_id and calls.announced(answer[:j + 1])]
+        ends = calls.call_ends(answer)
         if ends:
-            prompt = tokens.prompt_before(expanded, start + ends[0] + 1, target.spec, contract.where(example))
+            prompt = tokens.prompt_before(expanded, start + ends[0][0] + 1, target.spec, contract.where(example))
             found.append(Answer(i, contract.meta_of(example).entry, prompt))
     return found
 
 
 # -- decoding ------------------------------------------------------------------------------------------
-
-def block_indices(prompt: list[int], output: list[int], calls: AtomicCalls) -> tuple[set[int], list[int]]:
-    """(indices into `output` of the tokens inside announced blocks, the announced block sizes), delimited
-    as `SpeculativeDecoder.generate` delimits them: from the token after a completed `atomic_decoding`
-    call, block_size tokens, or count x block_size for dense motion."""
-    inside: set[int] = set()
-    sizes: list[int] = []
-    ids = list(prompt)
-    for t in range(len(output) + 1):
-        if t not in inside and ids and ids[-1] == calls.close_id:
-            announced = calls.announced(ids)
-            if announced is not None:
-                dense = announced.count and output[t:t + 1] == [calls.dense_id]
-                inside.update(range(t, t + announced.block_size * (announced.count if dense else 1)))
-                sizes.append(announced.block_size)
-        if t < len(output):
-            ids.append(output[t])
-    return {i for i in inside if i < len(output)}, sizes
-
 
 @dataclass
 class Decoded:
@@ -234,12 +211,13 @@ class PairDecoder:
         target_only, whole = self._engine(prompt, max_new_tokens)
         _, first = self._engine(prompt, 1)
         per_token = max(whole - first, 0.0) / (len(target_only) - 1) if len(target_only) > 1 else 0.0
-        inside, _ = block_indices([int(t) for t in prompt["ids"]], target_only, self.calls)
-        timed = len(inside) if len(target_only) > 1 else 0
+        spans = self.calls.announced_spans(prompt["ids"], target_only)
+        inside = sum(min(stop, len(target_only)) - start for start, stop, _ in spans)  # block tokens written
+        timed = inside if len(target_only) > 1 else 0
         speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, vocab=self.vocab,
                                          stop_ids=(self.eot,), sampling=GREEDY)
         drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
-        return Decoded(target_only, drafted, speculative.stats, len(inside), timed, per_token * timed,
+        return Decoded(target_only, drafted, speculative.stats, inside, timed, per_token * timed,
                        speculative.timing.block_seconds)
 
 

@@ -32,14 +32,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
-from data_pipeline.primitives import PrimitiveError, parse_answer
+from data_pipeline.primitives import DENSE_SCALE, PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
 from valen_jax.evaluation import hosts, image_reliance, text_only, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
 from valen_jax.evaluation.workdir import Restored, local_batch_size
-from valen_jax.primitives import DENSE_SCALE
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.registry import Options

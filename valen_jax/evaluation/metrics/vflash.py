@@ -4,7 +4,7 @@ Both texts are read with `data_pipeline.primitives.parse_answer`. A reference th
 is an error (the data was validated); a prediction that does not parse is *malformed*: it counts in
 `well_formed_rate = 1 − malformed / answers`, and then has no primitives, so every reference
 primitive of that answer counts as missing (wrong for accuracies, absent from distance means).
-Coordinates come from `valen_jax.primitives.coordinates` (image kinds as fractions of the image,
+Coordinates come from `data_pipeline.primitives.coordinates` (image kinds as fractions of the image,
 0..1000 / 1000; robot 3D and driving in metres; dense in metres for the entry's scale `s`).
 
 Pairing. Points: the i-th reference `<point>` with the i-th predicted one. Trajectories: the i-th
@@ -42,9 +42,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data_pipeline.primitives import DIMENSIONS, ROBOT_KINDS, Primitive, PrimitiveError, parse_answer
+from data_pipeline.primitives import (
+    DENSE_SCALE,
+    DIMENSIONS,
+    ROBOT_KINDS,
+    Primitive,
+    PrimitiveError,
+    coordinates,
+    parse_answer,
+)
 from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
-from valen_jax.primitives import DENSE_SCALE, coordinates
 
 FAMILIES: dict[str, str] = {
     **{k: "robot_2d" if DIMENSIONS[k] == 2 else "robot_3d" for k in ROBOT_KINDS},
