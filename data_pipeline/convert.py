@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from data_pipeline import shards
 from data_pipeline.chat_templates import TRAINING_TEMPLATES
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.conversion import BEAM_RUNNERS, convert
 from data_pipeline.format_registry import CONVERT_OPTIONS, FORMATS, takers
@@ -56,7 +57,8 @@ def _convert_beam(args: argparse.Namespace, options: Mapping[str, object]) -> sh
                         beam_options=parse_beam_options(args.beam_option))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--input", required=True)
@@ -65,25 +67,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="--runner=local: rendering processes")
     parser.add_argument("--runner", choices=("local", "beam"), default="local",
                         help="local: a process pool on this machine; beam: an Apache Beam pipeline (extra `beam`)")
-    parser.add_argument("--beam-runner", choices=BEAM_RUNNERS,
-                        help="--runner=beam: the Beam runner (DirectRunner)")
-    parser.add_argument("--beam-option", action="append", metavar="KEY=VALUE",
-                        help="--runner=beam: a pipeline option, e.g. temp_location=gs://b/tmp (repeatable)")
+    add_flag(parser, "--beam-runner", choices=BEAM_RUNNERS,
+             help="--runner=beam: the Beam runner (DirectRunner)")
+    add_flag(parser, "--beam-option", action="append", metavar="KEY=VALUE",
+             help="--runner=beam: a pipeline option, e.g. temp_location=gs://b/tmp (repeatable)")
     parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--template-family", choices=sorted(TRAINING_TEMPLATES),
-                        help="install this training chat template when the tokenizer's has no generation markers")
+    add_flag(parser, "--template-family", choices=sorted(TRAINING_TEMPLATES),
+             help="install this training chat template when the tokenizer's has no generation markers")
     # Format options (format_registry.CONVERT_OPTIONS): left unset (None) they take the format's
     # default; set for a format that does not take them, they are refused.
     for name, option in CONVERT_OPTIONS.items():
         defaults = takers(name)
         shown = ", ".join(f"{fmt}={value}" if value is not None else fmt for fmt, value in defaults.items())
         if option.type is None:  # a flag: present sets True, absent leaves the default
-            parser.add_argument("--" + name.replace("_", "-"), action="store_const", const=True,
-                                help=f"{option.meaning} ({shown})")
+            add_flag(parser, "--" + name.replace("_", "-"), action="store_const", const=True,
+                     help=f"{option.meaning} ({shown})")
         else:
-            parser.add_argument("--" + name.replace("_", "-"), type=option.type, choices=option.choices,
-                                help=f"{option.meaning} ({shown})")
-    args = parser.parse_args(argv)
+            add_flag(parser, "--" + name.replace("_", "-"), type=option.type, choices=option.choices,
+                     help=f"{option.meaning} ({shown})")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     exit_on_bad_paths(input=args.input, output=args.output, tokenizer=args.tokenizer)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in CONVERT_OPTIONS}

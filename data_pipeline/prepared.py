@@ -147,7 +147,8 @@ def describe(
     return descriptor, []
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: one-word flags only (a multi-word one goes through `cli_flags.add_flag`)."""
     parser = argparse.ArgumentParser(
         prog="python -m data_pipeline.prepared",
         description=__doc__.split("\n")[0],
@@ -161,7 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd.add_argument("--revision", help="branch, tag or commit; recorded as the full commit")
     cmd.add_argument("--zip", type=Path, help="also write the zip to register here")
     cmd.add_argument("files", nargs="+", metavar="FILE", help="Parquet files in training order")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         descriptor, problems = describe(args.files, args.tokenizer, args.repository, args.revision)
     except UsageError as err:

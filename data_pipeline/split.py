@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError
 
@@ -272,15 +273,20 @@ def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, flo
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.split", description=__doc__.splitlines()[0])
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--input", required=True, type=Path)
-    parser.add_argument("--output-dir", required=True, type=Path)
+    add_flag(parser, "--output-dir", required=True, type=Path)
     parser.add_argument("--fractions", required=True, help="NAME=FRACTION,… summing to 1, e.g. train=0.8,eval=0.2")
     parser.add_argument("--seed", required=True, type=int)
     parser.add_argument("--prefix", default="", help="file name prefix: OUTPUT_DIR/PREFIX+SPLIT.jsonl")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summary = split(args.format, args.input, args.output_dir, parse_fractions(args.fractions), args.seed,
                         args.prefix)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError, Problem
@@ -50,37 +51,47 @@ def validate(
     return summaries, problems
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(
         prog="python -m data_pipeline.validate", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--format", required=True, choices=tuple(FORMATS), dest="fmt")
     parser.add_argument("paths", nargs="*", metavar="PATH")
     parser.add_argument("--json", action="store_true", help="print the problems as a JSON list on stdout")
-    parser.add_argument(
+    add_flag(
+        parser,
         "--no-check-media",
         dest="check_media",
         action="store_false",
         help="do not require referenced media files to exist (checks everything else)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--allow-unconsented",
         action="store_true",
         help="vakforge: accept meta.consent \"none\" (such rows are excluded from any published artifact)",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--allow-absolute-media",
         action="store_true",
         help="chat, valen, vflash, recipe: accept media at absolute paths or outside the dataset folder, "
              "as convert --allow-absolute-media does",
     )
-    parser.add_argument(
+    add_flag(
+        parser,
         "--export-schema",
         nargs="?",
         const="",
         metavar="PATH",
         help="write the format's JSON Schema (vakforge: vakforge.schema.json in the current folder) and exit",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     exit_on_bad_paths(PATH=args.paths, export_schema=args.export_schema)
     if args.export_schema is not None:

@@ -14,9 +14,9 @@ import pytest
 from configs import prepared as prepared_config
 from tests.train_runs import ROOT, metrics, run_train
 from valen_jax import train
-from valen_jax.training import loop
 from valen_jax.config_schema import ConfigError
 from valen_jax.data.prepared_checks import check_prepared_run
+from valen_jax.training import loop
 
 TOKENIZER = ROOT / "data/tokenizer"
 # data/make_prepared_smoke.py records this stand-in identity for the plain tokenizer folder.

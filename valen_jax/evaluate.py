@@ -12,7 +12,7 @@
 Model config, `media_kwargs`, tokenizer and training config come from the checkpoint (the latest
 step unless `--step`). The data's format is the checkpoint's `data.eval_format` unless `--format`
 is given (never guessed from the path); `data.eval_options` (e.g. vakforge's split) apply to that
-format. Every example of the data is evaluated unless `--max_examples`. The report holds, per format:
+format. Every example of the data is evaluated unless `--max-examples`. The report holds, per format:
 - valen: per question, overall / by type / by domain, modality, language_bucket: hard-label
   accuracy, cross-entropy, Brier, RPS, ECE, the noul confusion matrix and the label counts
   (`valen_jax.evaluation.metrics.valen`), in `--mode` (default: the checkpoint's `data.valen_mode`);
@@ -40,6 +40,7 @@ import argparse
 import logging
 import sys
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import cli_logging
@@ -49,7 +50,8 @@ from valen_jax.evaluation.report import evaluate_params, evaluate_workdir, run, 
 log = logging.getLogger("valen_jax.evaluate")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`; multi-word flags through `add_flag` (`--max-new-tokens`, or `--max_new_tokens`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
@@ -59,18 +61,22 @@ def main(argv=None) -> int:
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
                         help="Valen sequence mode (default: the checkpoint's data.valen_mode)")
-    parser.add_argument("--max_examples", type=int, default=None, help="evaluate only the first N examples")
-    parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
-    parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
+    add_flag(parser, "--max-examples", type=int, default=None, help="evaluate only the first N examples")
+    add_flag(parser, "--batch-size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
+    add_flag(parser, "--max-new-tokens", type=int, default=None,
+             help="greedy decoding budget (default: the checkpoint's eval.max_new_tokens)")
     parser.add_argument("--samples", type=int, default=8, help="decoded answers listed in the report")
-    parser.add_argument("--from_call", action="store_true",
-                        help="vflash (drafter) workdir: also draft every reference block, from prompts that run to "
-                             "the reference's atomic_decoding call")
+    add_flag(parser, "--from-call", action="store_true",
+             help="vflash (drafter) workdir: also draft every reference block, from prompts that run to "
+                  "the reference's atomic_decoding call")
     parser.add_argument("--registry", default=None,
                         help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()
     data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references

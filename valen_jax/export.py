@@ -142,12 +142,17 @@ def export(workdir: str | Path, output: str | Path, step: int | None = None) -> 
     return output
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main` (one-word flags only; a multi-word one goes through `cli_flags.add_flag`)."""
     parser = argparse.ArgumentParser(prog="python -m valen_jax.export", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a workdir written by valen_jax.train")
     parser.add_argument("--output", "--out", required=True, help="the directory to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # force: an import may already have configured the root logger at WARNING, hiding what was written where.
     cli_logging.configure(force=True)
     try:

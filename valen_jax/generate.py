@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.tokenizer import end_of_turn_id
@@ -137,7 +138,8 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
         raise SystemExit(f"{flags}: {error}") from None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`; multi-word flags through `add_flag` (`--max-new-tokens`, or `--max_new_tokens`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
@@ -146,18 +148,22 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="answers.jsonl to write")
     parser.add_argument("--format", default=None, choices=sorted(FORMATS),
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
-    parser.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
-                        help="generation budget per answer (default: the checkpoint's eval.max_new_tokens)")
+    add_flag(parser, "--max-new-tokens", type=int, default=None,
+             help="generation budget per answer (default: the checkpoint's eval.max_new_tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 (default): no limit")
-    parser.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="nucleus mass (default 1)")
+    add_flag(parser, "--top-k", type=int, default=0, help="0 (default): no limit")
+    add_flag(parser, "--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=None,
-                        help="default: the checkpoint's eval.batch_size")
+    add_flag(parser, "--batch-size", type=int, default=None,
+             help="default: the checkpoint's eval.batch_size")
     parser.add_argument("--registry", default=None,
                         help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     sampling = sampling_of(args)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()

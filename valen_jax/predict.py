@@ -35,6 +35,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint, cli_logging, distributed
@@ -81,7 +82,8 @@ def write_answers(lines: list[dict], path: str | Path) -> None:
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`; multi-word flags through `add_flag` (`--batch-size`, or `--batch_size`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
@@ -91,11 +93,15 @@ def main(argv=None) -> int:
                         help="converter format of --data (default: the checkpoint's data.eval_format)")
     parser.add_argument("--mode", default=None, choices=("question", "shared_state"),
                         help="Valen sequence mode (default: the checkpoint's data.valen_mode)")
-    parser.add_argument("--batch_size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
+    add_flag(parser, "--batch-size", type=int, default=None, help="default: the checkpoint's eval.batch_size")
     parser.add_argument("--registry", default=None,
                         help="registry URL for a --data reference (default: $VALEN_REGISTRY or the user cache)")
     parser.add_argument("--namespace", default=None, help="namespace of a --data reference written without one")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()
     distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing

@@ -2,7 +2,7 @@
 
     python -m valen_jax.regenerate --workdir=runs/vflash-smoke --data=data/smoke/vflash/recipe.json \
         --output=runs/vflash-regen [--samples=2 --temperature=1.0 --top-p=0.95 --seed=0] \
-        [--max-new-tokens=96] [--batch_size=16]
+        [--max-new-tokens=96] [--batch-size=16]
     python -m data_pipeline.validate --format=recipe runs/vflash-regen/recipe.json
     python -m valen_jax.train --config=configs/vflash.py:drafter --workdir=runs/drafter \
         --config.model.target_from=runs/vflash-smoke --config.data.train=runs/vflash-regen/recipe.json
@@ -55,6 +55,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.formats.errors import FormatError, ProblemLog
 from data_pipeline.formats.jsonl import iter_jsonl_objects
@@ -64,7 +65,7 @@ from data_pipeline.render.common import RenderError
 from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import checkpoint, cli_logging
+from valen_jax import cli_logging
 from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
@@ -377,7 +378,8 @@ def write_dataset(folder: Path, entries: list[Entry], regen: Regenerator, data: 
     return empty
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`; multi-word flags through `add_flag` (`--max-new-tokens`, or `--max_new_tokens`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="the ar target's workdir")
     parser.add_argument("--data", required=True, help="a VFlash recipe (.json) or JSONL")
@@ -386,14 +388,18 @@ def main(argv=None) -> int:
                         help="default: recipe for a .json file, vflash otherwise")
     parser.add_argument("--samples", type=int, default=0, help="sampled variants per record (default 0)")
     parser.add_argument("--temperature", type=float, default=1.0, help="of the sampled variants (default 1)")
-    parser.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0)
-    parser.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0)
+    add_flag(parser, "--top-k", type=int, default=0)
+    add_flag(parser, "--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=None,
-                        help="per answer (default: the checkpoint's eval.max_new_tokens)")
-    parser.add_argument("--batch_size", "--batch-size", dest="batch_size", type=int, default=None,
-                        help="default: the checkpoint's eval.batch_size")
-    args = parser.parse_args(argv)
+    add_flag(parser, "--max-new-tokens", type=int, default=None,
+             help="per answer (default: the checkpoint's eval.max_new_tokens)")
+    add_flag(parser, "--batch-size", type=int, default=None,
+             help="default: the checkpoint's eval.batch_size")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.samples < 0:
         raise SystemExit(f"--samples={args.samples}: must be >= 0")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:

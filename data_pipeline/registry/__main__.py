@@ -32,20 +32,22 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.registry.content import MIB
 from data_pipeline.registry.core import open_registry
 from data_pipeline.registry.references import RegistryError
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.registry", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--registry", default=None, help="registry URL or directory (default: $VALEN_REGISTRY, "
                                                           "else ~/.cache/valen/registry)")
     parser.add_argument("--index", default=None, help="local SQLite index for a remote (fsspec) registry")
-    parser.add_argument("--upload-limit-mib", type=float, default=None,
-                        help="largest upload, and largest extracted zip, in MiB (default 256)")
+    add_flag(parser, "--upload-limit-mib", type=float, default=None,
+             help="largest upload, and largest extracted zip, in MiB (default 256)")
     groups = parser.add_subparsers(dest="group", required=True)
 
     datasets = groups.add_parser("datasets").add_subparsers(dest="command", required=True)
@@ -54,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     register.add_argument("-f", "--file", required=True, type=Path)
     register.add_argument("--format", dest="fmt", choices=tuple(FORMATS), default=None)
     register.add_argument("--alias", default=None)
-    register.add_argument("--no-upload", action="store_true",
-                          help="upload no images: report those the registry lacks and register nothing")
+    add_flag(register, "--no-upload", action="store_true",
+             help="upload no images: report those the registry lacks and register nothing")
     datasets.add_parser("get", help="resolve a reference").add_argument("reference", metavar="REF")
     datasets.add_parser("versions").add_argument("dataset", metavar="NS/NAME")
     listing = datasets.add_parser("list")
@@ -107,7 +109,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         _run(args)
     except RegistryError as err:

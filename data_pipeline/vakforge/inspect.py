@@ -125,7 +125,8 @@ def table(reports: Sequence[FileReport]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: one-word flags only (a multi-word one goes through `cli_flags.add_flag`)."""
     parser = argparse.ArgumentParser(
         prog="python -m data_pipeline.vakforge inspect",
         description=__doc__.split("\n")[0],
@@ -134,7 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="audio files (any format FFmpeg decodes)")
     parser.add_argument("--json", action="store_true", help="print a JSON list of reports on stdout")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     reports, failed = [], 0
     for path in args.paths:
         try:

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.vakforge.audio import (
     TARGET_RATE,
@@ -271,18 +272,23 @@ def prepare(raw_dir: Path, manifest: Path, out: Path, skip_redaction: bool = Fal
     return preparer.summary
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.vakforge prepare",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("raw_dir", metavar="RAW_DIR", type=Path, help="the uploads; never modified")
     parser.add_argument("--manifest", required=True, type=Path, metavar="IN",
                         help="input manifest; its paths are relative to RAW_DIR")
     parser.add_argument("--out", required=True, type=Path, metavar="DATA_DIR", help="a new folder for the dataset")
-    parser.add_argument("--skip-redaction", action="store_true",
-                        help="do not redact real rows (a loud warning; rows are marked redaction_skipped)")
-    parser.add_argument("--allow-unconsented", action="store_true",
-                        help='accept meta.consent "none" (excluded from any published artifact)')
-    args = parser.parse_args(argv)
+    add_flag(parser, "--skip-redaction", action="store_true",
+             help="do not redact real rows (a loud warning; rows are marked redaction_skipped)")
+    add_flag(parser, "--allow-unconsented", action="store_true",
+             help='accept meta.consent "none" (excluded from any published artifact)')
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summary = prepare(args.raw_dir, args.manifest, args.out, args.skip_redaction, args.allow_unconsented)
     except FormatError as err:

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.vakforge import read_vakforge
 from data_pipeline.formats.vakforge_splits import SPLITS_FILE
@@ -128,14 +129,19 @@ def _validate(manifest: Path, rows: list[Row], groups: list[int], fixed: dict[in
         read_vakforge(manifest, check_media=False, splits_path=splits)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.vakforge split", description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", required=True, type=Path, help="the vakforge.jsonl to split")
     parser.add_argument("--seed", required=True, type=int, help="recorded in splits.json")
     parser.add_argument("--fractions", default=DEFAULT_FRACTIONS,
                         help=f"NAME=FRACTION,… summing to 1 (default {DEFAULT_FRACTIONS})")
-    parser.add_argument("--output-dir", type=Path, help="where splits.json goes (default: the manifest's folder)")
-    args = parser.parse_args(argv)
+    add_flag(parser, "--output-dir", type=Path, help="where splits.json goes (default: the manifest's folder)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summary = split_manifest(args.manifest, parse_fractions(args.fractions), args.seed, args.output_dir)
     except (SplitError, FormatError) as error:

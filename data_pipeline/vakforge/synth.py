@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.cli_flags import add_flag
 from data_pipeline.formats.errors import FormatError, Problem
 from data_pipeline.vakforge.audio import TARGET_RATE, Recording, resample, write_wav
 from data_pipeline.vakforge.dataset import (
@@ -170,13 +171,18 @@ def synth(manifest: Path, out: Path, allow_unconsented: bool = False) -> tuple[i
     return synthesizer.rendered, synthesizer.copied
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `main`: multi-word flags through `cli_flags.add_flag` (hyphens, or underscores)."""
     parser = argparse.ArgumentParser(prog="python -m data_pipeline.vakforge synth", description=__doc__.split("\n")[0])
     parser.add_argument("--manifest", required=True, type=Path, metavar="IN")
     parser.add_argument("--out", required=True, type=Path, metavar="DATA_DIR", help="a new folder for the dataset")
-    parser.add_argument("--allow-unconsented", action="store_true",
-                        help='accept meta.consent "none" (excluded from any published artifact)')
-    args = parser.parse_args(argv)
+    add_flag(parser, "--allow-unconsented", action="store_true",
+             help='accept meta.consent "none" (excluded from any published artifact)')
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         rendered, copied = synth(args.manifest, args.out, args.allow_unconsented)
     except FormatError as err:

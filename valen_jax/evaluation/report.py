@@ -63,7 +63,7 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     if eval_workdir.holds_drafter(workdir, step):  # a vflash run: its drafter, by speculative decoding
         return speculative.evaluate_workdir(workdir, data, step, fmt, **options)
     if options.pop("from_call", False):
-        raise ValueError(f"--from_call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
+        raise ValueError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
     restored = eval_workdir.restore(workdir, step)
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
     with jax.set_mesh(restored.mesh):

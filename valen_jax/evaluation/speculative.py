@@ -17,7 +17,7 @@ replaced since is refused, naming both. The report holds
   per-position acceptance 1..B, the histogram of accepted draft tokens 0..B over verify passes, and
   ms/token inside announced blocks target-only (the compiled engine, each answer alone) vs speculative
   with their ratio, timed in this run after an untimed warm-up pass over every answer (compilation).
-`from_call=True` (`--from_call`) also decodes, beside the target's own answers, prompts that run to the
+`from_call=True` (`--from-call`) also decodes, beside the target's own answers, prompts that run to the
 reference answer's `atomic_decoding` call, so every reference block is drafted whatever the target
 writes before it (`speculative.from_call`: blocks and identity only; a target that never writes the call
 itself, e.g. a short smoke run, has no block to draft otherwise).
@@ -26,7 +26,7 @@ Runs in one process: rows are decoded one at a time (`decoding.speculative`'s fa
 program per target step or announced block, each row its own sequence of them), which several processes
 could not enter in step; the sums are nonetheless `GroupedSums` added across processes. Cost: the
 decoding runs twice (warm-up, timed); on CPU, the 16-answer smoke eval set with a 400-step target and
-a B = 16 drafter took about 4 minutes at --max_new_tokens=160 with --from_call.
+a B = 16 drafter took about 4 minutes at --max-new-tokens=160 with --from-call.
 """
 
 from __future__ import annotations
