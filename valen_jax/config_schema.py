@@ -16,7 +16,7 @@ from ml_collections import config_dict
 
 from data_pipeline.cli_paths import PathError, check_path
 from valen_jax import losses, optim
-from valen_jax.data.vision_processor import MEDIA_DEFAULTS
+from valen_jax.data.media_defaults import MEDIA_DEFAULTS
 from valen_jax.errors import ConfigError  # its home; still importable from here
 from valen_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from valen_jax.models.remat import REMAT_POLICIES
