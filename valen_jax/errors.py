@@ -20,3 +20,8 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A config missing a field or holding an impossible value; checked once at start-up."""
+
+
+class ParamGroupError(UserError, ValueError):
+    """A parameter group (config.train.param_groups) that cannot apply: bad regex, no match, contradictory
+    settings. The config's start-up check turns the shape errors into a ConfigError."""
