@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from valen_jax.data.media_defaults import MEDIA_DEFAULTS
+from valen_jax.models import hf_common  # the checkpoint resolver, without the importers
 from valen_jax.models.config import VisionConfig
 
 VIDEO_PIXELS_PER = {"Qwen2VLVideoProcessor": "frame", "Qwen3VLVideoProcessor": "clip"}
@@ -317,9 +318,7 @@ def media_kwargs_of(config, vision: VisionConfig | None = None) -> tuple[dict, d
     With the run's `vision` config, the base model's processor must also cut patches as it reads them."""
     base = None
     if config.model.init_from:
-        from valen_jax.models import hf  # only runs from a base model need the checkpoint resolver
-
-        base = hf.resolve(config.model.init_from)
+        base = hf_common.resolve(config.model.init_from)
         if vision is not None:
             check_processor_geometry(vision, base)
     return resolve_media_kwargs(config.media_kwargs.to_dict(), base)
