@@ -42,7 +42,7 @@ from valen_jax.evaluation.workdir import Restored, local_batch_size
 from valen_jax.primitives import DENSE_SCALE
 
 if TYPE_CHECKING:
-    from valen_jax.evaluation.registry import Options
+    from valen_jax.evaluation.options import Options
 
 log = logging.getLogger(__name__)
 
