@@ -3,30 +3,38 @@
 `configs/common.py` builds its groups from `defaults(GROUP)`, and `validate_config` requires
 exactly the keys listed here, so a key is added in one place. Keys whose default is `NO_DEFAULT`
 (the data files and their formats) must be given by each `configs/TASK.py`.
+
+The schema also declares the config's vocabulary that the training pieces implement (objectives, loss
+reductions, decays, parameter-group keys: `losses` and `optim` read them from here) and imports only
+leaves (`errors`, `data.media_defaults`, the attention and remat names), so data, models and
+training code can all read it without an import circle (tests/test_import_contract.py).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
 from data_pipeline.cli_paths import PathError, check_path
-from valen_jax import losses, optim
-from valen_jax.data.vision_processor import MEDIA_DEFAULTS
+from valen_jax.data.media_defaults import MEDIA_DEFAULTS
+from valen_jax.errors import ConfigError, ParamGroupError  # ConfigError's home; still importable from here
 from valen_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from valen_jax.models.remat import REMAT_POLICIES
 
-
-class ConfigError(ValueError):
-    """A config missing a field or holding an impossible value; checked once at start-up."""
-
-
 NO_DEFAULT = object()
 DTYPES = ("float32", "bfloat16")
+# The config's vocabulary that the training pieces implement (losses.py, optim.py read it from here,
+# so the schema checks a config without importing the training layer).
+OBJECTIVES = ("tokens", "branches", "drafter")  # config.loss.weights' keys
+LOSS_REDUCTIONS = ("state_mean", "question_mean")  # config.loss.loss_reduction
+DECAYS = ("cosine", "linear")  # config.train.decay, after warmup
+PARAM_GROUP_KEYS = {"pattern", "frozen", "lr_multiplier"}  # one of config.train.param_groups
 # The decoder's shape: from `model.init_from`'s config.json when set, from the config otherwise.
 ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "rope_theta",
                      "tie_embeddings")
@@ -255,15 +263,15 @@ def _validate_paths(config: ml_collections.ConfigDict) -> None:
 
 def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
     train = config.train
-    if train.decay not in optim.DECAYS:
-        raise ConfigError(f"config.train.decay={train.decay!r}; choose one of {', '.join(optim.DECAYS)}")
+    if train.decay not in DECAYS:
+        raise ConfigError(f"config.train.decay={train.decay!r}; choose one of {', '.join(DECAYS)}")
     accum = int(train.grad_accum_steps)
     if accum < 1 or int(config.data.global_batch) % accum:
         raise ConfigError(f"config.train.grad_accum_steps={train.grad_accum_steps} must be ≥ 1 and divide "
                           f"config.data.global_batch={config.data.global_batch}")
     try:
-        optim.check_groups(list(train.param_groups))
-    except optim.ParamGroupError as error:
+        check_param_groups(list(train.param_groups))
+    except ParamGroupError as error:
         raise ConfigError(str(error)) from None
     if not _finite("train.vision_lr_multiplier", train.vision_lr_multiplier) > 0:
         raise ConfigError(f"config.train.vision_lr_multiplier must be a finite number > 0 (freeze the tower with "
@@ -297,6 +305,33 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
                           "use config.model.dtype=bfloat16 for bf16 compute")
 
 
+def check_param_groups(groups: Sequence) -> list[dict]:
+    """config.train.param_groups as plain dicts with their regexes compiled; shape errors raised here (start-up,
+    and again by `optim` when it builds the optimizer)."""
+    checked = []
+    for index, group in enumerate(groups):
+        group = dict(group)
+        where = f"config.train.param_groups[{index}]"
+        unknown = set(group) - PARAM_GROUP_KEYS
+        if unknown or "pattern" not in group:
+            raise ParamGroupError(f"{where}: keys {sorted(group)}; a group has 'pattern' and one of "
+                                  "'frozen': True or 'lr_multiplier': float")
+        frozen = group.get("frozen", False)
+        if not isinstance(frozen, bool):
+            raise ParamGroupError(f"{where}.frozen must be a bool, got {frozen!r}")
+        if frozen == ("lr_multiplier" in group):
+            raise ParamGroupError(f"{where}: give exactly one of frozen=True or lr_multiplier")
+        if not frozen and not float(group["lr_multiplier"]) > 0:
+            raise ParamGroupError(f"{where}.lr_multiplier must be > 0 (freeze the group instead), "
+                                  f"got {group['lr_multiplier']}")
+        try:
+            regex = re.compile(group["pattern"])
+        except re.error as error:
+            raise ParamGroupError(f"{where}.pattern {group['pattern']!r}: {error}") from None
+        checked.append({"regex": regex, "frozen": frozen, "lr_multiplier": float(group.get("lr_multiplier", 1.0))})
+    return checked
+
+
 def _finite(path: str, value: Any) -> float:
     """`value` as a float; a non-number (a string, a bool), NaN or ±inf is one ConfigError naming the field."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -306,8 +341,8 @@ def _finite(path: str, value: Any) -> float:
 
 def _validate_loss(loss: ml_collections.ConfigDict) -> None:
     weights = dict(loss.weights)
-    if set(weights) != set(losses.OBJECTIVES):
-        raise ConfigError(f"config.loss.weights must name exactly {', '.join(losses.OBJECTIVES)}; "
+    if set(weights) != set(OBJECTIVES):
+        raise ConfigError(f"config.loss.weights must name exactly {', '.join(OBJECTIVES)}; "
                           f"got {', '.join(sorted(weights))}")
     for name, value in weights.items():
         if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -316,9 +351,9 @@ def _validate_loss(loss: ml_collections.ConfigDict) -> None:
         raise ConfigError("config.loss.weights: every weight is 0, nothing would be trained")
     if not (math.isfinite(float(loss.z_loss)) and float(loss.z_loss) >= 0):
         raise ConfigError(f"config.loss.z_loss must be ≥ 0, got {loss.z_loss}")
-    if loss.loss_reduction not in losses.LOSS_REDUCTIONS:
+    if loss.loss_reduction not in LOSS_REDUCTIONS:
         raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
-                          f"{', '.join(losses.LOSS_REDUCTIONS)} (seed 000)")
+                          f"{', '.join(LOSS_REDUCTIONS)} (seed 000)")
 
 
 def _validate_mode(config: ml_collections.ConfigDict) -> None:

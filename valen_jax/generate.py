@@ -42,7 +42,6 @@ from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.predict import write_answers
 
 
 def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None, *,
@@ -175,7 +174,7 @@ def main(argv=None) -> int:
     except answers.NotGenerated as error:  # Valen or prepared data: one line saying what to use instead
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_answers(lines, args.output)
+    answers.write_answers(lines, args.output)
     records = len({line["index"] for line in lines})
     stopped = sum(line["finish_reason"] == "stop" for line in lines)
     print(f"{args.output}: {len(lines)} answers of {records} records generated ({stopped} stopped, "

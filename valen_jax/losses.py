@@ -14,10 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from valen_jax.config_schema import LOSS_REDUCTIONS  # declared with the config it checks
 from valen_jax.sharding import constrain, logical_to_spec
-
-OBJECTIVES = ("tokens", "branches", "drafter")
-LOSS_REDUCTIONS = ("state_mean", "question_mean")
 
 
 def token_cross_entropy(logits, targets, weights, z_loss: float = 0.0):

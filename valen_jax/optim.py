@@ -13,20 +13,17 @@ a tower parameter (freezing it, say) wins (`groups_of`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import jax
 import optax
 
-DECAYS = ("cosine", "linear")
-GROUP_KEYS = {"pattern", "frozen", "lr_multiplier"}
+# The schema owns the config's vocabulary and its start-up checks (one declaration each).
+from valen_jax.config_schema import DECAYS, check_param_groups
+from valen_jax.errors import ParamGroupError  # its home; still importable from here
+
 TRAINED = "trained"  # label of parameters in no group
 FROZEN = "frozen"
-
-
-class ParamGroupError(ValueError):
-    """A parameter group that cannot apply (bad regex, no match, contradictory settings)."""
 
 
 def learning_rate_schedule(train_cfg) -> optax.Schedule:
@@ -52,32 +49,6 @@ def path_of(key_path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
 
 
-def check_groups(groups: Sequence) -> list[dict]:
-    """Groups as plain dicts with their regexes compiled; shape errors raised here (start-up)."""
-    checked = []
-    for index, group in enumerate(groups):
-        group = dict(group)
-        where = f"config.train.param_groups[{index}]"
-        unknown = set(group) - GROUP_KEYS
-        if unknown or "pattern" not in group:
-            raise ParamGroupError(f"{where}: keys {sorted(group)}; a group has 'pattern' and one of "
-                                  "'frozen': True or 'lr_multiplier': float")
-        frozen = group.get("frozen", False)
-        if not isinstance(frozen, bool):
-            raise ParamGroupError(f"{where}.frozen must be a bool, got {frozen!r}")
-        if frozen == ("lr_multiplier" in group):
-            raise ParamGroupError(f"{where}: give exactly one of frozen=True or lr_multiplier")
-        if not frozen and not float(group["lr_multiplier"]) > 0:
-            raise ParamGroupError(f"{where}.lr_multiplier must be > 0 (freeze the group instead), "
-                                  f"got {group['lr_multiplier']}")
-        try:
-            regex = re.compile(group["pattern"])
-        except re.error as error:
-            raise ParamGroupError(f"{where}.pattern {group['pattern']!r}: {error}") from None
-        checked.append({"regex": regex, "frozen": frozen, "lr_multiplier": float(group.get("lr_multiplier", 1.0))})
-    return checked
-
-
 def _label(path: str, groups: list[dict]) -> str:
     for index, group in enumerate(groups):
         if group["regex"].fullmatch(path):
@@ -87,7 +58,7 @@ def _label(path: str, groups: list[dict]) -> str:
 
 def param_labels(params, groups: Sequence) -> dict:
     """The optimizer label of every parameter; errors on a group that matches nothing."""
-    checked = check_groups(groups)
+    checked = check_param_groups(groups)
     paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for index, group in enumerate(checked):
         if not any(group["regex"].fullmatch(p) for p in paths):
@@ -132,7 +103,7 @@ def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformatio
     groups = groups_of(train_cfg, params)
     if not groups:
         return optax.chain(clip, adamw(1.0)), schedule
-    checked = check_groups(groups)
+    checked = check_param_groups(groups)
     transforms = {TRAINED: adamw(1.0), FROZEN: optax.set_to_zero()}
     for index, group in enumerate(checked):
         if not group["frozen"]:

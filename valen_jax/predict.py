@@ -29,7 +29,6 @@ format is the checkpoint's `data.eval_format` unless `--format`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -72,16 +71,6 @@ def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = No
                                                     batch_size=batch_size)
 
 
-def write_answers(lines: list[dict], path: str | Path) -> None:
-    if jax.process_index() != 0:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for line in lines:
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `main`; multi-word flags through `add_flag` (`--batch-size`, or `--batch_size`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,7 +100,7 @@ def main(argv=None) -> int:
     except answers.NotGenerated as error:  # prepared rows: nothing to predict
         print(f"error: {error}", file=sys.stderr)
         return 2
-    write_answers(lines, args.output)
+    answers.write_answers(lines, args.output)
     if mode == GENERATION:
         records = len({line["index"] for line in lines})
         print(f"{args.output}: {len(lines)} answers of {records} records generated (greedy)")

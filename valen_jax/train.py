@@ -33,8 +33,8 @@ from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.shards import ShardError
 from data_pipeline.tokenizer import TokenizerError
 from valen_jax import checkpoint, cli_logging, distributed, workdir_lock
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import AssemblyError
+from valen_jax.errors import ConfigError
 from valen_jax.tasks.modes import check_mode, open_task
 from valen_jax.training import loop
 from valen_jax.training.loop import NonFiniteLoss

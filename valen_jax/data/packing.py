@@ -39,8 +39,8 @@ import numpy as np
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import AssemblyError, RowSpec, expand_media_slots
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from data_pipeline.formats.prepared import (
 from data_pipeline.formats.prepared_load import read_descriptor
 from data_pipeline.prepared import UsageError, resolve_source
 from data_pipeline.shards import MANIFEST_NAME
-from valen_jax.config_schema import ConfigError
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from valen_jax.config_schema import ConfigError
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from data_pipeline import examples as ex
 from data_pipeline.shards import Example, read_shard
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.sources import ShardSet, mixture_of
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from jax.experimental import multihost_utils
 
 from data_pipeline import conversion as converter
 from data_pipeline.shards import Manifest, ShardError, sha256_file
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.sources import ShardSet
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

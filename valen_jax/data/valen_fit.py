@@ -19,10 +19,10 @@ from collections import Counter
 from dataclasses import astuple, dataclass, field
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.sources import Sources, decode, mixture_of
 from valen_jax.data.valen_rows import QuestionSpec, RowNeeds, has_labels, row_needs
+from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import numpy as np
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.assemble import (
     AssemblyError,
     RowSpec,
@@ -38,6 +37,7 @@ from valen_jax.data.media_log import MediaLog, media_records
 from valen_jax.data.packing import PackingSpec
 from valen_jax.data.positions import text_after
 from valen_jax.data.sources import Sources, mixture_of
+from valen_jax.errors import ConfigError
 
 MODES = ("question", "shared_state")
 _CHOICE = 0

@@ -24,19 +24,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from valen_jax.data.media_defaults import MEDIA_DEFAULTS
+from valen_jax.models import hf_common  # the checkpoint resolver, without the importers
 from valen_jax.models.config import VisionConfig
 
-# media_kwargs keys and the SMOKE defaults: the settings of a model trained from scratch (the tiny
-# ViTs of configs/*.py, CPU runs on 64-pixel smoke images). A run from an HF base model takes
-# each key from the base model's own processor files instead (`resolve_media_kwargs`, seed 000:
-# "the defaults are the base model's processor settings"); a key the config sets wins over both.
-# image_mean/std 0.5 map pixels to [-1, 1] (what the smoke models have always been trained on);
-# min_frames 1 keeps one frame of a clip shorter than 1/fps (Qwen3-VL's processor file states 4).
-# video_* are the pixel bounds of a whole-clip `video` item, per frame ("frame": Qwen2/2.5-VL) or
-# over frames × height × width ("clip": Qwen3-VL), as the checkpoint's video processor sets them.
-MEDIA_DEFAULTS = {"min_pixels": 32 * 32, "max_pixels": 64 * 64, "fps": 2.0, "max_frames": 8, "min_frames": 1,
-                  "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5),
-                  "video_min_pixels": 32 * 32, "video_max_pixels": 64 * 64, "video_pixels_per": "frame"}
 VIDEO_PIXELS_PER = {"Qwen2VLVideoProcessor": "frame", "Qwen3VLVideoProcessor": "clip"}
 RESCALE_FACTOR = 1 / 255
 PIL_BICUBIC = 3  # PILImageResampling.BICUBIC, the `resample` the Qwen-VL processors use
@@ -327,9 +318,7 @@ def media_kwargs_of(config, vision: VisionConfig | None = None) -> tuple[dict, d
     With the run's `vision` config, the base model's processor must also cut patches as it reads them."""
     base = None
     if config.model.init_from:
-        from valen_jax.models import hf  # only runs from a base model need the checkpoint resolver
-
-        base = hf.resolve(config.model.init_from)
+        base = hf_common.resolve(config.model.init_from)
         if vision is not None:
             check_processor_geometry(vision, base)
     return resolve_media_kwargs(config.media_kwargs.to_dict(), base)

@@ -5,6 +5,7 @@
     tokens    the one teacher-forced path (per-example sums) and greedy decoding over token rows
     valen, vflash, chat   one evaluator per record family: evaluate(restored, examples, options), summary(report)
     registry  the table of those evaluators, keyed by the format registry's family
+    options   what a caller chooses about one evaluation (a leaf: evaluators and registry read it)
     speculative  a vflash workdir: its drafter and frozen target, target-only vs speculative decoding
     periodic  evaluation every `config.eval.every` steps, through the same code
     metrics   the formulas each family's evaluator sums

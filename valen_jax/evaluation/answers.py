@@ -28,6 +28,9 @@ from the stream of `first_index + j`), and the lines are gathered on every proce
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jax
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
@@ -164,3 +167,13 @@ def generate_answers(restored: Restored, examples: list[Example], family: str, *
     lines = [line for part in hosts.gather_json(own) for line in part]  # process order = data order
     return sorted(lines, key=lambda line: (line["index"], line["answer"]))
 
+
+def write_answers(lines: list[dict], path: str | Path) -> None:
+    """answers.jsonl (one JSON line per answer, in data order), written by process 0 (`predict`, `generate`)."""
+    if jax.process_index() != 0:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")

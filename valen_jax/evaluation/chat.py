@@ -51,7 +51,7 @@ from valen_jax.evaluation.metrics.entities import EntityStats, Generated, entity
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 if TYPE_CHECKING:
-    from valen_jax.evaluation.registry import Options
+    from valen_jax.evaluation.options import Options
 
 log = logging.getLogger(__name__)
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

@@ -62,7 +62,7 @@ from valen_jax.evaluation.workdir import Restored, local_batch_size
 
 if TYPE_CHECKING:
     from valen_jax.data.assemble import RowSpec
-    from valen_jax.evaluation.registry import Options
+    from valen_jax.evaluation.options import Options
 
 log = logging.getLogger(__name__)
 

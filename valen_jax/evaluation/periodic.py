@@ -15,7 +15,7 @@ import logging
 import jax
 
 from valen_jax.evaluation import valen
-from valen_jax.evaluation.registry import Options
+from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.tokens import teacher_forced
 from valen_jax.evaluation.workdir import Restored, data_format, load_examples
 

@@ -13,20 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from valen_jax.evaluation import chat, valen, vflash
-
-
-@dataclass(frozen=True)
-class Options:
-    """What a caller may choose about one evaluation; every evaluator takes all of it and reads
-    what concerns its kind (`mode` is Valen's, the decoding budget is the token kinds')."""
-
-    batch_size: int
-    max_new_tokens: int
-    mode: str | None = None  # Valen sequence mode; None: the checkpoint's data.valen_mode
-    samples: int | None = 8  # decoded answers listed in the report; None: all
-    # Answer again with each record's images swapped for another's (`image_reliance`): one more decoding
-    # of the image records; evaluation during training, which reports no answers, leaves it off.
-    image_reliance: bool = True
+from valen_jax.evaluation.options import Options  # noqa: F401  (its home is the leaf; still importable from here)
 
 
 @dataclass(frozen=True)

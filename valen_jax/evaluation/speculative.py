@@ -52,7 +52,7 @@ from valen_jax.decoding.speculative import BlockStats, CachedDrafter, Speculativ
 from valen_jax.evaluation import hosts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
-from valen_jax.evaluation.registry import Options
+from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 from valen_jax.models import drafter as block_drafter
 

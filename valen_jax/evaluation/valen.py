@@ -44,7 +44,7 @@ from valen_jax.models.heads import branch_log_probs
 from valen_jax.step import vision_inputs
 
 if TYPE_CHECKING:
-    from valen_jax.evaluation.registry import Options
+    from valen_jax.evaluation.options import Options
 
 BREAKDOWN = contract.VALEN_BREAKDOWNS
 log = logging.getLogger(__name__)

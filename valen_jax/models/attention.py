@@ -2,8 +2,8 @@
 
 `attend(q, k, v, segment_ids, branch_ids, causal=..., implementation=...)` is the only way the
 model attends. The mask is never an argument: every implementation builds what it needs from the
-ids, tile by tile, so no [T, T] array exists in the model path (`reference` builds the dense mask,
-for tests only). The rule, for query q and key k:
+ids, tile by tile (`attention_masks.tile_mask`, a leaf the kernels share), so no [T, T] array exists
+in the model path (`reference` builds the dense mask, for tests only). The rule, for query q and key k:
 
     allowed(q, k) = (seg[q] == seg[k] > 0) and (not causal or k <= q)
                     and (kb == 0 or kb == qb)            # branch trees: a branch sees the prefix and itself
@@ -27,6 +27,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from valen_jax.models.attention_blockwise import blockwise_attention
+from valen_jax.models.attention_flash import flash_attention
+from valen_jax.models.attention_masks import reference_mask
+
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "cudnn", "splash", "flash", "blockwise")
@@ -35,24 +39,6 @@ _ACCELERATED = {"splash": "splash_attention", "cudnn": "cudnn_attention"}
 # residuals are O(T²) per layer; past this length flash's O(T) memory matters more than speed.
 CPU_BLOCKWISE_MAX_LENGTH = 8192
 _logged: set[tuple] = set()
-
-
-def tile_mask(q_seg, k_seg, q_index, k_index, q_branch=None, k_branch=None, *, causal: bool):
-    """The allowed (query, key) pairs of one tile: bool [B, R, S] from ids [B, R] / [B, S] and the
-    absolute positions q_index [R], k_index [S] of the tile's rows and columns."""
-    allowed = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] > 0)
-    if causal:
-        allowed &= k_index[None, None, :] <= q_index[None, :, None]
-    if q_branch is not None:
-        key_branch = k_branch[:, None, :]
-        allowed &= (key_branch == 0) | (key_branch == q_branch[:, :, None])
-    return allowed | (q_index[:, None] == k_index[None, :])[None]
-
-
-def reference_mask(segment_ids, branch_ids=None, *, causal: bool = True):
-    """The dense bool [B, 1, T, T] mask (tests and the reference only; never in the model path)."""
-    index = jnp.arange(segment_ids.shape[1])
-    return tile_mask(segment_ids, segment_ids, index, index, branch_ids, branch_ids, causal=causal)[:, None]
 
 
 def reference(q, k, v, segment_ids, branch_ids=None, *, causal: bool):
@@ -139,7 +125,5 @@ def attend(q, k, v, segment_ids, branch_ids=None, *, causal: bool, implementatio
         kernel = getattr(accel, _ACCELERATED[chosen])
         return kernel(q, k, v, segment_ids, branch_ids, causal=causal)
     if chosen == "flash":
-        from valen_jax.models.attention_flash import flash_attention
         return flash_attention(q, k, v, segment_ids, branch_ids, causal=causal)
-    from valen_jax.models.attention_blockwise import blockwise_attention
     return blockwise_attention(q, k, v, segment_ids, branch_ids, causal=causal)

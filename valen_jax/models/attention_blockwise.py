@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from valen_jax.models.attention import tile_mask
+from valen_jax.models.attention_masks import tile_mask
 
 # Query positions per block: blocks of 64 measured best on CPU (against 128 and 256) at 512 tokens;
 # longer rows get at most 8 blocks, each a multiple of 64, so the unrolled graph (and compile time)

@@ -5,7 +5,7 @@ over key tiles keeping a running max, sum and f32 accumulator, and saves only th
 per-row log-sum-exp: O(T) residuals per layer instead of the O(T²) softmax weights. The backward
 (`jax.custom_vjp`) recomputes each tile's probabilities from the saved log-sum-exp: an outer scan
 over key tiles accumulates dK and dV, while dQ accumulates in one carried [T] buffer. Each tile's mask
-comes from the id slices (`attention.tile_mask`), never a [T, T] array. Under `causal` the tiles
+comes from the id slices (`attention_masks.tile_mask`), never a [T, T] array. Under `causal` the tiles
 above the diagonal are never visited (loop bounds), and any tile whose mask is empty for the whole
 batch (another packed segment) is skipped by a `lax.cond`.
 
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from valen_jax.models.attention import tile_mask
+from valen_jax.models.attention_masks import tile_mask
 
 # Tile side in positions (rows are block × query-groups): 128 keeps a tile's f32 scores at
 # 64 KiB per (batch, kv head, group) while the matmuls stay large enough for any backend.

@@ -23,9 +23,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from valen_jax import sharding
-from valen_jax.models import hf
+from valen_jax.models import hf_text
 from valen_jax.models.config import ModelConfig, VisionConfig
+from valen_jax.models.hf_common import HFImportError, get_path, set_path
 from valen_jax.models.qwen_vision import activation
 from valen_jax.models.safetensors_io import CheckpointTensors, save_file
 from valen_jax.models.transformer import Transformer, abstract_model
@@ -58,45 +58,45 @@ def normalised_config(hf_config: dict) -> dict:
     try:
         return getattr(transformers, name)(**hf_config).to_dict()
     except (KeyError, ValueError, TypeError) as error:
-        raise hf.HFImportError(f"model_type {hf_config['model_type']!r}: config.json is in an older form that "
-                               f"transformers' {name} cannot read either ({error})") from None
+        raise HFImportError(f"model_type {hf_config['model_type']!r}: config.json is in an older form that "
+                            f"transformers' {name} cannot read either ({error})") from None
 
 
 def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     family = hf_config.get("model_type")
     if family in _REFUSED:
-        raise hf.HFImportError(f"model_type {family!r}: {_REFUSED[family]}")
+        raise HFImportError(f"model_type {family!r}: {_REFUSED[family]}")
     if family not in VL_FAMILIES:
-        raise hf.HFImportError(f"model_type {family!r} is not a supported vision-language family; supported: "
-                               f"{', '.join(VL_FAMILIES)}")
+        raise HFImportError(f"model_type {family!r} is not a supported vision-language family; supported: "
+                            f"{', '.join(VL_FAMILIES)}")
     hf_config = normalised_config(hf_config)
     text = dict(hf_config["text_config"])
     rope = dict(text.get("rope_parameters") or {})
     if rope.get("rope_type", "default") != "default":
-        raise hf.HFImportError(f"text_config.rope_parameters.rope_type {rope['rope_type']!r}: only default M-RoPE "
-                               "is implemented")
+        raise HFImportError(f"text_config.rope_parameters.rope_type {rope['rope_type']!r}: only default M-RoPE "
+                            "is implemented")
     section = rope.get("mrope_section")
     if not section:
-        raise hf.HFImportError("text_config.rope_parameters.mrope_section is missing")
+        raise HFImportError("text_config.rope_parameters.mrope_section is missing")
     vis = hf_config["vision_config"]
     if vis.get("in_channels", 3) != 3:
-        raise hf.HFImportError(f"vision_config.in_channels {vis['in_channels']}: only 3 (RGB) is implemented")
+        raise HFImportError(f"vision_config.in_channels {vis['in_channels']}: only 3 (RGB) is implemented")
     try:
         activation(vis.get("hidden_act", "quick_gelu"))
     except ValueError as error:
-        raise hf.HFImportError(f"vision_config: {error}") from None
+        raise HFImportError(f"vision_config: {error}") from None
     vision_rope = vis.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 10000.0}
     if vision_rope.get("rope_type", "axial") != "axial":
-        raise hf.HFImportError(f"vision_config.rope_parameters.rope_type {vision_rope['rope_type']!r}: only axial")
+        raise HFImportError(f"vision_config.rope_parameters.rope_type {vision_rope['rope_type']!r}: only axial")
     # The merger's output width: Qwen2-VL calls it hidden_size (and the tower's width embed_dim),
     # Qwen2.5-VL out_hidden_size (and the tower's width hidden_size).
     out_key = "hidden_size" if family == "qwen2_vl" else "out_hidden_size"
     if vis[out_key] != text["hidden_size"]:
-        raise hf.HFImportError(f"vision_config.{out_key} {vis[out_key]} differs from the decoder's hidden_size "
-                               f"{text['hidden_size']}")
+        raise HFImportError(f"vision_config.{out_key} {vis[out_key]} differs from the decoder's hidden_size "
+                            f"{text['hidden_size']}")
     for key in ("patch_size", "temporal_patch_size"):
         if not isinstance(vis.get(key, 1), int):
-            raise hf.HFImportError(f"vision_config.{key} {vis[key]!r}: only a single int is implemented")
+            raise HFImportError(f"vision_config.{key} {vis[key]!r}: only a single int is implemented")
     common = dict(patch_size=vis.get("patch_size", 14), merge_size=vis.get("spatial_merge_size", 2),
                   temporal_patch_size=vis.get("temporal_patch_size", 2), num_layers=vis["depth"],
                   num_heads=vis["num_heads"], rope_theta=float(vision_rope.get("rope_theta", 10000.0)), family=family)
@@ -106,18 +106,18 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     elif family == "qwen3_vl":
         count = vis.get("num_position_embeddings", 2304)
         if int(round(count ** 0.5)) ** 2 != count:
-            raise hf.HFImportError(f"vision_config.num_position_embeddings {count} is not a square grid")
+            raise HFImportError(f"vision_config.num_position_embeddings {count} is not a square grid")
         deep = tuple(vis.get("deepstack_visual_indexes", (8, 16, 24)))
         if len(deep) > text["num_hidden_layers"] or any(not 0 <= i < vis["depth"] for i in deep):
-            raise hf.HFImportError(f"vision_config.deepstack_visual_indexes {list(deep)} do not fit depth {vis['depth']} "
-                                   f"and {text['num_hidden_layers']} decoder layers")
+            raise HFImportError(f"vision_config.deepstack_visual_indexes {list(deep)} do not fit depth {vis['depth']} "
+                                f"and {text['num_hidden_layers']} decoder layers")
         vision = VisionConfig(dim=vis["hidden_size"], mlp_dim=vis["intermediate_size"],
                               hidden_act=vis.get("hidden_act", "gelu_pytorch_tanh"), num_position_embeddings=count,
                               deepstack_layers=deep, **common)
     else:
         window = vis.get("window_size", 112)
         if window // common["merge_size"] // common["patch_size"] < 1:
-            raise hf.HFImportError(f"vision_config.window_size {window} is smaller than one merged patch")
+            raise HFImportError(f"vision_config.window_size {window} is smaller than one merged patch")
         blocks = tuple(vis.get("fullatt_block_indexes", (7, 15, 23, 31)))
         vision = VisionConfig(dim=vis["hidden_size"], mlp_dim=vis["intermediate_size"],
                               hidden_act=vis.get("hidden_act", "silu"), window_size=window, fullatt_blocks=blocks,
@@ -128,15 +128,15 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
                     vision=vision)
     settings.update(overrides)
     if vision.deepstack_layers and settings.get("scan_layers"):
-        raise hf.HFImportError("Qwen3-VL deepstack features are added between decoder layers: scan_layers=True "
-                               "is not implemented for them")
+        raise HFImportError("Qwen3-VL deepstack features are added between decoder layers: scan_layers=True "
+                            "is not implemented for them")
     decoder = "qwen3" if family == "qwen3_vl" else "qwen2"  # Qwen3: q/k RMSNorm, biases per attention_bias
-    return hf.config_from_hf({**text, "model_type": decoder, "tie_word_embeddings": tie}, **settings)
+    return hf_text.config_from_hf({**text, "model_type": decoder, "tie_word_embeddings": tie}, **settings)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     v = cfg.vision
-    text = hf.config_to_hf(cfg, "qwen3" if v.family == "qwen3_vl" else "qwen2")
+    text = hf_text.config_to_hf(cfg, "qwen3" if v.family == "qwen3_vl" else "qwen2")
     text.pop("architectures")
     rope = {**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
     if cfg.mrope_interleaved:
@@ -159,8 +159,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "window_size": v.window_size, "fullatt_block_indexes": list(v.fullatt_blocks),
             "tokens_per_second": v.tokens_per_second}}
     if v.mlp_dim % v.dim:
-        raise hf.HFImportError(f"vision mlp_dim {v.mlp_dim} is not a whole multiple of dim {v.dim}: Qwen2-VL's "
-                               "mlp_ratio is an int")
+        raise HFImportError(f"vision mlp_dim {v.mlp_dim} is not a whole multiple of dim {v.dim}: Qwen2-VL's "
+                            "mlp_ratio is an int")
     return {**top, "vision_config": {**common, "embed_dim": v.dim, "hidden_size": cfg.dim,
                                      "mlp_ratio": v.mlp_dim // v.dim}}
 
@@ -249,40 +249,31 @@ def load_params(directory: str | Path, cfg: ModelConfig, shardings, added_pieces
     for ours, name, convert, _ in _vision_tensors(cfg):
         host = np.asarray(tensors.get(name))
         host = (convert(host) if convert else host).astype(dtype)
-        want = hf._get(shapes["vision"], ours).shape
+        want = get_path(shapes["vision"], ours).shape
         if host.shape != want:
-            raise hf.HFImportError(f"{name}: checkpoint gives {host.shape} after conversion, model wants {want}")
-        target = hf._get(shardings["vision"], ours)
-        hf._set(vision, ours, jax.make_array_from_callback(host.shape, target, lambda index, host=host: host[index]))
+            raise HFImportError(f"{name}: checkpoint gives {host.shape} after conversion, model wants {want}")
+        target = get_path(shardings["vision"], ours)
+        set_path(vision, ours, jax.make_array_from_callback(host.shape, target, lambda index, host=host: host[index]))
     known = {name for _, name, _, _ in _vision_tensors(cfg)}
     extra = sorted(n for n in tensors.names() if "visual." in n and n.replace("model.visual.", "visual.") not in known)
     if extra:
-        raise hf.HFImportError(f"{directory}: vision tensors this importer does not model: {', '.join(extra[:5])}")
-    return hf.load_params(directory, cfg, shardings, added_pieces, fresh={**(fresh or {}), "vision": vision},
-                          tensors=tensors)
-
-
-def from_pretrained(directory: Path, hf_config: dict, dtype: str, param_dtype: str, mesh=None, **overrides):
-    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, **overrides)
-    graphdef, abstract = abstract_model(cfg)
-    if mesh is None:
-        mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-    return nnx.merge(graphdef, load_params(directory, cfg, shardings)), cfg
+        raise HFImportError(f"{directory}: vision tensors this importer does not model: {', '.join(extra[:5])}")
+    return hf_text.load_params(directory, cfg, shardings, added_pieces, fresh={**(fresh or {}), "vision": vision},
+                               tensors=tensors)
 
 
 def save_pretrained(model: Transformer, path: str | Path) -> Path:
     """config.json + model.safetensors that the family class (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) loads as the same model."""
     cfg: ModelConfig = model.cfg
     if cfg.vision is None or cfg.vision.family not in VL_FAMILIES or cfg.mrope_section is None:
-        raise hf.HFImportError(f"only a model with a {' or '.join(VL_FAMILIES)} vision tower and M-RoPE exports as "
-                               "a Qwen-VL checkpoint")
+        raise HFImportError(f"only a model with a {' or '.join(VL_FAMILIES)} vision tower and M-RoPE exports as "
+                            "a Qwen-VL checkpoint")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = jax.tree.map(lambda a: np.asarray(jax.device_get(a)), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    tensors = hf.decoder_tensors(cfg, params)
+    tensors = hf_text.decoder_tensors(cfg, params)
     for ours, name, _, back in _vision_tensors(cfg):
-        value = hf._get(params["vision"], ours)
+        value = get_path(params["vision"], ours)
         tensors[name] = np.ascontiguousarray(back(value) if back else value)
     if cfg.vision.family == "qwen3_vl":  # what Qwen3-VL's save_pretrained writes: the transformers 5 layout
         tensors = {_Tensors.new_name(name): value for name, value in tensors.items()}

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import jax
 
+from valen_jax.errors import ConfigError
+
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 
 
@@ -51,8 +53,6 @@ OFFLOAD_PLATFORMS = ("gpu", "tpu")
 
 def check_offload() -> None:
     """Refuse remat='offload' (a ConfigError, at the step's compile) where saved values cannot go to the host."""
-    from valen_jax.config_schema import ConfigError  # here: config_schema imports this module
-
     device = jax.devices()[0]
     memories = {memory.kind for memory in device.addressable_memories()}
     if device.platform not in OFFLOAD_PLATFORMS or "pinned_host" not in memories:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.valen_rows import is_valen
+from valen_jax.errors import ConfigError
 from valen_jax.models.build import model_config
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask

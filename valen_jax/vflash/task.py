@@ -18,8 +18,8 @@ from pathlib import Path
 from flax import nnx
 
 from valen_jax import checkpoint, sharding
-from valen_jax.config_schema import ConfigError
 from valen_jax.data.valen_rows import is_valen
+from valen_jax.errors import ConfigError
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
 from valen_jax.models.transformer import abstract_model
