@@ -1,17 +1,29 @@
-"""Attention behind one seam: masks from ids, one call for the decoder and the vision towers.
+"""Attention behind one seam: masks from ids, one call for every full-sequence pass.
 
-`attend(q, k, v, segment_ids, branch_ids, causal=..., implementation=...)` is the only way the
-model attends. The mask is never an argument: every implementation builds what it needs from the
-ids, tile by tile (`attention_masks.tile_mask`, a leaf the kernels share), so no [T, T] array exists
-in the model path (`reference` builds the dense mask, for tests only). The rule, for query q and key k:
+`attend(q, k, v, segment_ids, branch_ids, causal=..., implementation=...)` is how the decoder and the
+vision towers attend over whole rows (training, evaluation forwards, decoding's prefill). The mask is
+never an argument: every implementation builds what it needs from the ids, tile by tile
+(`attention_masks.tile_mask`, a leaf the kernels share), so no [T, T] array exists in the model path
+(`reference` builds the dense mask, for tests only). The rule, for query q and key k:
 
     allowed(q, k) = (seg[q] == seg[k] > 0) and (not causal or k <= q)
                     and (kb == 0 or kb == qb)            # branch trees: a branch sees the prefix and itself
                     or q == k                            # every row keeps its diagonal (padding: only itself)
 
-Branch trees are a mask function of the ids (one extra compare per tile), not two passes merged by
-log-sum-exp: every implementation here computes the mask per tile anyway, so the tree costs nothing
-extra and needs no second kernel launch, and the Pallas kernels (splash) take the same function.
+`blockwise`, `flash` and `cudnn` take branch trees as that mask function (one extra compare per tile).
+`splash` cannot: its segment ids are an equivalence, and a prefix is seen by every branch. It runs the
+kernel twice (queries against the prefix keys, branch queries against their own branch) and merges
+the two by their log-sum-exp, with a custom VJP (`attention_accel.py`).
+
+Outside the seam, on purpose: attention against a KV cache (`kv_cache.attend_token` for one query per
+row, `attend_block` for a verify or draft block) and the VFlash drafter's layers (`models/drafter.py`,
+`__call__` in training and `cached` in decoding). Their masks are a cursor per row (slots <= cursor,
+causal within the block) or the drafter's own (block slots see the target's context and each other
+bidirectionally), not segment or branch ids, and their query blocks are 1 to B + 1 tokens long, where a
+tiled kernel has nothing to tile; each computes f32 scores and softmax as every implementation here does,
+and tests hold them to the full-sequence forward through this seam (tests/test_kv_cache.py: cached
+greedy and prefill logits equal the full forward; tests/test_speculative.py: cached drafting equals
+`draft_hidden` over the whole context).
 
 Implementations (`IMPLEMENTATIONS`): `blockwise` (CPU-tuned: unrolled query blocks, blocks above
 the diagonal skipped; `attention_blockwise.py`), `flash` (portable online softmax with a
