@@ -8,6 +8,7 @@ loop and the command are read for mode branches.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
 import re
@@ -128,6 +129,22 @@ def test_a_registered_toy_mode_trains_two_steps_and_resumes_through_the_unchange
     resumed = train.run(_config(3), tmp_path)
     assert resumed["step"] == 3
     assert BigramTask.resume_checks == [(2, {"dim": 8})]
+
+    # The workdir knows its task: the decoder's config (train.mode=ar) on it is refused, naming both, before
+    # anything there is written (issue 27).
+    before = _tree_digest(tmp_path)
+    other = _config(4)
+    other.train.mode = "ar"
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"checkpoint 3 trains another task: train.mode='bigram' \(this config: 'ar'\); use "
+                             "another --workdir"):
+        train.run(other, tmp_path)
+    assert _tree_digest(tmp_path) == before
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*")) if path.is_file() and path.name != "train.lock"}
 
 
 def test_an_unregistered_mode_is_refused_before_anything_is_written(tmp_path):

@@ -72,18 +72,21 @@ def test_one_and_eight_devices_give_the_same_losses(tmp_path):
     np.testing.assert_allclose([m["grad_norm"] for m in one], [m["grad_norm"] for m in eight], rtol=1e-4)
 
 
-def test_rerunning_the_command_resumes_at_the_same_step_and_data_position(tmp_path):
+@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"])
+def test_rerunning_the_command_resumes_at_the_same_step_and_data_position(tmp_path, stop, code):
     steps = ("--config.train.steps=8", "--config.train.log_every=1", NO_EVAL, "--config.train.checkpoint_every=8")
     run_train(TINY, tmp_path / "straight", *steps)
 
-    # Preempt the second run with SIGTERM once it has trained a few steps, then rerun the same command.
+    # Stop the second run (preemption, or Ctrl-C) once it has trained a few steps, then rerun the same command.
     workdir = tmp_path / "resumed"
     process = subprocess.Popen(train_command(TINY, workdir, *steps), cwd=ROOT, env=env_with_devices(1),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if waiting.until(lambda: (workdir / "metrics.jsonl").exists() and len(metrics(workdir)) >= 3, process):
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
     out, err = process.communicate()
-    assert process.returncode == 0, err[-4000:]
+    # A checkpoint of the step in flight, then 128 + the signal: a scheduler must not read the stop as success.
+    assert process.returncode == code, err[-4000:]
+    assert "Traceback" not in err and f"stopped by {stop.name} at step" in err.splitlines()[-1], err[-2000:]
     stopped_at = metrics(workdir)[-1]["step"]
     assert 3 <= stopped_at < 8, "the run ended before it could be preempted"
     assert (workdir / "checkpoints" / str(stopped_at)).is_dir()

@@ -24,6 +24,7 @@ expected acceptance length:
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, flags
@@ -78,6 +79,12 @@ def main(argv) -> None:
     if "report" in result:
         print(f"evaluation report: {result['report']}")
     sys.stdout.flush()
+    if result["stop_signal"] is not None:
+        # Stopped by SIGTERM or Ctrl-C after checkpointing: 128 + the signal (143, 130), as a shell reports a
+        # process the signal ended, so a scheduler never reads the stop as success. The same command resumes.
+        print(f"stopped by {signal.Signals(result['stop_signal']).name} at step {result['step']}; "
+              "the same command resumes from there", file=sys.stderr)
+        sys.exit(128 + result["stop_signal"])
 
 
 if __name__ == "__main__":

@@ -48,14 +48,68 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Preempted:
-    """SIGTERM (preemption) asks the loop to checkpoint and stop at the next step boundary."""
+    """SIGTERM (preemption) or SIGINT (Ctrl-C) asks the loop to checkpoint the step in flight and stop;
+    the command then exits 128 + the signal (143, 130), so a scheduler never reads a stop as success. A
+    second Ctrl-C aborts at once (KeyboardInterrupt): Orbax writes a step into a temporary directory and
+    renames it only when complete, so the checkpoints before it stay intact. The handlers the process had
+    come back when the run ends."""
 
     def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.signal: int | None = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if signum == signal.SIGINT and self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        if signum == signal.SIGINT:
+            log.warning("Ctrl-C: the step in flight is checkpointed, then the run stops (Ctrl-C again aborts)")
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def task_identity(config) -> dict:
+    """What a workdir trains, which a resume must not change: the task, its data format and training mode."""
+    return {"task": config.task, "data.format": config.data.format, "train.mode": config.train.mode}
+
+
+def check_same_task(workdir: Path, step: int, saved: dict, config) -> None:
+    """Refuse to continue checkpoint `step` (meta `saved`) with a config of another task, naming both."""
+    saved_config = saved["config"]
+    recorded = {"task": saved_config.get("task"), "data.format": saved_config["data"]["format"],
+                "train.mode": saved_config["train"]["mode"]}
+    wanted = task_identity(config)
+    if recorded != wanted:
+        differ = ", ".join(f"{key}={recorded[key]!r} (this config: {wanted[key]!r})"
+                           for key in wanted if recorded[key] != wanted[key])
+        raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} trains another task: {differ}; "
+                                         "use another --workdir for this config")
+
+
+def _check_latest_task(workdir: Path, config) -> None:
+    """check_same_task on the latest checkpoint whose meta reads, before anything is written to the workdir.
+    (A damaged latest step is restore_intact's to report; every step it restores is checked again.)"""
+    if not checkpoint.checkpoint_dir(workdir).is_dir():
+        return
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        for step in sorted(mgr.all_steps(), reverse=True):
+            try:
+                saved = checkpoint.restore_meta(mgr, step)
+            except checkpoint.CheckpointError:
+                raise
+            except Exception:  # noqa: BLE001 - a damaged meta: restore_intact reports and skips it
+                continue
+            check_same_task(workdir, step, saved, config)
+            return
+    finally:
+        mgr.close()
 
 
 def run(config, workdir: str | Path, open_task: OpenTask) -> dict:
@@ -76,6 +130,7 @@ def compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig
     """check_meta for restore_intact: a checkpoint of another setup is an error, never a fallback."""
 
     def check(step: int, saved: dict) -> None:
+        check_same_task(workdir, step, saved, task.config)
         task.check_resume(step, saved)
         if saved["tokenizer"]["fingerprint"] != fingerprint:
             raise checkpoint.CheckpointError(
@@ -96,6 +151,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) 
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     mesh = sharding.make_mesh(config.mesh)
+    _check_latest_task(workdir, config)  # before the shards are written there
     train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
                               config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
     log.info("train shards: %s", summary(train_set))
@@ -173,46 +229,49 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) 
     bar = tqdm(total=config.train.steps, initial=step, desc="train", disable=jax.process_index() != 0,
                dynamic_ncols=True)
     finished = FinishedSteps(bar)  # the bar counts steps the device finished, one behind dispatch
-    while step < config.train.steps:
-        local = next(iterator)
-        window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
-        batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
-        state, metrics = train_step(state, batch)
-        step += 1
-        finished.dispatched(metrics)
-        evaluate_now = evaluation.periodic is not None and step % int(config.eval.every) == 0
-        if (step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1
-                or evaluate_now):
-            finished.flush()  # reading the metrics back waits for this step anyway
-            values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
-                                       peak * jax.device_count()))
-            values["examples_seen"] = step * config.data.global_batch
-            if step == first_step + 1:  # allowed overlap (config.data.allow_overlap), once per run
-                values.update({f"overlap_{kind}": float(count) for kind, count in overlap.items()})
-            if evaluate_now:
-                values.update(evaluation.periodic(state["params"]))
-            losses.append((step, values["loss"]))
-            metrics_log.write(step, values)
-            if not math.isfinite(values["loss"]):
-                _stop_on_non_finite_loss(step, values["loss"], mgr, metrics_log)
-            bar.set_postfix({k: f"{values[k]:.3f}" for k in ("loss", "accuracy") if k in values})
-            window = _Window(step)  # after evaluation, so its time does not count as training
-        if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
-            # Never a checkpoint of non-finite weights (reading the loss waits for the step, which the
-            # save's copy off the devices does anyway).
-            if not math.isfinite(loss := float(metrics["loss"])):
-                _stop_on_non_finite_loss(step, loss, mgr, metrics_log)
-            checkpoint.save(mgr, step, state, iterator, meta, force=True)
-        if preempted.requested:
-            log.warning("SIGTERM: saved step %d, stopping", step)
-            break
+    try:
+        while step < config.train.steps:
+            local = next(iterator)
+            window.tokens += int(np.sum(local["segment_ids"] > 0)) * jax.process_count()
+            batch = sharding.global_batch({k: local[k] for k in batch_shapes}, mesh)
+            state, metrics = train_step(state, batch)
+            step += 1
+            finished.dispatched(metrics)
+            evaluate_now = evaluation.periodic is not None and step % int(config.eval.every) == 0
+            if (step % config.train.log_every == 0 or step == config.train.steps or step == first_step + 1
+                    or evaluate_now):
+                finished.flush()  # reading the metrics back waits for this step anyway
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                values.update(window.rates(step, config.data.global_batch * config.data.seq_len, flops_per_step,
+                                           peak * jax.device_count()))
+                values["examples_seen"] = step * config.data.global_batch
+                if step == first_step + 1:  # allowed overlap (config.data.allow_overlap), once per run
+                    values.update({f"overlap_{kind}": float(count) for kind, count in overlap.items()})
+                if evaluate_now:
+                    values.update(evaluation.periodic(state["params"]))
+                losses.append((step, values["loss"]))
+                metrics_log.write(step, values)
+                if not math.isfinite(values["loss"]):
+                    _stop_on_non_finite_loss(step, values["loss"], mgr, metrics_log)
+                bar.set_postfix({k: f"{values[k]:.3f}" for k in ("loss", "accuracy") if k in values})
+                window = _Window(step)  # after evaluation, so its time does not count as training
+            if step % config.train.checkpoint_every == 0 or step == config.train.steps or preempted.requested:
+                # Never a checkpoint of non-finite weights (reading the loss waits for the step, which the
+                # save's copy off the devices does anyway).
+                if not math.isfinite(loss := float(metrics["loss"])):
+                    _stop_on_non_finite_loss(step, loss, mgr, metrics_log)
+                checkpoint.save(mgr, step, state, iterator, meta, force=True)
+            if preempted.requested:
+                log.warning("%s: saved step %d, stopping", signal.Signals(preempted.signal).name, step)
+                break
+    finally:
+        preempted.restore()  # the process's own handlers again, whatever ended the loop
     finished.flush()
     bar.close()
     mgr.wait_until_finished()
     metrics_log.close()
     result = {"workdir": str(workdir), "step": step, "checkpoint": str(checkpoint.checkpoint_dir(workdir) / str(step)),
-              "losses": losses, "preempted": preempted.requested, **task.result()}
+              "losses": losses, "preempted": preempted.requested, "stop_signal": preempted.signal, **task.result()}
     if evaluation.at_end is not None and not preempted.requested:
         result["report"] = str(evaluation.at_end(state["params"], step))
     mgr.close()
