@@ -135,7 +135,7 @@ def test_auto_on_gpu_runs_branch_trees_with_flash(monkeypatch):
     from valen_jax.models import attention
     from valen_jax.models.attention_flash import flash_attention
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention, "target_platform", lambda: "gpu")
     q, k, v = (x[:, :32].astype(jnp.bfloat16) for x in _inputs())
     segments, branches = _segments()[:, :32], _branches()[:, :32]
     got = attention.attend(q, k, v, segments, branches, causal=True, implementation="auto")
@@ -178,7 +178,9 @@ def test_cudnn_arguments_pass_jax_cudnn_checks(monkeypatch):
     # checks of the packed layout, forward and backward, down to abstract shapes (nothing is lowered).
     from jax._src.cudnn import fused_attention_stablehlo as fused
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    from valen_jax.models import attention_accel
+
+    monkeypatch.setattr(attention_accel, "target_platform", lambda: "gpu")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
     q = jax.ShapeDtypeStruct((2, 128, HEADS, HEAD_DIM), jnp.bfloat16)

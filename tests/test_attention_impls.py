@@ -151,14 +151,14 @@ def test_auto_resolves_by_backend_and_length_and_logs_once(caplog):
 
 
 def test_auto_on_gpu_gives_cudnn_only_what_its_packed_layout_expresses(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention, "target_platform", lambda: "gpu")
     bf16 = jnp.bfloat16
     assert attention.choose("auto", 4096, bf16, causal=True, branches=False) == "cudnn"  # decoder rows
     assert attention.choose("auto", 4096, jnp.float32, causal=True, branches=False) == "flash"
     assert attention.choose("auto", 4096, bf16, causal=True, branches=True) == "flash"  # Valen trees
     assert attention.choose("auto", 4096, bf16, causal=False, branches=False) == "flash"  # vision windows
     assert attention.choose("cudnn", 4096, bf16, causal=False, branches=False) == "cudnn"  # explicit: kept
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(attention, "target_platform", lambda: "tpu")
     assert attention.choose("auto", 4096, bf16, causal=False, branches=True) == "splash"
 
 
@@ -318,3 +318,37 @@ def test_flash_gradient_memory_is_linear_in_length():
     short, long = temp_bytes(1024), temp_bytes(2048)
     assert long < 2.3 * short, (short, long)
     assert long < heads * 2048 * 2048 * 4 / 4, long
+
+
+def _abstract_mesh(platform: str):
+    """A mesh of 4 devices of `platform` as tracing sees it (no such device needed here)."""
+    from jax._src.mesh import AbstractDevice  # the public AbstractMesh takes one; JAX exports no constructor
+
+    return jax.sharding.AbstractMesh((4,), ("data",), abstract_device=AbstractDevice(
+        device_kind=f"{platform} device", num_cores=None, platform=platform))
+
+
+@pytest.mark.parametrize("platform, chosen", [("tpu", "splash"), ("gpu", "cudnn"), ("cpu", "blockwise")])
+def test_auto_follows_the_mesh_being_traced_for_not_the_host(platform, chosen):
+    """Choices by target (DESIGN): a step traced under a TPU mesh (an ahead-of-time compile from this CPU
+    host) gets the TPU's kernel, inside jit too; with no mesh, the host's backend decides."""
+    from valen_jax.models.platform import target_platform
+
+    assert target_platform() == jax.default_backend() == "cpu"
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(platform)):
+        assert target_platform() == platform
+        assert attention.resolve("auto", 4096) == chosen
+        traced = []
+        jax.make_jaxpr(lambda x: traced.append(target_platform()) or x)(1.0)
+        assert traced == [platform]
+    assert attention.resolve("auto", 4096) == "blockwise"
+
+
+def test_remat_offload_is_judged_on_the_target_platform():
+    from valen_jax.errors import ConfigError
+    from valen_jax.models.remat import check_offload
+
+    with jax.sharding.use_abstract_mesh(_abstract_mesh("tpu")):
+        check_offload()  # a TPU target offloads; this CPU host would not
+    with pytest.raises(ConfigError, match="which the cpu backend does not do"):
+        check_offload()

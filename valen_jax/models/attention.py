@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from valen_jax.models.attention_blockwise import blockwise_attention
 from valen_jax.models.attention_flash import flash_attention
 from valen_jax.models.attention_masks import reference_mask
+from valen_jax.models.platform import target_platform
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ def _accelerated_module():
 
 
 def resolve(implementation: str, seq_len: int) -> str:
-    """A concrete implementation for this backend and row length ("auto" → one, logged once)."""
+    """A concrete implementation for the target's platform (`platform.target_platform`: the mesh being
+    traced under, not the host) and row length ("auto" → one, logged once)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"config.model.attention={implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
     if implementation != "auto":
         return implementation
-    backend = jax.default_backend()
+    backend = target_platform()
     accel = _accelerated_module()
     if backend == "tpu" and accel is not None:
         chosen, why = "splash", "TPU: the Pallas splash kernel"

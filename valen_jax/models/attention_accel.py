@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from valen_jax.models.platform import target_platform
+
 _INT32_MIN = int(np.iinfo(np.int32).min)
 # Ids no real token has (real: segment ids >= 1, padding -1..-T, branch pairs in between):
 # queries that must see no key of a pass, and keys no query may see. Distinct, so they never match.
@@ -179,9 +181,9 @@ def splash_attention(q, k, v, segment_ids, branch_ids=None, *, causal: bool, int
     any backend, for tests). The row is padded to a multiple of the tile (`block`, default from the
     length) with ids that see nothing, and cut back. Under a multi-device mesh (`jax.set_mesh`, as the
     train step runs) the kernel runs per shard in a shard_map: XLA cannot partition a Mosaic kernel."""
-    if not interpret and jax.default_backend() != "tpu":
-        raise RuntimeError(f"config.model.attention='splash' is the TPU Pallas kernel; this backend is "
-                           f"{jax.default_backend()!r} (use 'cudnn' on GPU, 'flash' or 'blockwise' elsewhere)")
+    if not interpret and target_platform() != "tpu":
+        raise RuntimeError(f"config.model.attention='splash' is the TPU Pallas kernel; this program is built for "
+                           f"{target_platform()!r} devices (use 'cudnn' on GPU, 'flash' or 'blockwise' elsewhere)")
     local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -287,9 +289,9 @@ def cudnn_attention(q, k, v, segment_ids, branch_ids=None, *, causal: bool, max_
             "config.model.attention='cudnn' does not take Valen branch trees (branch_ids): cuDNN's packed "
             "layout expresses contiguous segments only; use 'flash' (what 'auto' picks for them on GPU) or "
             "'splash' on TPU")
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"config.model.attention='cudnn' needs a CUDA GPU with cuDNN; this backend is "
-                           f"{jax.default_backend()!r} (use 'flash' or 'blockwise')")
+    if target_platform() != "gpu":
+        raise RuntimeError(f"config.model.attention='cudnn' needs a CUDA GPU with cuDNN; this program is built "
+                           f"for {target_platform()!r} devices (use 'flash' or 'blockwise')")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"config.model.attention='cudnn' takes bfloat16/float16 inputs, not {q.dtype}; "
                          f"set config.model.dtype=bfloat16 or use 'flash'")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 
 from valen_jax.errors import ConfigError
+from valen_jax.models.platform import target_platform
 
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 
@@ -52,11 +53,10 @@ OFFLOAD_PLATFORMS = ("gpu", "tpu")
 
 
 def check_offload() -> None:
-    """Refuse remat='offload' (a ConfigError, at the step's compile) where saved values cannot go to the host."""
-    device = jax.devices()[0]
-    memories = {memory.kind for memory in device.addressable_memories()}
-    if device.platform not in OFFLOAD_PLATFORMS or "pinned_host" not in memories:
+    """Refuse remat='offload' (a ConfigError, at the step's compile) where saved values cannot go to the host:
+    on the platform of the mesh the step is traced under (an ahead-of-time TPU target too), not the host's."""
+    platform = target_platform()
+    if platform not in OFFLOAD_PLATFORMS:
         raise ConfigError(f"config.model.remat='offload' moves saved activations to pinned host memory, which the "
-                          f"{device.platform} backend does not do (memory kinds: {', '.join(sorted(memories))}; "
-                          f"offload runs on {' and '.join(OFFLOAD_PLATFORMS)}); use remat='save_dots' (the same "
-                          "values kept on the device) or 'full'")
+                          f"{platform} backend does not do (offload runs on {' and '.join(OFFLOAD_PLATFORMS)}); use "
+                          "remat='save_dots' (the same values kept on the device) or 'full'")
