@@ -5,11 +5,12 @@
 
 The run converts its data into `WORKDIR/shards/` when needed, checkpoints asynchronously to
 `WORKDIR/checkpoints/` (state, Grain iterator, meta) every `train.checkpoint_every` steps, at the
-end and on SIGTERM, writes `metrics.jsonl` and TensorBoard events (loss per objective, learning
+end and on SIGTERM or Ctrl-C (then exit 143 / 130), writes `metrics.jsonl` and TensorBoard events (loss per objective, learning
 rate, gradient norm, tokens/s, MFU, examples seen, padding, and `eval_*` every `eval.every`
 steps), and with `eval.at_end` writes `WORKDIR/eval/report-STEP.json`. Running the same command
-again continues from the latest checkpoint at the same step and data position, after a SIGTERM
-or a `kill -9` alike; a damaged latest checkpoint is reported and the one before it used.
+again continues from the latest checkpoint at the same step and data position, after a SIGTERM,
+a Ctrl-C or a `kill -9` alike; a damaged latest checkpoint is reported and the one before it used. A
+workdir keeps its task: a config of another task, data format or training mode is refused on it.
 
 The loop is `valen_jax.training.loop`; the mode is a task (`valen_jax.tasks.modes` names them).
 Two training modes (seed 004's --training_mode, `config.train.mode`): `ar` trains the model itself;
