@@ -103,11 +103,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's
 from data_pipeline.primitives import AtomicCalls  # noqa: E402
 from data_pipeline.tokenizer import end_of_turn_id  # noqa: E402
 from valen_jax import checkpoint  # noqa: E402
-from valen_jax.data.assemble import expand_media_slots  # noqa: E402
 from valen_jax.decoding.engine import generate_ids  # noqa: E402
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder  # noqa: E402
+from valen_jax.evaluation import prompts  # noqa: E402
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
-from valen_jax.evaluation.tokens import answer_spans, prompt_before  # noqa: E402
 from valen_jax.models import drafter as block_drafter  # noqa: E402
 
 SMOKE = ROOT / "data/smoke/vflash"
@@ -229,7 +228,7 @@ def restore_drafter(drafter_dir: Path, target: eval_workdir.Restored):
 @dataclass
 class Answer:
     where: str
-    prompt: dict  # prompt_before: ids, positions, vision
+    prompt: dict  # prompts.Prompts.prompt: ids, positions, vision
     reference_block: int  # the reference's announced block_size
 
 
@@ -244,21 +243,19 @@ def trajectory_answers(target: eval_workdir.Restored, calls: AtomicCalls, data: 
     eot = end_of_turn_id(target.tokenizer)
     found, total = [], 0
     for index, example in enumerate(examples):
-        expanded = expand_media_slots(example, target.spec)
-        for k, (start, stop) in enumerate(answer_spans(expanded.ids, expanded.weights, eot)):
+        built = prompts.Prompts(example, index, target.spec, eot)
+        for ref in built.answers:
             total += 1
-            where = f"{data.name} record {index} answer {k}"
-            answer = [int(i) for i in expanded.ids[start:stop]]
-            calls_at = calls.call_ends(answer)
-            if not calls_at:
+            where = f"{data.name} record {index} answer {ref.answer}"
+            call = built.first_call(ref, calls)
+            if call is None:
                 continue
             # from_call: the reference's answer up to its first atomic_decoding call joins the prompt.
-            cut = start + calls_at[0][0] + 1 if from_call else start
-            prompt = prompt_before(expanded, cut, target.spec, where)
+            prompt = built.prompt(ref, calls if from_call else None)
             if not np.array_equal(prompt["positions"], np.arange(len(prompt["ids"]))):
                 raise SystemExit(f"{where}: positions are not 0..n-1 (an M-RoPE target); the speculative decoder "
                                  "takes 1-D positions")
-            found.append(Answer(where, prompt, calls_at[0][1].block_size))
+            found.append(Answer(where, prompt, call[1].block_size))
     return found, total
 
 

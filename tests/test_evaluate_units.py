@@ -14,7 +14,7 @@ from valen_jax.evaluation import hosts as eval_hosts
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.valen import ValenStats
-from valen_jax.evaluation.tokens import answer_spans
+from valen_jax.evaluation.prompts import answer_spans
 from valen_jax.evaluation.vflash import answer_masks
 from valen_jax.evaluation.workdir import data_format
 

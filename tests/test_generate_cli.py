@@ -2,7 +2,7 @@
 
 The CLI runs against the session's tiny trained workdirs (tests/smoke_workdirs.py) on the smoke data;
 its lines are checked against the data itself (one line per trained assistant answer, in data order),
-against evaluation's greedy decoding of the prompts it builds itself (`tokens.prompt_of`), and against
+against evaluation's greedy decoding of the prompts it builds itself (`prompts.prompt_of`), and against
 seed 004's dequantisation.
 """
 
@@ -28,6 +28,7 @@ from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers, tokens
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation.prompts import prompt_of
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
 
@@ -105,7 +106,7 @@ def test_cli_greedy_equals_evaluations_greedy_on_the_same_prompts(vflash_cli, vf
         fmt, options = eval_workdir.data_format(restored, None)
         examples, _, _ = eval_workdir.load_examples(fmt, VFLASH_DATA, restored.workdir,
                                                     checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
-        prompts = [tokens.prompt_of(examples[line["index"]], spec, eot, line["answer"]) for line in lines]
+        prompts = [prompt_of(examples[line["index"]], spec, eot, line["answer"]) for line in lines]
         local_batch = eval_workdir.local_batch_size(8, mesh)
         ids = tokens.greedy(restored.params, restored.graphdef, prompts, spec, mesh, local_batch,
                             -(-len(prompts) // local_batch), 16, eot, len(tokenizer))

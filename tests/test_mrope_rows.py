@@ -246,7 +246,7 @@ def test_greedy_decoding_equals_transformers_generate(family):
     from flax import nnx
 
     from valen_jax import sharding
-    from valen_jax.evaluation import tokens
+    from valen_jax.evaluation import prompts, tokens
     from valen_jax.models import hf
 
     f = family
@@ -255,7 +255,7 @@ def test_greedy_decoding_equals_transformers_generate(family):
     model, cfg = hf.from_pretrained(f.info["directory"])
     graphdef, params = nnx.split(model)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-    prompt = tokens.prompt_before(expanded, len(expanded.ids), f.spec, "rows.jsonl:1")
+    prompt = prompts.prompt_before(expanded, len(expanded.ids), f.spec, "rows.jsonl:1")
     (ours,) = tokens.greedy(params, graphdef, [prompt], f.spec, mesh, 1, 1, max_new_tokens=4, stop_id=-1,
                             vocab=f.info["vocab_size"])
 

@@ -24,6 +24,7 @@ from valen_jax import checkpoint, evaluate
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.evaluation import registry, text_only, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation.prompts import prompt_of
 from valen_jax.evaluation.text_only import (
     TextOnlyPredictor,
     TrainingDataUnavailable,
@@ -165,7 +166,7 @@ def test_a_larger_image_is_the_same_prompt_in_shards_and_expanded(vflash_restore
         "vflash", data, tmp_path, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, {})
     slots, eot = tokens.media_slot_ids(restored.spec), end_of_turn_id(restored.tokenizer)
     assert prompt_key(examples[0], slots, eot) == prompt_key(examples[1], slots, eot)
-    expanded = [tokens.prompt_of(e, restored.spec, eot)["ids"] for e in examples]
+    expanded = [prompt_of(e, restored.spec, eot)["ids"] for e in examples]
     assert len(expanded[0]) != len(expanded[1])  # more vision tokens for the larger image
     assert np.array_equal(collapse_media(expanded[0], slots), collapse_media(expanded[1], slots))
 

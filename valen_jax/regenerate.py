@@ -66,10 +66,9 @@ from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import cli_logging
-from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
-from valen_jax.evaluation import answers, tokens
+from valen_jax.evaluation import answers, prompts, tokens
 from valen_jax.evaluation import workdir as eval_workdir
 
 log = logging.getLogger(__name__)
@@ -175,9 +174,8 @@ class Regenerator:
                                 local_batch=self.local_batch, first_index=first_index)
 
     def answer_ids(self, example: Example, k: int) -> list[int]:
-        expanded = expand_media_slots(example, self.target.spec)
-        start, stop = tokens.answer_spans(expanded.ids, expanded.weights, self.eot)[k]
-        return [int(t) for t in expanded.ids[start:stop]]
+        built = prompts.Prompts(example, 0, self.target.spec, self.eot)
+        return built.answer_ids(built.answers[k])
 
 
 # -- reading the source ------------------------------------------------------------------------------------
@@ -217,7 +215,7 @@ def first_rows(regen: Regenerator, entry: Entry, annotation: Path, samples: int)
         masks += obj.pop("atom_loss_masks", None) is not None
         record = replace(record, atom_loss_masks=None)
         example = regen.render(record, entry.name)  # the source itself: an error here is the data's
-        count = len(tokens.answer_spans(example.arrays["input_ids"], example.arrays["target_weights"], regen.eot))
+        count = len(prompts.answers(example, 0, regen.eot))
         if count != len(record.turns) // 2:
             raise SystemExit(f"{record.source}:{record.line}: {count} trained answers for {len(record.turns) // 2} "
                              "gpt turns")

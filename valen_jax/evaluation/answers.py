@@ -1,7 +1,7 @@
 """Generated answers for VFlash, chat and vakforge data: one answer line per trained assistant answer.
 
 The prompt of an answer is every token before it, reference turns included (what evaluation decodes
-from: `tokens.answer_spans` and `tokens.prompt_before`), so a record with three trained assistant
+from: `evaluation.prompts`), so a record with three trained assistant
 messages gives three lines. Lines come in data order (record, then answer) and hold:
 
     {"index": 4, "source": "data/smoke/vflash/eval.jsonl:5", "id": null, "answer": 0,
@@ -38,10 +38,9 @@ from data_pipeline.chat_templates import template_family
 from data_pipeline.primitives import PrimitiveError, coordinates, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
-from valen_jax.evaluation import hosts, tokens
+from valen_jax.evaluation import hosts, prompts
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 
@@ -60,10 +59,8 @@ def _units(kind: str) -> str:
 
 
 def answer_counts(examples: list[Example], end_of_turn: int) -> list[int]:
-    """Trained assistant answers per example. Read from the shard's own ids and weights: a media slot
-    carries no weight and no end-of-turn, so expanding the slots does not change the count."""
-    return [len(tokens.answer_spans(e.arrays["input_ids"], e.arrays["target_weights"], end_of_turn))
-            for e in examples]
+    """Trained assistant answers per example (`prompts.answers`: from the shard ids, no media read)."""
+    return [len(prompts.answers(e, i, end_of_turn)) for i, e in enumerate(examples)]
 
 
 def host_block(count: int, process_index: int | None = None, process_count: int | None = None) -> range:
@@ -76,16 +73,15 @@ def host_block(count: int, process_index: int | None = None, process_count: int 
 
 
 def prompts_for(examples: list[Example], jobs: list[tuple[int, int]], spec, end_of_turn: int) -> list[dict]:
-    """The prompt of each (example index, answer index) job, each example's media expanded once."""
-    prompts, expanded, spans = [], {}, {}
+    """The prompt of each (example index, answer index) job (`prompts.Prompts`), each example's media
+    expanded once."""
+    built: dict[int, prompts.Prompts] = {}
+    out = []
     for index, answer in jobs:
-        if index not in expanded:
-            example = examples[index]
-            expanded[index] = expand_media_slots(example, spec)
-            spans[index] = tokens.answer_spans(expanded[index].ids, expanded[index].weights, end_of_turn)
-        start = spans[index][answer][0]
-        prompts.append(tokens.prompt_before(expanded[index], start, spec, contract.where(examples[index])))
-    return prompts
+        if index not in built:
+            built[index] = prompts.Prompts(examples[index], index, spec, end_of_turn)
+        out.append(built[index].prompt(built[index].answers[answer]))
+    return out
 
 
 def vflash_fields(text: str, dense_scale: float | None) -> dict:

@@ -18,7 +18,8 @@ comparison of the message:
 - the entities of an agent message (meta `entities` with that `answer` index) are looked for in the
   generated text and in the arguments of the calls parsed from it.
 When the converter trained only the last assistant turn (`assistant_turns="last"`), only that
-message is decoded.
+message is decoded; which message an answer is follows the example's policy (`prompts.messages_of`),
+and an example whose trained answers fit neither policy is refused.
 
 Shards converted before `answers` was recorded (an evaluation cache in WORKDIR/eval_shards, or a
 shard directory) hold no reference text: their tool-call messages are still decoded and compared,
@@ -43,8 +44,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.chat_templates import template_family
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax.data.assemble import expand_media_slots
-from valen_jax.evaluation import hosts, image_reliance, tokens
+from valen_jax.evaluation import hosts, image_reliance, prompts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.entities import EntityStats, Generated, entity_found
@@ -90,17 +90,10 @@ def breakdown_of(example: Example) -> dict[str, str | None]:
 
 def answer_prompts(example: Example, spec, eot: int) -> list[tuple[int, dict]]:
     """(k, prompt) for each trained assistant message: `k` indexes the meta's per-message lists
-    (`tool_calls`, `answers`), the prompt is every token before the message (`tokens.prompt_before`)."""
-    count = len(contract.meta_of(example).tool_calls or [])
-    expanded = expand_media_slots(example, spec)
-    spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
-    if len(spans) == count:
-        pairs = list(enumerate(spans))
-    elif count and spans:  # only the last assistant turn was trained
-        pairs = [(count - 1, spans[-1])]
-    else:
-        pairs = []
-    return [(k, tokens.prompt_before(expanded, start, spec, contract.where(example))) for k, (start, _) in pairs]
+    (`tool_calls`, `answers`; `prompts.messages_of`: by the example's `assistant_turns`), the prompt is
+    every token before the message (`prompts.Prompts.prompt`)."""
+    built = prompts.Prompts(example, 0, spec, eot)
+    return [(ref.message, built.prompt(ref)) for ref in built.answers]
 
 
 def _message_entities(example: Example) -> dict[int, list[dict]]:
@@ -224,7 +217,7 @@ def image_reliance_report(restored: Restored, jobs: list[tuple], generated: list
     """The report's `image_reliance` (`evaluation.image_reliance`) of this process's decoded messages.
 
     The swap is planned over records, not messages: every message of a record carries the record's
-    whole media (`tokens.prompt_before`), so two messages of one record would only swap an image for
+    whole media (`prompts.prompt_before`), so two messages of one record would only swap an image for
     itself. A compared record's messages whose prompts hold a media slot all take its donor's patches
     and are counted one answer each; a message that ends before its record's first image is left out."""
     seeing = [j for j, job in enumerate(jobs) if image_reliance.sees_media(job[-1]["ids"], restored.spec)]

@@ -46,10 +46,9 @@ from data_pipeline.primitives import AtomicCalls
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint, sharding
-from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder
-from valen_jax.evaluation import hosts, tokens, vflash
+from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
 from valen_jax.evaluation.options import Options
@@ -140,14 +139,17 @@ def check_target(workdir: Path, step: int, record: dict, target: Restored) -> No
 class Answer:
     index: int  # into the data's examples
     entry: str | None
-    prompt: dict  # tokens.prompt_before: ids, positions, vision
+    prompt: dict  # prompts.Prompts.prompt: ids, positions, vision
 
 
 def own_prompts(examples: list[Example], mine: list[int], target: Restored) -> list[Answer]:
     """The prompts `vflash.greedy_answers` continues (each example's last answer, from the turns before it)."""
     eot = end_of_turn_id(target.tokenizer)
-    return [Answer(i, contract.meta_of(examples[i]).entry, tokens.prompt_of(examples[i], target.spec, eot))
-            for i in mine]
+    found = []
+    for i in mine:
+        built = prompts.Prompts(examples[i], i, target.spec, eot)
+        found.append(Answer(i, contract.meta_of(examples[i]).entry, built.prompt(built.last())))
+    return found
 
 
 def call_prompts(examples: list[Example], mine: list[int], target: Restored, calls: AtomicCalls) -> list[Answer]:
@@ -156,17 +158,10 @@ def call_prompts(examples: list[Example], mine: list[int], target: Restored, cal
     eot = end_of_turn_id(target.tokenizer)
     found = []
     for i in mine:
-        example = examples[i]
-        expanded = expand_media_slots(example, target.spec)
-        spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
-        if not spans:
-            raise ValueError(f"{contract.where(example)}: no trained assistant answer to decode")
-        start, stop = spans[-1]
-        answer = [int(t) for t in expanded.ids[start:stop]]
-        ends = calls.call_ends(answer)
-        if ends:
-            prompt = tokens.prompt_before(expanded, start + ends[0][0] + 1, target.spec, contract.where(example))
-            found.append(Answer(i, contract.meta_of(example).entry, prompt))
+        built = prompts.Prompts(examples[i], i, target.spec, eot)
+        prompt = built.prompt(built.last(), calls)
+        if prompt is not None:
+            found.append(Answer(i, contract.meta_of(examples[i]).entry, prompt))
     return found
 
 

@@ -33,7 +33,7 @@ from data_pipeline.shards import Example, ShardError
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint
 from valen_jax.data.shard_cache import ensure_shards
-from valen_jax.evaluation import tokens
+from valen_jax.evaluation import prompts, tokens
 from valen_jax.evaluation.workdir import Restored
 
 # Training records read for the baseline: enough for the answer counts of any prompt that repeats, and a
@@ -58,7 +58,7 @@ def prompt_key(example: Example, slot_ids: Sequence[int], end_of_turn: int) -> b
     """The digest of the example's prompt (module docstring); None without a trained answer. A digest, not
     the ids: TRAINING_RECORDS prompts of thousands of tokens each would otherwise be held whole."""
     ids, weights = example.arrays["input_ids"], example.arrays["target_weights"]
-    spans = tokens.answer_spans(ids, weights, end_of_turn)
+    spans = prompts.answer_spans(ids, weights, end_of_turn)
     if not spans:
         return None
     return hashlib.sha256(collapse_media(ids[:spans[-1][0]], slot_ids).astype("<i8").tobytes()).digest()

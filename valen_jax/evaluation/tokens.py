@@ -18,19 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
 from valen_jax import sharding
-from valen_jax.data.assemble import ExpandedExample, RowSpec, assemble, expand_media_slots, vision_arrays
+from valen_jax.data.assemble import RowSpec, assemble, vision_arrays
 from valen_jax.decoding import generate_ids
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
 from valen_jax.losses import token_losses
 from valen_jax.step import vision_inputs
-
-
-def _where(example: Example) -> str:
-    return contract.where(example)
 
 
 @functools.cache
@@ -85,47 +80,14 @@ def _empty_row(spec: RowSpec) -> dict[str, np.ndarray]:
             **vision_arrays([], spec, "padding")}
 
 
-def answer_spans(ids: np.ndarray, weights: np.ndarray, end_of_turn: int) -> list[tuple[int, int]]:
-    """[start, stop) of each trained assistant answer, in order.
-
-    An answer is the weighted tokens up to and including its end-of-turn token (render_chat makes
-    every assistant span end with it). Weight-0 tokens inside an answer (VFlash coordinates that
-    `atom_loss_masks` removes) do not split it: only an end-of-turn closes an answer.
-    """
-    spans, start = [], None
-    for t in np.flatnonzero(weights > 0):
-        if start is None:
-            start = int(t)
-        if ids[t] == end_of_turn:
-            spans.append((start, int(t) + 1))
-            start = None
-    return spans
-
-
 def media_slot_ids(spec: RowSpec) -> list[int]:
     """The tokens media slots are made of (`assemble.expand_slots`): image pads, and video pads for a model with them."""
     return [spec.image_pad_id] + ([spec.video.video_pad_id] if spec.video is not None else [])
 
 
-def prompt_of(example: Example, spec: RowSpec, end_of_turn: int, answer: int = -1) -> dict:
-    """The expanded token ids before the `answer`-th trained answer, and the example's vision inputs."""
-    expanded = expand_media_slots(example, spec)
-    spans = answer_spans(expanded.ids, expanded.weights, end_of_turn)
-    if not spans:
-        raise ValueError(f"{_where(example)}: no trained assistant answer to decode")
-    return prompt_before(expanded, spans[answer][0], spec, _where(example))
-
-
-def prompt_before(expanded: ExpandedExample, start: int, spec: RowSpec, where: str) -> dict:
-    """The prompt `greedy` continues: the expanded ids before `start`, their positions (those of the whole
-    sequence, as HF computes them for the prompt) and the example's vision inputs."""
-    return {"ids": expanded.ids[:start], "positions": expanded.positions(spec)[:start],
-            "vision": vision_arrays(expanded.media, spec, where)}
-
-
 def greedy(params, graphdef, prompts: list[dict], spec: RowSpec, mesh, local_batch: int, batches: int,
            max_new_tokens: int, stop_id: int, vocab: int) -> list[list[int]]:
-    """Greedy continuation of each prompt (from `prompt_of`) until `stop_id` (kept), `max_new_tokens`
+    """Greedy continuation of each prompt (`prompts.Prompts.prompt`) until `stop_id` (kept), `max_new_tokens`
     or the row's end (prompt + generated reaching spec.seq_len), with the KV-cache engine
     (`valen_jax.decoding`). A generated token's position is the largest before it + 1 (on every M-RoPE
     axis), as HF's generate continues after rope_index's prompt positions."""

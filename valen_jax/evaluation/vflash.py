@@ -35,7 +35,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.primitives import DENSE_SCALE, PrimitiveError, parse_answer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
-from valen_jax.evaluation import hosts, image_reliance, text_only, tokens
+from valen_jax.evaluation import hosts, image_reliance, prompts, text_only, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
 from valen_jax.evaluation.workdir import Restored, local_batch_size
@@ -56,7 +56,7 @@ def answer_masks(example: Example, end_of_turn: int, numbers: np.ndarray) -> lis
     if "primitive_spans" not in arrays:
         return None
     ids, weights = arrays["input_ids"], arrays["target_weights"]
-    spans = tokens.answer_spans(ids, weights, end_of_turn)
+    spans = prompts.answer_spans(ids, weights, end_of_turn)
     if not spans:
         return None
     start, stop = spans[-1]
@@ -116,7 +116,7 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
 def last_answer_prompts(restored: Restored, examples: list[Example]) -> list[dict]:
     """The prompt of the last answer of each example this process evaluates (`hosts.local_indices` order)."""
     eot = end_of_turn_id(restored.tokenizer)
-    return [tokens.prompt_of(examples[i], restored.spec, eot) for i in hosts.local_indices(len(examples))]
+    return [prompts.prompt_of(examples[i], restored.spec, eot) for i in hosts.local_indices(len(examples))]
 
 
 def greedy_answers(restored: Restored, examples: list[Example], options: Options,
