@@ -52,7 +52,7 @@ def main(argv) -> None:
         if _OUTPUT.value:
             check_path("--output", _OUTPUT.value)
         report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value))
-    except USER_ERRORS as error:
+    except (*USER_ERRORS, aot.DoesNotFit) as error:
         sys.exit(f"{type(error).__name__}: {error}")
     t = report["topology"]
     print(f"{t['name']} ({t['topology_name']}, {t['chips']} x {t['device_kind']}), mesh {report['mesh']}, "

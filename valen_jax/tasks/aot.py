@@ -183,7 +183,15 @@ def compile_for(config, target: Slice) -> dict:
     task, batch_shapes = open_compile_task(config, mesh)
     layout = task.layout()
     start = time.perf_counter()
-    compiled = task.compile(layout, batch_shapes)
+    try:
+        compiled = task.compile(layout, batch_shapes)
+    except jax.errors.JaxRuntimeError as error:
+        # The TPU compiler itself refuses a program whose buffers exceed the chip's HBM.
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        detail = str(error).strip().splitlines()[0]
+        raise DoesNotFit(f"train_step does not fit {target.name} ({devices[0].device_kind}, "
+                         f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}") from None
     programs = [program_report("train_step", compiled, time.perf_counter() - start, target)]
     return {
         "topology": {"name": target.name, "topology_name": target.topology_name, "slices": target.slices,
