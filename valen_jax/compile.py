@@ -56,7 +56,8 @@ def main(argv) -> None:
         sys.exit(f"{type(error).__name__}: {error}")
     t = report["topology"]
     print(f"{t['name']} ({t['topology_name']}, {t['chips']} x {t['device_kind']}), mesh {report['mesh']}, "
-          f"attention={report['attention']}, {report['model']['params']:,} params")
+          f"attention={report['attention']}, {report['model']['params']:,} params, "
+          f"model FLOPs per step {report['model_flops_per_step']:.3e}")
     for program in report["programs"]:
         print(aot.summary_line(program))
     if _OUTPUT.value:

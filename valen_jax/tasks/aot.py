@@ -202,6 +202,9 @@ def compile_for(config, target: Slice) -> dict:
                   "vocab_size": task.model_cfg.vocab_size,
                   "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(layout.param_shapes)))},
         "batch": {key: list(value.shape) for key, value in batch_shapes.items()},
+        # XLA's `flops` (per program, per chip) counts a scanned layer loop's body once and a Pallas
+        # kernel as nothing; the model's own count (6·N·tokens + attention, all chips) is the MFU numerator.
+        "model_flops_per_step": float(task.flops_per_step()),
         "programs": programs,
     }
 
