@@ -89,3 +89,12 @@ def test_slice_names(name, topology, bounds, config):
 def test_unknown_slice_names_are_refused(name):
     with pytest.raises(ConfigError, match="--topology"):
         aot.parse_slice(name)
+
+
+def test_valen_branch_trees_compile_with_splash(tmp_path):
+    # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
+    output = tmp_path / "valen.json"
+    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", f"--output={output}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (program,) = json.loads(output.read_text())["programs"]
+    assert program["pallas_mosaic"] is True and program["fits"] is True
