@@ -27,6 +27,7 @@ and return what `attention.reference` returns, without a dense [T, T] mask:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -65,9 +66,29 @@ def _splash_kernel(length: int, groups: int, causal: bool, block: int, interpret
     sizes = sak.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     # The mask tables are numpy → constants; built outside any trace so the cache holds no tracer.
-    with jax.ensure_compile_time_eval():
+    # The kernel's constructor turns them into arrays with `jnp.array`, which under compile-time eval
+    # RUNS a small program on the context's devices: those of the concrete mesh (`jax.set_mesh`) when
+    # one is set. A mesh of compile-only TPU devices (the ahead-of-time compile from a CPU host) cannot
+    # execute anything ("'Executable' object has no attribute 'local_devices'"), so the tables are made
+    # on the host's default device with no concrete mesh in context; they end as constants of the
+    # traced program either way, so where they were made does not reach the compiled step.
+    with jax.ensure_compile_time_eval(), _no_concrete_mesh():
         return sak.make_splash_mqa_single_device(sam.MultiHeadMask([head_mask] * groups), block_sizes=sizes,
                                                  save_residuals=residuals, interpret=interpret)
+
+
+@contextlib.contextmanager
+def _no_concrete_mesh():
+    """The concrete mesh of `jax.set_mesh` out of context for a moment (the abstract mesh, which the
+    trace reads, stays). `jax.set_mesh(None)` would do it but is refused inside `jit`, so this swaps the
+    same thread-local it sets (pinned JAX, like `_splash_attention_bwd` below)."""
+    from jax._src import config as jax_config  # noqa: PLC2701 — see the docstring
+
+    previous = jax_config.device_context.swap_local(None)
+    try:
+        yield
+    finally:
+        jax_config.device_context.set_local(previous)
 
 
 def _splash_ids(segment_ids, branch_ids, padded: int):

@@ -1,0 +1,74 @@
+"""Compile a config's train step ahead of time for a TPU slice, from any host (no accelerator needed).
+
+    python -m valen_jax.compile --config=configs/vflash.py:tiny --topology=v5e:2x2
+    python -m valen_jax.compile --config=configs/vflash.py --topology=v5e-8 --config.model.attention=splash \
+        --output=report.json
+
+Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. The
+step is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
+(DESIGN: choices by target, not host), and compiled through the task's own `compile` (the one compile
+path). Prints, per program, the memory per chip (argument, output, temp, alias GiB), XLA's FLOPs, the
+collectives in its HLO, whether Pallas (Mosaic) kernels are in it, and the compile time;
+`--output` writes the same as JSON. Exits 1 with one line when a program does not fit the chip's HBM.
+Slice names (`v5e-8`, `v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and HBM per chip:
+`valen_jax/tasks/aot.py`. Compiled so far: the token-LM and Valen train steps (`train.mode=ar`);
+not yet: evaluation, prefill/decode and the VFlash drafter step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from data_pipeline.cli_paths import PathError, check_path
+from data_pipeline.tokenizer import TokenizerError
+from valen_jax import cli_logging
+from valen_jax.data.assemble import AssemblyError
+from valen_jax.errors import ConfigError
+from valen_jax.sharding import ShardingError
+from valen_jax.tasks import aot
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v5p-64, v6e-16, v4-8 or v5e:2x2")
+_SLICES = flags.DEFINE_integer("slices", 1, "Number of such slices (multi-slice, over DCN)")
+_OUTPUT = flags.DEFINE_string("output", None, "Write the report as JSON here")
+
+# As train.py: the user's input, said in full by the message, is one line; anything else a traceback.
+USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, aot.LibtpuMissing)
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli_logging.configure(timestamps=True)
+    if _TOPOLOGY.value is None:
+        raise app.UsageError("--topology is required, e.g. --topology=v5e-8")
+    try:
+        check_path("--config", config_flags.get_config_filename(flags.FLAGS["config"]))
+        if _OUTPUT.value:
+            check_path("--output", _OUTPUT.value)
+        report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value))
+    except (*USER_ERRORS, aot.DoesNotFit) as error:
+        sys.exit(f"{type(error).__name__}: {error}")
+    t = report["topology"]
+    print(f"{t['name']} ({t['topology_name']}, {t['chips']} x {t['device_kind']}), mesh {report['mesh']}, "
+          f"attention={report['attention']}, {report['model']['params']:,} params, "
+          f"model FLOPs per step {report['model_flops_per_step']:.3e}")
+    for program in report["programs"]:
+        print(aot.summary_line(program))
+    if _OUTPUT.value:
+        Path(_OUTPUT.value).write_text(json.dumps(report, indent=2) + "\n")
+    sys.stdout.flush()
+    try:
+        aot.check_fits(report)
+    except aot.DoesNotFit as error:
+        sys.exit(f"DoesNotFit: {error}")
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
