@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The suite runs on the CPU. With libtpu installed (the `tpu` extra, for the ahead-of-time compile tests)
+# JAX would otherwise try to start a TPU runtime in every process and log its failure to stderr;
+# compile-only TPU devices (jax.experimental.topologies) need no runtime. Subprocesses inherit it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 from PIL import Image
