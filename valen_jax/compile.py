@@ -18,8 +18,13 @@ not yet: evaluation, prefill/decode and the VFlash drafter step.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+# Compile-only TPU devices need no TPU runtime: without this, JAX on a host without a TPU would try to
+# start one from libtpu (and log its failure) before the first compile. Set before JAX is imported.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 from ml_collections import config_flags
