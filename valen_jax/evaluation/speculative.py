@@ -49,6 +49,7 @@ from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import expand_media_slots
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder
+from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
@@ -160,7 +161,7 @@ def call_prompts(examples: list[Example], mine: list[int], target: Restored, cal
         expanded = expand_media_slots(example, target.spec)
         spans = tokens.answer_spans(expanded.ids, expanded.weights, eot)
         if not spans:
-            raise ValueError(f"{contract.where(example)}: no trained assistant answer to decode")
+            raise EvaluationError(f"{contract.where(example)}: no trained assistant answer to decode")
         start, stop = spans[-1]
         answer = [int(t) for t in expanded.ids[start:stop]]
         ends = calls.call_ends(answer)
@@ -318,10 +319,10 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
             fmt, data, run.workdir, checkpoint.tokenizer_dir(run.workdir), target.fingerprint, converter_options,
             max_examples)
         if family != "vflash":
-            raise ValueError(f"{data}: {family} data; a drafter (vflash workdir {run.workdir}) is evaluated on "
+            raise EvaluationError(f"{data}: {family} data; a drafter (vflash workdir {run.workdir}) is evaluated on "
                              "VFlash data, whose answers announce primitive blocks")
         if not examples:
-            raise ValueError(f"{data}: no examples to evaluate")
+            raise EvaluationError(f"{data}: no examples to evaluate")
         eval_cfg = target.config.eval
         options = Options(batch_size=int(batch_size or eval_cfg.batch_size),
                           max_new_tokens=int(max_new_tokens or eval_cfg.max_new_tokens), mode=mode, samples=samples)

@@ -23,6 +23,7 @@ from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.assemble import ExpandedExample, RowSpec, assemble, expand_media_slots, vision_arrays
 from valen_jax.decoding import generate_ids
+from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
 from valen_jax.losses import token_losses
@@ -112,7 +113,7 @@ def prompt_of(example: Example, spec: RowSpec, end_of_turn: int, answer: int = -
     expanded = expand_media_slots(example, spec)
     spans = answer_spans(expanded.ids, expanded.weights, end_of_turn)
     if not spans:
-        raise ValueError(f"{_where(example)}: no trained assistant answer to decode")
+        raise EvaluationError(f"{_where(example)}: no trained assistant answer to decode")
     return prompt_before(expanded, spans[answer][0], spec, _where(example))
 
 
