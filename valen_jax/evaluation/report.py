@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import image_reliance, registry, speculative
@@ -67,6 +68,8 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
         raise UsageError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
     restored = eval_workdir.restore(workdir, step)
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
+    if not Path(data, "manifest.json").is_file():  # a shard directory says its own format when loaded
+        registry.evaluator_for(FORMATS[fmt].family, str(data))  # refused before it is converted into the workdir
     with jax.set_mesh(restored.mesh):
         return run(restored, data, fmt, converter_options, **options)
 
