@@ -204,3 +204,69 @@ def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
     assert result.returncode == code, shown
     assert lines and names.format(**values) in lines[-1], shown
     assert tree_digest(workdir) == before, shown
+
+
+# The boundary itself, in process.
+
+def test_the_boundary_prints_one_line_and_exits_by_kind(capsys):
+    from data_pipeline.formats.errors import FormatError, Problem
+    from valen_jax.cli_errors import error_boundary
+    from valen_jax.errors import ConfigError, UsageError
+
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise UsageError("--x=1: no such thing")
+    assert exited.value.code == 2 and capsys.readouterr().err == "UsageError: --x=1: no such thing\n"
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise ConfigError("config.a: bad")
+    assert exited.value.code == 1 and capsys.readouterr().err == "ConfigError: config.a: bad\n"
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise FormatError([Problem("f.jsonl", i, "record", "invalid JSON") for i in range(1, 8)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1 and err.startswith("FormatError: f.jsonl:1: record")
+    assert "7 problems in all" in err and "f.jsonl:6:" not in err
+
+
+def test_an_os_error_is_the_users_only_about_their_paths(tmp_path, capsys):
+    from valen_jax.cli_errors import error_boundary, is_user_error
+
+    mine = FileNotFoundError(2, "No such file or directory", str(tmp_path / "data" / "x.jsonl"))
+    assert is_user_error(mine, [tmp_path / "data"]) and not is_user_error(mine, [tmp_path / "other"])
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd", paths=[tmp_path]):
+        raise mine
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == f"FileNotFoundError: {str(tmp_path / 'data' / 'x.jsonl')!r}: No such file or directory\n"
+    with pytest.raises(FileNotFoundError), error_boundary("cmd", paths=[tmp_path / "other"]):
+        raise mine
+    assert "this is a bug in valen_jax" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback_after_a_line_saying_so(capsys):
+    from valen_jax.cli_errors import error_boundary
+
+    with pytest.raises(KeyError), error_boundary("valen_jax.cmd"):
+        raise KeyError("internal")
+    assert capsys.readouterr().err.startswith("valen_jax.cmd: this is a bug in valen_jax, not a mistake in your input")
+    with pytest.raises(SystemExit), error_boundary("cmd"):  # a command's own exit passes through
+        sys.exit(3)
+    assert capsys.readouterr().err == ""
+
+
+def test_config_overrides_are_checked_against_the_config_with_the_closest_keys(tmp_path):
+    from valen_jax.cli_errors import check_config_overrides
+    from valen_jax.errors import UsageError
+
+    config = tmp_path / "c.py"
+    config.write_text("import ml_collections\n\ndef get_config(variant=''):\n"
+                      "    if variant not in ('', 'small'):\n"
+                      "        raise ValueError(f'unknown variant {variant!r}; known: small')\n"
+                      "    return ml_collections.ConfigDict({'train': {'steps': 1, 'lr': 0.1}})\n")
+    check_config_overrides(["prog", f"--config={config}:small", "--config.train.steps=3"])
+    check_config_overrides(["prog", "--config", str(config), "--config.train.lr", "1"])
+    with pytest.raises(UsageError, match=r"--config.train.stpes: config.train has no key 'stpes' .*closest: steps"):
+        check_config_overrides(["prog", f"--config={config}", "--config.train.stpes=3"])
+    with pytest.raises(UsageError, match=r"config has no key 'zzz' .*valid: train"):
+        check_config_overrides(["prog", f"--config={config}", "--config.zzz=3"])
+    with pytest.raises(UsageError, match=r"unknown variant 'smal'; known: small"):
+        check_config_overrides(["prog", f"--config={config}:smal"])
+    with pytest.raises(UsageError, match=r"no such config file .*nope.py.*closest: .*c.py"):
+        check_config_overrides(["prog", f"--config={tmp_path}/nope.py"])
