@@ -143,6 +143,9 @@ ROWS = [
     row("train", "trained", f"{TINY} --config.data.train={{truncated}}", 1, "{truncated}"),
     row("train", "trained", f"{TINY} --config.data.train=/etc/passwd", 1, "/etc/passwd"),
     row("train", "trained", f"{TINY} --config.data.train={CHAT_DATA}", 1, CHAT_DATA),
+    row("train", "trained", f"{TINY} --config.mesh.data=8", 1, "8 devices"),
+    row("train", "trained", "--config=configs/vflash.py:tiny,drafter --config.model.target_from=/nope", 1,
+        "trains another task"),
     # evaluate
     row("evaluate", "empty", f"--data={E} --output={{tmp}}/r.json", 1, "no checkpoint", fast=True),
     row("evaluate", "absent", f"--data={E} --output={{tmp}}/r.json", 1, "no checkpoint"),
