@@ -48,8 +48,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tasks/evaluation", ("valen_jax.tasks.*", "valen_jax.vflash.*", "valen_jax.evaluation.*")),
     # The run handle (future `run/`: workdir layout, restore).
     ("run", ("valen_jax.run.*",)),
-    # What only the commands use: their logging set-up and the multi-process start.
-    ("cli support", ("valen_jax.cli_logging", "valen_jax.distributed")),
+    # What only the commands use: their logging set-up, the multi-process start, the one error boundary.
+    ("cli support", ("valen_jax.cli_logging", "valen_jax.distributed", "valen_jax.cli_errors")),
     # The commands users run (DESIGN: `valen_jax/{train,evaluate,predict,generate,regenerate,export,compile,serve}.py`).
     ("commands", ("valen_jax.train", "valen_jax.evaluate", "valen_jax.predict", "valen_jax.generate",
                   "valen_jax.regenerate", "valen_jax.export", "valen_jax.compile", "valen_jax.serve")),

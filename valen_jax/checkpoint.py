@@ -251,8 +251,13 @@ def migrate_meta(meta: dict[str, Any], where: str = "checkpoint") -> dict[str, A
 
 
 def restore_meta(mgr: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-    """Checkpoint `step`'s meta, migrated to META_SCHEMA."""
-    meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    """Checkpoint `step`'s meta, migrated to META_SCHEMA; a meta that does not read back is CorruptCheckpoint."""
+    try:
+        meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    except Exception as error:  # noqa: BLE001 - any read failure of a finished step's meta is damage
+        detail = " ".join(f"{type(error).__name__}: {error}".split())
+        raise CorruptCheckpoint(f"{mgr.directory}: checkpoint {step}: meta does not read back ({detail[:300]})") \
+            from error
     return migrate_meta(meta, f"{mgr.directory}: checkpoint {step}")
 
 

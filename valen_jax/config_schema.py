@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -237,6 +238,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if int(config.eval.every) < 0:
         raise ConfigError(f"config.eval.every must be ≥ 0 (0: no evaluation during training), got {config.eval.every}")
     if config.model.init_from:
+        init_from = str(config.model.init_from)
+        if init_from.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(init_from)):
+            # A local path (a hub name is `org/model`): say it is missing before any other complaint about it.
+            raise ConfigError(f"config.model.init_from={init_from!r}: no such directory (a Hugging Face checkpoint "
+                              "directory, or a hub name org/model)")
         # The checkpoint fixes the architecture; a value here too would be silently ignored.
         clashing = [k for k in ARCHITECTURE_KEYS if config.model[k] is not None]
         if clashing:

@@ -25,3 +25,13 @@ class ConfigError(UserError, ValueError):
 class ParamGroupError(UserError, ValueError):
     """A parameter group (config.train.param_groups) that cannot apply: bad regex, no match, contradictory
     settings. The config's start-up check turns the shape errors into a ConfigError."""
+
+
+class UsageError(UserError, ValueError):
+    """A command line that cannot work as written (a flag's value, a config key or variant that does not
+    exist, a flag that does not apply to this workdir); a command exits 2 for it, as argparse does."""
+
+
+class EvaluationError(UserError, ValueError):
+    """Data or a workdir that cannot be evaluated, predicted or generated as asked (no examples, a family
+    with no evaluation, a checkpoint without the head the data needs); a command exits 1 for it."""

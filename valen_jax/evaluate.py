@@ -44,6 +44,7 @@ from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import cli_logging
+from valen_jax.cli_errors import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation.report import evaluate_params, evaluate_workdir, run, summary, write_report  # noqa: F401
 
@@ -79,14 +80,15 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()
-    data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
-    report = evaluate_workdir(args.workdir, data, args.step, args.format, mode=args.mode,
-                              max_examples=args.max_examples, batch_size=args.batch_size,
-                              max_new_tokens=args.max_new_tokens, samples=args.samples,
-                              **({"from_call": True} if args.from_call else {}))
-    if reference is not None:
-        report["data_reference"] = reference  # the exact version evaluated (seed 003)
-    write_report(report, args.output)
+    with error_boundary("valen_jax.evaluate", paths=(args.workdir, args.data, args.output)):
+        data, reference = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
+        report = evaluate_workdir(args.workdir, data, args.step, args.format, mode=args.mode,
+                                  max_examples=args.max_examples, batch_size=args.batch_size,
+                                  max_new_tokens=args.max_new_tokens, samples=args.samples,
+                                  **({"from_call": True} if args.from_call else {}))
+        if reference is not None:
+            report["data_reference"] = reference  # the exact version evaluated (seed 003)
+        write_report(report, args.output)
     print(f"{args.output}: {summary(report)}")
     return 0
 

@@ -32,12 +32,14 @@ from flax import nnx
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
 from valen_jax import checkpoint, cli_logging
+from valen_jax.cli_errors import error_boundary
 from valen_jax.data.vision_processor import (
     IMAGE_PROCESSOR_FILE,
     RESCALE_FACTOR,
     VIDEO_PIXELS_PER,
     VIDEO_PROCESSOR_FILE,
 )
+from valen_jax.errors import UserError
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig
@@ -52,7 +54,7 @@ _FIXED = {"do_resize": True, "do_rescale": True, "rescale_factor": RESCALE_FACTO
           "do_convert_rgb": True, "resample": 3}
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A workdir whose model has no Hugging Face form."""
 
 
@@ -155,11 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # force: an import may already have configured the root logger at WARNING, hiding what was written where.
     cli_logging.configure(force=True)
-    try:
+    with error_boundary("valen_jax.export", paths=(args.workdir, args.output)):
         export(args.workdir, args.output, args.step)
-    except (ExportError, hf.HFImportError, checkpoint.CheckpointError) as error:
-        print(f"valen_jax.export: {error}", file=sys.stderr)
-        return 1
     return 0
 
 

@@ -37,9 +37,11 @@ from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint, cli_logging, distributed
+from valen_jax.cli_errors import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
+from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
 
@@ -56,7 +58,7 @@ def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
             fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
         answers.refuse_family(family, str(data))  # a shard directory says its own format
         if not examples:
-            raise ValueError(f"{data}: no records")
+            raise EvaluationError(f"{data}: no records")
         return answers.generate_answers(restored, examples, family,
                                         max_new_tokens=int(max_new_tokens or restored.config.eval.max_new_tokens),
                                         sampling=sampling, seed=seed, batch_size=batch_size)
@@ -166,6 +168,12 @@ def main(argv=None) -> int:
     sampling = sampling_of(args)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()
+    with error_boundary("valen_jax.generate", paths=(args.workdir, args.data, args.output)):
+        return _generate(args, sampling)
+
+
+def _generate(args: argparse.Namespace, sampling: Sampling) -> int:
+    """`main` after the flags were checked: generate, write, summarise."""
     distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
     data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
     try:

@@ -38,7 +38,9 @@ from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint, cli_logging, distributed
+from valen_jax.cli_errors import error_boundary
 from valen_jax.data.references import resolve_cli_data
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
@@ -59,12 +61,12 @@ def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = No
         examples, family, _ = eval_workdir.load_examples(
             fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
         if not examples:
-            raise ValueError(f"{data}: no records")
+            raise EvaluationError(f"{data}: no records")
         if family == "valen":
             eval_workdir.require_score_head(restored, str(data))  # a shard directory says its own format
             return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))
         if mode is not None:
-            raise ValueError(f"--mode={mode}: a Valen sequence mode, and {data} holds {family} data")
+            raise UsageError(f"--mode={mode}: a Valen sequence mode, and {data} holds {family} data")
         # Greedy, the checkpoint's budget: the very lines `python -m valen_jax.generate` writes by default.
         return GENERATION, answers.generate_answers(restored, examples, family,
                                                     max_new_tokens=int(restored.config.eval.max_new_tokens),
@@ -93,14 +95,15 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     exit_on_bad_paths(workdir=args.workdir, data=args.data, output=args.output)
     cli_logging.configure()
-    distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
-    data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
-    try:
-        mode, lines = predict_workdir(args.workdir, data, args.step, args.format, args.mode, args.batch_size)
-    except answers.NotGenerated as error:  # prepared rows: nothing to predict
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    answers.write_answers(lines, args.output)
+    with error_boundary("valen_jax.predict", paths=(args.workdir, args.data, args.output)):
+        distributed.initialize()  # a multi-process job (launch/): before any JAX backend use; else nothing
+        data, _ = resolve_cli_data(args.data, args.registry, args.namespace)  # seed 003 references
+        try:
+            mode, lines = predict_workdir(args.workdir, data, args.step, args.format, args.mode, args.batch_size)
+        except answers.NotGenerated as error:  # prepared rows: nothing to predict
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        answers.write_answers(lines, args.output)
     if mode == GENERATION:
         records = len({line["index"] for line in lines})
         print(f"{args.output}: {len(lines)} answers of {records} records generated (greedy)")

@@ -66,6 +66,7 @@ from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import cli_logging
+from valen_jax.cli_errors import error_boundary
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers, prompts, tokens
@@ -412,6 +413,12 @@ def main(argv=None) -> int:
                          "greedy record)")
     exit_on_bad_paths(workdir=args.workdir, data=args.data)
     cli_logging.configure()
+    with error_boundary("valen_jax.regenerate", paths=(args.workdir, args.data, args.output)):
+        return _regenerate(args, sampling)
+
+
+def _regenerate(args: argparse.Namespace, sampling: Sampling) -> int:
+    """`main` after the flags were checked: regenerate, then print the report."""
     try:
         if (args.format or ("recipe" if args.data.endswith(".json") else "vflash")) == "vflash":
             refuse_other_data(Path(args.data))  # before the target is restored: a wrong file costs nothing

@@ -25,29 +25,24 @@ expected acceptance length:
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
+from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from data_pipeline.cli_paths import PathError, check_path
-from data_pipeline.shards import ShardError
-from data_pipeline.tokenizer import TokenizerError
-from valen_jax import checkpoint, cli_logging, distributed, workdir_lock
-from valen_jax.data.assemble import AssemblyError
-from valen_jax.errors import ConfigError
+from data_pipeline.cli_paths import check_path
+from valen_jax import cli_logging, distributed
+from valen_jax.cli_errors import error_boundary, parse_config_flags
+from valen_jax.errors import UsageError
 from valen_jax.tasks.modes import check_mode, open_task
 from valen_jax.training import loop
-from valen_jax.training.loop import NonFiniteLoss
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and reports")
-
-# Errors about the run's input (config, paths, tokenizer, workdir, data) or its divergence, printed as
-# one line by `main`; anything else keeps its traceback.
-USER_ERRORS = (ConfigError, PathError, TokenizerError, ShardError, AssemblyError, checkpoint.CheckpointError,
-               workdir_lock.WorkdirBusy, NonFiniteLoss)
 
 
 def run(config, workdir) -> dict:
@@ -56,21 +51,48 @@ def run(config, workdir) -> dict:
     return loop.run(config, workdir, open_task)
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    cli_logging.configure(timestamps=True)
-    if _WORKDIR.value is None:
-        raise app.UsageError("--workdir is required")
+def _user_paths() -> list[str]:
+    """The paths the user gave: the workdir, the config file and every string of the config (data files,
+    tokenizer, init_from, target_from, ...)."""
+    paths = [_WORKDIR.value, config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]]
+
+    def strings(node):
+        if hasattr(node, "items"):
+            for _, value in node.items():
+                yield from strings(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                yield from strings(value)
+        elif isinstance(node, str) and node:
+            yield node
+
     try:
-        # Checked before the config file is read (a newline there would only surface in a page of loader errors).
+        found = list(strings(_CONFIG.value))
+    except Exception:  # noqa: BLE001 - a config that cannot be read is refused by the run itself
+        found = []
+    # Only path-like strings, and never the current directory or one above it (a mode name is no path).
+    here = Path.cwd()
+    paths.extend(text for text in found if "/" in text and Path(os.path.abspath(text)) not in (here, *here.parents))
+    return [path for path in paths if path]
+
+
+def main(argv) -> None:
+    cli_logging.configure(timestamps=True)
+    # The one error boundary (valen_jax.cli_errors): a user's mistake is one line `ERROR_KIND: message`
+    # (exit 2 for the command line, 1 for data and state), a traceback means a bug. An OS error counts
+    # as the user's when it is about a path of the command line or the config.
+    with error_boundary("valen_jax.train", paths=_user_paths()):
+        if len(argv) > 1:
+            raise UsageError(f"unexpected arguments: {argv[1:]}")
+        if _WORKDIR.value is None:
+            raise UsageError("--workdir is required")
         check_path("--workdir", _WORKDIR.value)
         check_path("--config", config_flags.get_config_filename(flags.FLAGS["config"]))
+        if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory; --workdir names a directory (or one to "
+                                     "create)", _WORKDIR.value)
         distributed.initialize()  # before any JAX backend use; a single-process run is left as it is
         result = run(_CONFIG.value, _WORKDIR.value)
-    except USER_ERRORS as error:
-        # The user's to fix and said in full by the message: one line, not a traceback burying it.
-        sys.exit(f"{type(error).__name__}: {error}")
     if result["losses"]:
         print(f"loss: first logged {result['losses'][0][1]:.4f} (step {result['losses'][0][0]}), "
               f"last {result['losses'][-1][1]:.4f} (step {result['losses'][-1][0]})")
@@ -90,4 +112,5 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    # A config key or variant typo, a missing config file, a flag absl refuses: one line, exit 2.
+    app.run(main, flags_parser=parse_config_flags)

@@ -30,10 +30,12 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.primitives import Announcement, AtomicCalls
 from data_pipeline.shards import Example
 from valen_jax.data.assemble import ExpandedExample, RowSpec, expand_media_slots, vision_arrays
+from valen_jax.errors import EvaluationError
 
 
-class AnswerError(ValueError):
-    """An Example whose trained answers do not match what its meta says was trained."""
+class AnswerError(EvaluationError):
+    """An Example whose trained answers do not match what its meta says was trained (a user error: the
+    data, one line at every command's boundary; still a ValueError)."""
 
 
 @dataclass(frozen=True)

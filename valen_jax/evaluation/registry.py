@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import chat, valen, vflash
 from valen_jax.evaluation.options import Options  # noqa: F401  (its home is the leaf; still importable from here)
 
@@ -37,5 +38,5 @@ def evaluator_for(family: str, where: str = "data") -> Evaluator:
     try:
         return EVALUATORS[family]
     except KeyError:
-        raise ValueError(f"{where}: no evaluation defined for {family!r} data; evaluated: "
+        raise EvaluationError(f"{where}: no evaluation defined for {family!r} data; evaluated: "
                          f"{', '.join(sorted(EVALUATORS))}") from None

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import jax
 
+from data_pipeline.format_registry import FORMATS
 from valen_jax import checkpoint
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import image_reliance, registry, speculative
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.workdir import Restored
@@ -26,7 +28,7 @@ def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str |
         fmt, data, restored.workdir, checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options,
         max_examples)
     if not examples:
-        raise ValueError(f"{data}: no examples to evaluate")
+        raise EvaluationError(f"{data}: no examples to evaluate")
     evaluator = registry.evaluator_for(example_format, str(data))
     if evaluator.needs_score_head:
         eval_workdir.require_score_head(restored, str(data))
@@ -63,9 +65,11 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     if eval_workdir.holds_drafter(workdir, step):  # a vflash run: its drafter, by speculative decoding
         return speculative.evaluate_workdir(workdir, data, step, fmt, **options)
     if options.pop("from_call", False):
-        raise ValueError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
+        raise UsageError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
     restored = eval_workdir.restore(workdir, step)
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
+    if not Path(data, "manifest.json").is_file():  # a shard directory says its own format when loaded
+        registry.evaluator_for(FORMATS[fmt].family, str(data))  # refused before it is converted into the workdir
     with jax.set_mesh(restored.mesh):
         return run(restored, data, fmt, converter_options, **options)
 

@@ -48,6 +48,7 @@ from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax import checkpoint, sharding
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder
+from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
@@ -313,10 +314,10 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
             fmt, data, run.workdir, checkpoint.tokenizer_dir(run.workdir), target.fingerprint, converter_options,
             max_examples)
         if family != "vflash":
-            raise ValueError(f"{data}: {family} data; a drafter (vflash workdir {run.workdir}) is evaluated on "
+            raise EvaluationError(f"{data}: {family} data; a drafter (vflash workdir {run.workdir}) is evaluated on "
                              "VFlash data, whose answers announce primitive blocks")
         if not examples:
-            raise ValueError(f"{data}: no examples to evaluate")
+            raise EvaluationError(f"{data}: no examples to evaluate")
         eval_cfg = target.config.eval
         options = Options(batch_size=int(batch_size or eval_cfg.batch_size),
                           max_new_tokens=int(max_new_tokens or eval_cfg.max_new_tokens), mode=mode, samples=samples)

@@ -36,6 +36,7 @@ from data_pipeline.shards import Example
 from valen_jax import sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
+from valen_jax.errors import UsageError
 from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
@@ -58,7 +59,7 @@ def question_spec(config, mode: str | None, examples: list[Example]) -> Question
                          "max_candidates)")
     mode = mode or config.data.valen_mode
     if mode not in MODES:
-        raise ValueError(f"--mode={mode!r}; choose one of {', '.join(MODES)}")
+        raise UsageError(f"--mode={mode!r}; choose one of {', '.join(MODES)}")
     questions = max([len(contract.meta_of(e).questions) for e in examples], default=1)
     candidates = max([len(keys) for e in examples for keys in contract.meta_of(e).candidate_keys], default=2)
     return QuestionSpec(mode, max(int(config.data.max_questions), questions),

@@ -20,6 +20,7 @@ from data_pipeline.shards import Example
 from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.shard_cache import ensure_shards
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
 
@@ -89,7 +90,7 @@ def require_score_head(restored: Restored, where: str) -> None:
     """Valen questions are scored by the scalar head, which only a run with `loss.weights.branches` > 0
     builds; without it (e.g. a VFlash fine-tune of a VLM) there is nothing to score them with."""
     if not restored.model_cfg.score_head:
-        raise ValueError(f"{where}: Valen questions are scored by the model's scalar head, and the checkpoint in "
+        raise EvaluationError(f"{where}: Valen questions are scored by the model's scalar head, and the checkpoint in "
                          f"{restored.workdir} (task {restored.config.task!r}) has none (trained with "
                          "loss.weights.branches=0); train with configs/valen.py, or evaluate data of its own format")
 
@@ -137,7 +138,7 @@ def data_format(restored: Restored, fmt: str | None) -> tuple[str, dict]:
     data_cfg = restored.config.data
     chosen = fmt or data_cfg.eval_format
     if chosen not in FORMATS:
-        raise ValueError(f"--format={chosen!r}; choose one of {', '.join(FORMATS)}")
+        raise UsageError(f"--format={chosen!r}; choose one of {', '.join(FORMATS)}")
     options = dict(data_cfg.eval_options.to_dict()) if chosen == data_cfg.eval_format else {}
     return chosen, options
 

@@ -1,0 +1,275 @@
+"""Every command's error boundary (valen_jax/cli_errors.py; issue 27): one row per mistake per CLI.
+
+Each row runs the command as a user would (`python -m valen_jax.X ...` from the repository root) and
+asserts: the stated exit code (2 for a command line that cannot work, 1 for data and state), no
+traceback, a last stderr line that names the file, key or step, and a workdir whose every file is
+byte for byte what it was (names and sha256 of everything under it; a workdir that did not exist is
+not created). The trained workdir is the shared tiny VFlash one (tests/smoke_workdirs.py), copied per
+row, so a row that damages or writes into it touches only its copy.
+
+`train.lock` is compared by name only: every trainer that takes the lock rewrites its informational
+`pid N on HOST` line (valen_jax/workdir_lock.py), and the lock is taken before the data is read.
+
+The rows that need no trained workdir run by default; the whole table is `slow` (each row is a
+process start, 5-15 s here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.smoke_workdirs import smoke_workdir
+from tests.train_runs import ROOT, env_with_devices
+
+VFLASH_EVAL = "data/smoke/vflash/eval.jsonl"
+CHAT_DATA = "data/smoke/chat/train.jsonl"
+VALEN_DATA = "data/smoke/valen/train.jsonl"
+PREPARED = "data/smoke/prepared/train.zip"
+TINY = "--config=configs/vflash.py:tiny"
+
+
+def tree_digest(root: Path) -> dict[str, str] | None:
+    """{relative path: sha256 (or 'dir')} of everything under `root`; None when it does not exist."""
+    if not root.exists():
+        return None
+    if root.is_file():
+        return {".": hashlib.sha256(root.read_bytes()).hexdigest()}
+    digest = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if path.is_dir():
+            digest[name] = "dir"
+        elif path.name == "train.lock":
+            digest[name] = "lock"
+        else:
+            digest[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digest
+
+
+# Workdirs a row starts from.
+def _trained(tmp: Path, trained: Path) -> Path:
+    shutil.copytree(trained, tmp / "wd", symlinks=True)
+    return tmp / "wd"
+
+
+def _state_file(workdir: Path) -> Path:
+    step = max((p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    return max((p for p in (step / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+
+
+def _truncated_state(tmp: Path, trained: Path) -> Path:
+    workdir = _trained(tmp, trained)
+    state = _state_file(workdir)
+    state.write_bytes(state.read_bytes()[:1000])
+    return workdir
+
+
+def _deleted_state(tmp: Path, trained: Path) -> Path:
+    workdir = _trained(tmp, trained)
+    shutil.rmtree(_state_file(workdir).parents[2])
+    return workdir
+
+
+def _garbled_meta(tmp: Path, trained: Path) -> Path:
+    workdir = _trained(tmp, trained)
+    step = _state_file(workdir).parents[3]
+    (step / "meta" / "metadata").write_text("{garbled")
+    return workdir
+
+
+def _empty_dir(tmp: Path, trained: Path | None) -> Path:
+    (tmp / "wd").mkdir()
+    return tmp / "wd"
+
+
+def _a_file(tmp: Path, trained: Path | None) -> Path:
+    (tmp / "wd").write_text("not a workdir\n")
+    return tmp / "wd"
+
+
+def _absent(tmp: Path, trained: Path | None) -> Path:
+    return tmp / "wd"
+
+
+WORKDIRS = {"trained": _trained, "truncated_state": _truncated_state, "deleted_state": _deleted_state,
+            "garbled_meta": _garbled_meta, "empty": _empty_dir, "file": _a_file, "absent": _absent}
+NEEDS_TRAINING = {"trained", "truncated_state", "deleted_state", "garbled_meta"}
+
+
+def _data_files(tmp: Path) -> dict[str, str]:
+    """Broken data files a row may name: {key: path}."""
+    lines = (ROOT / VFLASH_EVAL).read_text().splitlines(keepends=True)
+    (tmp / "empty.jsonl").write_text("")
+    (tmp / "truncated.jsonl").write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    return {"missing": str(tmp / "missing.jsonl"), "empty": str(tmp / "empty.jsonl"),
+            "truncated": str(tmp / "truncated.jsonl")}
+
+
+def row(cli: str, workdir: str, args: str, code: int, names: str, fast: bool = False):
+    """One mistake: `python -m valen_jax.CLI` with `args` (`{wd}`: the row's workdir, `{tmp}`: its temp dir,
+    `{missing}` / `{empty}` / `{truncated}`: broken data files) on a workdir of kind `workdir`; exits `code`,
+    its last stderr line holding `names` (formatted like `args`)."""
+    marks = () if fast else (pytest.mark.slow,)
+    return pytest.param(cli, workdir, args, code, names, marks=marks, id=f"{cli}-{names}-{workdir}"[:90])
+
+
+E = VFLASH_EVAL
+ROWS = [
+    # train: the config and its flags (usage, exit 2)
+    row("train", "empty", f"{TINY} --config.train.stpes=8", 2, "'stpes'", fast=True),
+    row("train", "empty", f"{TINY} --config.trian.steps=3", 2, "'trian'"),
+    row("train", "empty", f"{TINY} --config.train.steps.x=3", 2, "config.train.steps"),
+    row("train", "empty", "--config=configs/vflash.py:tinny", 2, "'tinny'", fast=True),
+    row("train", "empty", "--config=configs/nope.py", 2, "configs/nope.py", fast=True),
+    row("train", "empty", "--config=configs/vflash.py:tiny,bogus", 2, "bogus"),
+    row("train", "empty", f"{TINY} --config.train.steps=abc", 2, "config.train.steps"),
+    row("train", "empty", f"{TINY} --wrokdir=/tmp/x", 2, "wrokdir"),
+    row("train", "absent", f"{TINY} extra", 2, "extra"),
+    row("train", "absent", "", 2, "config"),
+    # train: the config's values, the workdir, the data (exit 1)
+    row("train", "empty", f"{TINY} --config.train.mode=bogus", 1, "config.train.mode"),
+    row("train", "empty", f"{TINY} --config.model.init_from=/nope", 1, "/nope"),
+    row("train", "file", TINY, 1, "{wd}"),
+    row("train", "trained", f"{TINY} --config.data.train={{missing}}", 1, "{missing}"),
+    row("train", "trained", f"{TINY} --config.data.train={{empty}}", 1, "{empty}"),
+    row("train", "trained", f"{TINY} --config.data.train={{truncated}}", 1, "{truncated}"),
+    row("train", "trained", f"{TINY} --config.data.train=/etc/passwd", 1, "/etc/passwd"),
+    row("train", "trained", f"{TINY} --config.data.train={CHAT_DATA}", 1, CHAT_DATA),
+    row("train", "trained", f"{TINY} --config.mesh.data=8", 1, "8 devices"),
+    row("train", "trained", "--config=configs/vflash.py:tiny,drafter --config.model.target_from=/nope", 1,
+        "trains another task"),
+    # evaluate
+    row("evaluate", "empty", f"--data={E} --output={{tmp}}/r.json", 1, "no checkpoint", fast=True),
+    row("evaluate", "absent", f"--data={E} --output={{tmp}}/r.json", 1, "no checkpoint"),
+    row("evaluate", "file", f"--data={E} --output={{tmp}}/r.json", 1, "{wd}"),
+    row("evaluate", "truncated_state", f"--data={E} --output={{tmp}}/r.json", 1, "checkpoint 4"),
+    row("evaluate", "deleted_state", f"--data={E} --output={{tmp}}/r.json", 1, "checkpoint 4"),
+    row("evaluate", "garbled_meta", f"--data={E} --output={{tmp}}/r.json", 1, "checkpoint 4"),
+    row("evaluate", "trained", f"--step=99 --data={E} --output={{tmp}}/r.json", 1, "step 99"),
+    row("evaluate", "trained", "--data={missing} --output={tmp}/r.json", 1, "{missing}"),
+    row("evaluate", "trained", "--data={empty} --output={tmp}/r.json", 1, "{empty}"),
+    row("evaluate", "trained", "--data={truncated} --output={tmp}/r.json", 1, "{truncated}"),
+    row("evaluate", "trained", "--data=/etc/passwd --output={tmp}/r.json", 1, "/etc/passwd"),
+    row("evaluate", "trained", f"--data={CHAT_DATA} --output={{tmp}}/r.json", 1, CHAT_DATA),
+    row("evaluate", "trained", f"--data={PREPARED} --format=prepared --output={{tmp}}/r.json", 1, PREPARED),
+    row("evaluate", "trained", f"--data={E} --from-call --output={{tmp}}/r.json", 2, "--from-call"),
+    row("evaluate", "empty", f"--data={E} --format=bogus --output={{tmp}}/r.json", 2, "--format"),
+    row("evaluate", "empty", f"--step=abc --data={E} --output={{tmp}}/r.json", 2, "--step"),
+    # predict
+    row("predict", "empty", f"--data={E} --output={{tmp}}/a.jsonl", 1, "no checkpoint"),
+    row("predict", "deleted_state", f"--data={E} --output={{tmp}}/a.jsonl", 1, "checkpoint 4"),
+    row("predict", "trained", f"--step=99 --data={E} --output={{tmp}}/a.jsonl", 1, "step 99"),
+    row("predict", "trained", "--data={missing} --output={tmp}/a.jsonl", 1, "{missing}"),
+    row("predict", "trained", f"--data={CHAT_DATA} --output={{tmp}}/a.jsonl", 1, CHAT_DATA),
+    row("predict", "trained", f"--data={PREPARED} --format=prepared --output={{tmp}}/a.jsonl", 2, PREPARED),
+    row("predict", "trained", f"--data={E} --mode=question --output={{tmp}}/a.jsonl", 2, "--mode"),
+    # generate
+    row("generate", "empty", f"--data={E} --output={{tmp}}/a.jsonl", 1, "no checkpoint"),
+    row("generate", "garbled_meta", f"--data={E} --output={{tmp}}/a.jsonl", 1, "checkpoint 4"),
+    row("generate", "truncated_state", f"--data={E} --output={{tmp}}/a.jsonl", 1, "checkpoint 4"),
+    row("generate", "trained", "--data={truncated} --output={tmp}/a.jsonl", 1, "{truncated}"),
+    row("generate", "trained", f"--data={VALEN_DATA} --format=valen --output={{tmp}}/a.jsonl", 2, VALEN_DATA),
+    row("generate", "empty", f"--data={E} --top-p=2 --output={{tmp}}/a.jsonl", 1, "--top-p=2"),
+    # regenerate
+    row("regenerate", "empty", f"--data={E} --output={{tmp}}/regen", 1, "no checkpoint"),
+    row("regenerate", "trained", "--data={missing} --output={tmp}/regen", 1, "{missing}"),
+    row("regenerate", "empty", f"--data={E} --samples=-1 --output={{tmp}}/regen", 1, "--samples=-1"),
+    # export
+    row("export", "empty", "--output={tmp}/exported", 1, "no checkpoint", fast=True),
+    row("export", "trained", "--step=99 --output={tmp}/exported", 1, "step 99"),
+    row("export", "trained", "--output={tmp}/exported", 1, "family 'valen'"),
+    row("export", "deleted_state", "--output={tmp}/exported", 1, "checkpoint 4"),
+]
+
+
+@pytest.mark.parametrize("cli, workdir_kind, args, code, names", ROWS)
+def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
+        request, tmp_path, tmp_path_factory, cli, workdir_kind, args, code, names):
+    trained = smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny") if workdir_kind in NEEDS_TRAINING else None
+    workdir = WORKDIRS[workdir_kind](tmp_path, trained)
+    values = {"wd": str(workdir), "tmp": str(tmp_path), **_data_files(tmp_path)}
+    argv = [f"--workdir={workdir}", *(arg.format(**values) for arg in args.split())]
+    before = tree_digest(workdir)
+    result = subprocess.run([sys.executable, "-m", f"valen_jax.{cli}", *argv], cwd=ROOT,
+                            env={**env_with_devices(1), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    lines = result.stderr.strip().splitlines()
+    shown = json.dumps({"argv": argv, "code": result.returncode, "stderr": result.stderr[-3000:]}, indent=1)
+    assert "Traceback" not in result.stderr, shown
+    assert result.returncode == code, shown
+    assert lines and names.format(**values) in lines[-1], shown
+    assert tree_digest(workdir) == before, shown
+
+
+# The boundary itself, in process.
+
+def test_the_boundary_prints_one_line_and_exits_by_kind(capsys):
+    from data_pipeline.formats.errors import FormatError, Problem
+    from valen_jax.cli_errors import error_boundary
+    from valen_jax.errors import ConfigError, UsageError
+
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise UsageError("--x=1: no such thing")
+    assert exited.value.code == 2 and capsys.readouterr().err == "UsageError: --x=1: no such thing\n"
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise ConfigError("config.a: bad")
+    assert exited.value.code == 1 and capsys.readouterr().err == "ConfigError: config.a: bad\n"
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
+        raise FormatError([Problem("f.jsonl", i, "record", "invalid JSON") for i in range(1, 8)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1 and err.startswith("FormatError: f.jsonl:1: record")
+    assert "7 problems in all" in err and "f.jsonl:6:" not in err
+
+
+def test_an_os_error_is_the_users_only_about_their_paths(tmp_path, capsys):
+    from valen_jax.cli_errors import error_boundary, is_user_error
+
+    mine = FileNotFoundError(2, "No such file or directory", str(tmp_path / "data" / "x.jsonl"))
+    assert is_user_error(mine, [tmp_path / "data"]) and not is_user_error(mine, [tmp_path / "other"])
+    with pytest.raises(SystemExit) as exited, error_boundary("cmd", paths=[tmp_path]):
+        raise mine
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == f"FileNotFoundError: {str(tmp_path / 'data' / 'x.jsonl')!r}: No such file or directory\n"
+    with pytest.raises(FileNotFoundError), error_boundary("cmd", paths=[tmp_path / "other"]):
+        raise mine
+    assert "this is a bug in valen_jax" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback_after_a_line_saying_so(capsys):
+    from valen_jax.cli_errors import error_boundary
+
+    with pytest.raises(KeyError), error_boundary("valen_jax.cmd"):
+        raise KeyError("internal")
+    assert capsys.readouterr().err.startswith("valen_jax.cmd: this is a bug in valen_jax, not a mistake in your input")
+    with pytest.raises(SystemExit), error_boundary("cmd"):  # a command's own exit passes through
+        sys.exit(3)
+    assert capsys.readouterr().err == ""
+
+
+def test_config_overrides_are_checked_against_the_config_with_the_closest_keys(tmp_path):
+    from valen_jax.cli_errors import check_config_overrides
+    from valen_jax.errors import UsageError
+
+    config = tmp_path / "c.py"
+    config.write_text("import ml_collections\n\ndef get_config(variant=''):\n"
+                      "    if variant not in ('', 'small'):\n"
+                      "        raise ValueError(f'unknown variant {variant!r}; known: small')\n"
+                      "    return ml_collections.ConfigDict({'train': {'steps': 1, 'lr': 0.1}})\n")
+    check_config_overrides(["prog", f"--config={config}:small", "--config.train.steps=3"])
+    check_config_overrides(["prog", "--config", str(config), "--config.train.lr", "1"])
+    with pytest.raises(UsageError, match=r"--config.train.stpes: config.train has no key 'stpes' .*closest: steps"):
+        check_config_overrides(["prog", f"--config={config}", "--config.train.stpes=3"])
+    with pytest.raises(UsageError, match=r"config has no key 'zzz' .*valid: train"):
+        check_config_overrides(["prog", f"--config={config}", "--config.zzz=3"])
+    with pytest.raises(UsageError, match=r"unknown variant 'smal'; known: small"):
+        check_config_overrides(["prog", f"--config={config}:smal"])
+    with pytest.raises(UsageError, match=r"no such config file .*nope.py.*closest: .*c.py"):
+        check_config_overrides(["prog", f"--config={tmp_path}/nope.py"])
