@@ -9,6 +9,9 @@ from pathlib import Path
 # JAX would otherwise try to start a TPU runtime in every process and log its failure to stderr;
 # compile-only TPU devices (jax.experimental.topologies) need no runtime. Subprocesses inherit it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu's machine-wide lockfile guards real TPU chips; the compile tests' compile-only devices open none,
+# and two test workers may load libtpu at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 from PIL import Image

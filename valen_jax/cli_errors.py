@@ -121,6 +121,10 @@ def error_boundary(command: str, paths: Iterable[str | os.PathLike | None] = ())
         if is_user_error(error, paths):
             sys.stdout.flush()
             print(one_line(error), file=sys.stderr, flush=True)
+            # The one line is the whole report: what Python's unraisable hook would print while the process
+            # tears down (e.g. Orbax's abandoned array reads after a damaged checkpoint, "Exception ignored
+            # in: <coroutine ...>" with their TensorStore specs) is a consequence of this error, not news.
+            sys.unraisablehook = lambda unraisable: None
             sys.exit(exit_code(error))
         sys.stdout.flush()
         print(f"{command}: {REPORT}", file=sys.stderr, flush=True)

@@ -25,6 +25,9 @@ from pathlib import Path
 # Compile-only TPU devices need no TPU runtime: without this, JAX on a host without a TPU would try to
 # start one from libtpu (and log its failure) before the first compile. Set before JAX is imported.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a machine-wide lockfile (/tmp/libtpu_lockfile) meant for processes that open real TPU chips;
+# compile-only devices open none, so several compiles (or a compile beside a test run) may share libtpu.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import app, flags
 from ml_collections import config_flags
