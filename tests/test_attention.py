@@ -37,7 +37,11 @@ def _branch_tree(length):
     return jnp.asarray(branches[None]), jnp.ones((1, length), jnp.int32)
 
 
-@pytest.mark.parametrize("length,chunk,heads,kv_heads", [(37, 8, 4, 2), (64, 64, 4, 4), (50, 16, 6, 1), (9, 128, 2, 1)])
+# Each case compiles for several CPU seconds: one single-chunk case stays in the fast tier beside
+# branches_apart (three chunks of 16); the others run with the slow tests.
+@pytest.mark.parametrize("length,chunk,heads,kv_heads", [
+    pytest.param(37, 8, 4, 2, marks=pytest.mark.slow), pytest.param(64, 64, 4, 4, marks=pytest.mark.slow),
+    pytest.param(50, 16, 6, 1, marks=pytest.mark.slow), (9, 128, 2, 1)])
 def test_blockwise_causal_attention_equals_full_attention(length, chunk, heads, kv_heads):
     q, k, v = _inputs(length, heads, kv_heads)
     segments = _packed_segments(length)
@@ -105,6 +109,7 @@ def test_gated_silu_backward_matches_autodiff(dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 def test_blockwise_attention_in_bfloat16_follows_float32():
     q, k, v = _inputs(40, 4, 2, seed=2)
     segments = _packed_segments(40)

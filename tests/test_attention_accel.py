@@ -58,7 +58,10 @@ def _value_and_grads(fn, q, k, v):
     return out, grads
 
 
-@pytest.mark.parametrize("case", ["causal_packed", "bidirectional_packed", "branch_tree", "branch_tree_bf16"])
+# Interpret mode costs several CPU seconds a case: one in the fast tier, the others with the slow tests.
+@pytest.mark.parametrize("case", [
+    pytest.param("causal_packed", marks=pytest.mark.slow), "bidirectional_packed",
+    pytest.param("branch_tree", marks=pytest.mark.slow), pytest.param("branch_tree_bf16", marks=pytest.mark.slow)])
 def test_splash_interpret_equals_reference(case):
     q, k, v = _inputs()
     bf16 = case.endswith("_bf16")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from valen_jax.models.config import ModelConfig
@@ -21,6 +22,7 @@ def _run(model, tokens, positions, segments, branches=None):
     return np.asarray(model.score_head(hidden))[0], np.asarray(model.logits(hidden))[0]
 
 
+@pytest.mark.slow
 def test_branch_scores_equal_separate_sequences():
     model = Transformer(CFG, nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -193,7 +193,7 @@ def test_drafter_config_refuses_a_layer_the_target_lacks():
         DrafterConfig.of(group, TARGET)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_target_features_are_the_decoder_layer_outputs(scan):
     target = Transformer(dataclasses.replace(TARGET, scan_layers=scan), nnx.Rngs(3))
     batch = token_batch(0)
@@ -260,6 +260,7 @@ def step_batch() -> dict:
     return {**batch, "draft_block": jnp.asarray(draft_block)}
 
 
+@pytest.mark.slow
 def test_drafter_step_accumulates_exactly_lowers_the_loss_and_leaves_the_target_bitwise_unchanged(models):
     target, drafter = models
     target_graphdef, target_params = nnx.split(target)

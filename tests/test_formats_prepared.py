@@ -570,6 +570,7 @@ def _docstring_commands(tmp_path: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_cli_round_trip_describe_zip_validate_and_tamper(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
 

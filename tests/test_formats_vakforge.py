@@ -889,6 +889,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_export_schema_default_and_given_path(tmp_path):
     result = cli("--format=vakforge", "--export-schema", cwd=tmp_path)
     assert (result.returncode, result.stderr) == (0, "")
@@ -905,6 +906,7 @@ def test_cli_export_schema_is_vakforge_only(tmp_path):
     assert result.returncode == 2 and "--export-schema" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_allow_unconsented(tmp_path):
     conv = base()
     conv["meta"]["consent"] = "none"
@@ -918,6 +920,7 @@ def test_cli_allow_unconsented(tmp_path):
     assert other.returncode == 2 and "applies to --format=vakforge only" in other.stderr
 
 
+@pytest.mark.slow
 def test_cli_validates_the_smoke_set_and_reports_json(tmp_path):
     ok = cli("--format=vakforge", str(SMOKE / "vakforge.jsonl"), cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr

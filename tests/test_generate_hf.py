@@ -76,7 +76,7 @@ def _ours(params, graphdef, prompts, eos: int, local_batch: int | None) -> list[
                         local_batch=local_batch)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", pytest.param("llama", marks=pytest.mark.slow)])
 def case(request, tmp_path_factory):
     """(family, prompts, eos, transformers one at a time, transformers batched, params, graphdef)."""
     directory = tmp_path_factory.mktemp(f"generate_{request.param}")

@@ -261,8 +261,10 @@ def test_a_valen_set_where_no_labeled_record_fits_is_refused_at_start_up_even_wi
 
 @pytest.mark.parametrize("cli, args", [
     ("data_pipeline.validate", ["--format=chat", "{ok}", "{bad}"]),
-    ("data_pipeline.convert", ["--format=chat", "--input={bad}", "--output={ok}.shards", "--tokenizer=data/tokenizer"]),
-    ("valen_jax.predict", ["--workdir={ok}", "--data={bad}", "--output={ok}.answers"]),
+    pytest.param("data_pipeline.convert", ["--format=chat", "--input={bad}", "--output={ok}.shards",
+                                           "--tokenizer=data/tokenizer"], marks=pytest.mark.slow),
+    pytest.param("valen_jax.predict", ["--workdir={ok}", "--data={bad}", "--output={ok}.answers"],
+                 marks=pytest.mark.slow),
 ])
 def test_the_data_clis_refuse_a_path_with_a_newline_in_one_line(tmp_path, cli, args):
     ok, bad = tmp_path / "ok.jsonl", f"{tmp_path}/x\n{tmp_path}/x.jsonl:1: messages: a forged problem"

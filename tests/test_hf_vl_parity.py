@@ -136,6 +136,9 @@ def _our_logits(model, ids, images, videos):
     return np.asarray(forward(state, tokens, jnp.asarray(positions[None]), jnp.ones_like(tokens), vision))[0]
 
 
+# Qwen2-VL in the fast tier; the other two families (a forward compile each) with the slow tests.
+@pytest.mark.parametrize("reference", [pytest.param("qwen2_5_vl", marks=pytest.mark.slow), "qwen2_vl",
+                                       pytest.param("qwen3_vl", marks=pytest.mark.slow)], indirect=True)
 def test_import_and_export_match_transformers_logits(reference, tmp_path):
     hf_model, directory = reference
     ids = _prompt(_family(reference))
@@ -233,6 +236,7 @@ print(json.dumps({"replicated": replicated, "devices": len(vision["merge_in"].sh
 # Qwen3-VL's tower holds every kind of vision parameter the others have (Qwen2.5-VL's gate/up carry
 # fc1's logical axes) plus its own; one 8-device run (~25 s here) covers them all.
 @pytest.mark.parametrize("reference", ["qwen3_vl"], indirect=True)
+@pytest.mark.slow
 def test_vision_tower_is_sharded_on_8_devices_with_unchanged_logits(reference):
     """Every vision parameter of 1024+ elements is split by the logical rules; logits equal one device's."""
     result = subprocess.run([sys.executable, "-c", SHARDED, str(reference[1])], cwd=ROOT, env=env_with_devices(8),

@@ -11,6 +11,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.train_runs import ROOT, env_with_devices
 
 SCRIPT = r"""
@@ -42,6 +44,7 @@ print(json.dumps({"params": describe(params), "opt": describe(opt_state)}))
 """
 
 
+@pytest.mark.slow
 def test_no_large_moment_is_replicated_and_each_moment_is_sharded_like_its_parameter():
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env_with_devices(8),
                             capture_output=True, text=True, timeout=300)

@@ -2,7 +2,10 @@
 
 One target (120 steps on the smoke boxes file: its greedy answers are a mix of well-formed boxes,
 malformed ones and answers longer than the budget) regenerates boxes.jsonl (multi-turn records) once,
-with one sampled variant per record; the tests read that one output.
+with one sampled variant per record; the tests read that one output. It is not the suite's shared tiny
+VFlash target (tests/smoke_workdirs.py, 4 steps on the whole recipe, which the speculative-evaluation and
+drafter tests share): with that one, regenerate skips every record and variant of boxes.jsonl (40 skips)
+and writes nothing to check.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ def _loss_and_grads(cfg: ModelConfig):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_every_remat_policy_gives_the_same_loss_and_gradients():
     # Scanned layers, as the :hf variants run. `offload` is refused on CPU (below), so it is not here.
     want_loss, want_grads = _loss_and_grads(dataclasses.replace(TINY, scan_layers=True))

@@ -438,6 +438,7 @@ def test_convert_refuses_options_of_other_formats(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_convert_cli_chat(tmp_path):
     def run(rows: Path, out: str, *flags: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "data_pipeline.convert", "--format=chat", f"--input={rows}",

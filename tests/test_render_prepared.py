@@ -195,6 +195,7 @@ def test_convert_prepared_is_byte_identical_whatever_the_worker_count(tmp_path, 
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_convert_cli_prepared(tmp_path, shipped):
     def run(archive: Path, out: str, *flags: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "data_pipeline.convert", "--format=prepared", f"--input={archive}",

@@ -213,6 +213,7 @@ def test_convert_vakforge_is_byte_identical_whatever_the_worker_count(tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
 
 
+@pytest.mark.slow
 def test_convert_cli_vakforge(tmp_path):
     def run(out: str, *flags: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "data_pipeline.convert", "--format=vakforge", f"--input={SMOKE}",

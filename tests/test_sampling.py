@@ -122,6 +122,7 @@ def _generate(model, prompts, **kwargs):
                         sampling=Sampling(temperature=1.0, top_p=0.95), **kwargs)
 
 
+@pytest.mark.slow
 def test_same_seed_same_tokens_whatever_the_batching(model):
     prompts = model[2]
     whole = _generate(model, prompts, seed=7)
@@ -133,6 +134,7 @@ def test_same_seed_same_tokens_whatever_the_batching(model):
     assert _generate(model, prompts[1:], seed=7, first_index=1, local_batch=2) == whole[1:]
 
 
+@pytest.mark.slow
 def test_different_seed_different_tokens(model):
     prompts = model[2]
     first, second = _generate(model, prompts, seed=7), _generate(model, prompts, seed=8)

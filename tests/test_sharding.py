@@ -51,6 +51,7 @@ print(json.dumps({"specs": specs, "replicated_big": replicated_big,
 """
 
 
+@pytest.mark.slow
 def test_parameters_follow_the_rules_and_outputs_match_unsharded():
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env_with_devices(8),
                             capture_output=True, text=True, timeout=300)

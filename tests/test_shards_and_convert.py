@@ -134,6 +134,7 @@ def test_convert_is_byte_identical_whatever_the_worker_count(tmp_path):
     assert manifest.data["media"] and all(len(m["sha256"]) == 64 for m in manifest.data["media"])
 
 
+@pytest.mark.slow
 def test_convert_cli_refuses_to_overwrite_and_reports_bad_input(tmp_path):
     out = tmp_path / "shards"
     out.mkdir()

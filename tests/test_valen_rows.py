@@ -40,6 +40,7 @@ def _scores(model, row):
     return np.asarray(model.score_head(hidden))[0]
 
 
+@pytest.mark.slow
 def test_question_mode_branch_scores_equal_separate_sequences(setup):
     tok, cfg, spec, examples, model = setup
     example = examples[2]  # the image record: media in the prefix too

@@ -61,6 +61,7 @@ def test_vflash_problems_exit_1_with_path_line_field(files):
     ]
 
 
+@pytest.mark.slow
 def test_json_output(files):
     result = run("--format=vflash", "bad.jsonl", "--json", cwd=files)
     assert result.returncode == 1 and result.stderr == ""
@@ -76,6 +77,7 @@ def test_json_output(files):
     assert (ok.returncode, json.loads(ok.stdout)) == (0, [])
 
 
+@pytest.mark.slow
 def test_recipe_validates_entries_and_annotations(files):
     ok = run("--format=recipe", "recipe.json", cwd=files)
     assert (ok.returncode, ok.stdout) == (0, "recipe.json: 1 entries, 2 records OK\n")
@@ -91,6 +93,7 @@ def test_recipe_reports_annotation_problems_by_their_path(files):
     assert result.stderr.startswith(f"{(files / 'bad.jsonl').resolve()}:2: conversations[1].value: ")
 
 
+@pytest.mark.slow
 def test_missing_media_and_no_check_media(files):
     (files / "a.png").unlink()
     result = run("--format=vflash", "good.jsonl", cwd=files)

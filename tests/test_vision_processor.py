@@ -59,6 +59,7 @@ def test_a_clip_pads_its_last_temporal_patch_and_an_image_fills_one():
         process_frames(frames[:1], VISION, {"image_size": 64})
 
 
+@pytest.mark.slow
 def test_encoder_keeps_media_items_apart_and_merges_windows():
     encoder = VisionEncoder(VISION, 24, "float32", "float32", nnx.Rngs(0))
     a = process_frames([Image.new("RGB", (16, 16), (200, 10, 10))], VISION, {"min_pixels": 16, "max_pixels": 256})

@@ -155,6 +155,7 @@ def test_export_refuses_our_own_vision_tower_by_name():
                                   mlp_dim=128))  # a text-only model exports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
 def test_what_a_checkpoint_lacks_starts_as_init_params_would_start_it(scan):
     """initial_params initialises only the score head (and a text checkpoint's tower), not a whole
