@@ -17,7 +17,7 @@ WHEELS ?= /opt/wheels
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)/torch-*.whl),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup setup-test train test lock lint clean
+.PHONY: setup setup-test train test test-fast lock lint clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PYTHON)" || { echo "Makefile: no python3.11, python3.12, python3.13 or python3.14 on PATH;" \
@@ -47,6 +47,11 @@ train: setup
 TEST_WORKERS ?= 2
 test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# A change's first feedback: the suite without the tests marked `slow` (end-to-end runs, CLI subprocesses,
+# the larger compiles); `make test` (CI) runs them all.
+test-fast: setup-test
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: setup-test
 	$(VENV)/bin/ruff check .

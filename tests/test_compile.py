@@ -56,6 +56,7 @@ def test_tiny_compiles_for_v5e_with_splash(tiny):
     assert "train_step: fits=True" in done.stdout and "pallas_mosaic=True" in done.stdout
 
 
+@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_oversize_model_is_refused_naming_the_hbm():
     done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--config.model.dim=8192",
                     "--config.model.mlp_dim=32768")
@@ -64,6 +65,7 @@ def test_oversize_model_is_refused_naming_the_hbm():
     assert last.startswith("DoesNotFit: train_step does not fit v5e:2x2") and "16 GiB HBM per chip" in last
 
 
+@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_without_libtpu_one_line():
     done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", prelude="sys.modules['libtpu'] = None")
     assert done.returncode == 1
@@ -91,6 +93,7 @@ def test_unknown_slice_names_are_refused(name):
         aot.parse_slice(name)
 
 
+@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_valen_branch_trees_compile_with_splash(tmp_path):
     # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
     output = tmp_path / "valen.json"
