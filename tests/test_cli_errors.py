@@ -273,3 +273,30 @@ def test_config_overrides_are_checked_against_the_config_with_the_closest_keys(t
         check_config_overrides(["prog", f"--config={config}:smal"])
     with pytest.raises(UsageError, match=r"no such config file .*nope.py.*closest: .*c.py"):
         check_config_overrides(["prog", f"--config={tmp_path}/nope.py"])
+
+
+def test_a_read_completion_reaching_a_closed_loop_is_dropped_and_other_reports_are_kept(capsys):
+    """TensorStore reports a read that finishes after Orbax closed its loop (a failed restore) through the
+    unraisable hook; the boundary's hook drops exactly that report and passes on every other one."""
+    import asyncio
+
+    from valen_jax import cli_errors
+
+    seen = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        with cli_errors.error_boundary("test"):
+            pass
+        loop = asyncio.new_event_loop()
+        loop.close()
+        for make in (lambda: loop.call_soon_threadsafe(print), lambda: (_ for _ in ()).throw(RuntimeError("other"))):
+            try:
+                make()
+            except RuntimeError as error:
+                sys.unraisablehook(type("U", (), {"exc_type": RuntimeError, "exc_value": error,
+                                                  "exc_traceback": error.__traceback__, "object": None,
+                                                  "err_msg": None})())
+    finally:
+        sys.unraisablehook = previous
+    assert [str(u.exc_value) for u in seen] == ["other"]

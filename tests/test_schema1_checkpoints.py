@@ -21,6 +21,7 @@ import ml_collections
 import pytest
 
 from valen_jax import checkpoint, sharding
+from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.report import evaluate_workdir
 from valen_jax.vflash.task import check_trained_against, restore_target
 
@@ -63,10 +64,25 @@ def _comparable(report: dict) -> dict:
     return report
 
 
+TRAINED_ON = "/tmp/wt/data/smoke/vflash/recipe.json"  # the checkout the fixture was trained in (its meta says)
+
+
 @pytest.mark.slow
-def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs):
+def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs, monkeypatch):
     target, _ = runs
+    restore = eval_workdir.restore
+
+    def restore_here(*args, **kwargs):
+        """The step, its recorded training data read from this checkout (the report's text-only baseline
+        is fitted on it): the same bundled smoke recipe the fixture was trained on elsewhere."""
+        restored = restore(*args, **kwargs)
+        assert restored.config.data.train == TRAINED_ON
+        restored.config.data.train = str(ROOT / "data" / "smoke" / "vflash" / "recipe.json")
+        return restored
+
+    monkeypatch.setattr(eval_workdir, "restore", restore_here)
     report = evaluate_workdir(target, EVAL, max_examples=4)
+    assert report["text_only_baseline"]["value"] is not None, report["text_only_baseline"]
     assert _comparable(report) == _comparable(json.loads((FIXTURE / "target-report.json").read_text()))
 
 

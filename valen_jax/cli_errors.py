@@ -21,11 +21,14 @@ the code; about another file it is a bug.
 
 from __future__ import annotations
 
+import atexit
 import difflib
 import importlib.util
+import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +49,8 @@ from valen_jax.models.hf_common import HFImportError
 from valen_jax.models.safetensors_io import SafetensorsError
 from valen_jax.sharding import ShardingError
 from valen_jax.training.loop import NonFiniteLoss
+
+log = logging.getLogger(__name__)
 
 USAGE_EXIT = 2  # a command line that cannot work as written (argparse's own code)
 DATA_EXIT = 1  # data, a workdir, a checkpoint, a file: the state the command was pointed at
@@ -108,11 +113,63 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {'; '.join(part for part in parts if part)}"
 
 
+def _is_closed_loop_completion(unraisable) -> bool:
+    """Whether an unraisable report is a stray completion reaching an asyncio loop that has closed: when an
+    Orbax restore fails (a damaged checkpoint), Orbax closes its loop while TensorStore still reads the
+    other arrays; each read that finishes later calls `loop.call_soon_threadsafe` on TensorStore's own
+    thread and reports the RuntimeError by PyErr_WriteUnraisable, which may print before the restore's
+    own error is raised. The coroutine that awaited the read is gone; nothing is lost."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    frames = [(Path(frame.filename).parent.name, frame.name) for frame in
+              traceback.extract_tb(unraisable.exc_traceback)[-2:]]
+    return frames == [("asyncio", "call_soon_threadsafe"), ("asyncio", "_check_closed")]
+
+
+def _drop_closed_loop_completions() -> None:
+    """Install (once) an unraisable hook that drops `_is_closed_loop_completion` reports (logged at debug)
+    and hands every other one to the hook it wraps."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_completions", False):
+        return
+
+    def hook(unraisable) -> None:
+        if _is_closed_loop_completion(unraisable):
+            log.debug("dropped a read completion that reached a closed event loop: %s", unraisable.exc_value)
+            return
+        previous(unraisable)
+
+    hook.drops_closed_loop_completions = True
+    sys.unraisablehook = hook
+
+
+def _silence_stderr() -> None:
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def _quiet_teardown() -> None:
+    """After a user error's line, the one line is the whole report: what the process prints while it tears
+    down is a consequence of that error, not news: after a damaged checkpoint's failed restore, Orbax's
+    abandoned reads print "Exception ignored in: <coroutine ...>" and the asyncio logger's "Future
+    exception was never retrieved" with their TensorStore specs as the interpreter finalizes. So: no
+    unraisable reports from here on, and stderr goes to /dev/null once the atexit handlers start (they
+    still run: an in-flight save still finishes)."""
+    sys.unraisablehook = lambda unraisable: None
+    if not getattr(_quiet_teardown, "registered", False):
+        atexit.register(_silence_stderr)  # registered last, so run first of the atexit handlers
+        _quiet_teardown.registered = True
+
+
 @contextmanager
 def error_boundary(command: str, paths: Iterable[str | os.PathLike | None] = ()) -> Iterator[None]:
     """Run a command's body: a user error exits with one line and its code; a bug keeps its traceback after
     one line naming `command` and how to report it. `paths`: the paths the user gave (see is_user_error)."""
     paths = tuple(paths)
+    _drop_closed_loop_completions()
     try:
         yield
     except (SystemExit, KeyboardInterrupt, GeneratorExit):
@@ -121,10 +178,7 @@ def error_boundary(command: str, paths: Iterable[str | os.PathLike | None] = ())
         if is_user_error(error, paths):
             sys.stdout.flush()
             print(one_line(error), file=sys.stderr, flush=True)
-            # The one line is the whole report: what Python's unraisable hook would print while the process
-            # tears down (e.g. Orbax's abandoned array reads after a damaged checkpoint, "Exception ignored
-            # in: <coroutine ...>" with their TensorStore specs) is a consequence of this error, not news.
-            sys.unraisablehook = lambda unraisable: None
+            _quiet_teardown()
             sys.exit(exit_code(error))
         sys.stdout.flush()
         print(f"{command}: {REPORT}", file=sys.stderr, flush=True)
