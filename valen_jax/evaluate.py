@@ -43,8 +43,8 @@ import sys
 from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import cli_logging
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation.report import evaluate_params, evaluate_workdir, run, summary, write_report  # noqa: F401
 

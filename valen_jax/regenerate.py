@@ -65,8 +65,8 @@ from data_pipeline.render.common import RenderError
 from data_pipeline.render.vflash import VFlashRenderer
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import cli_logging
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers, prompts, tokens

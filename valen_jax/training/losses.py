@@ -14,8 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from valen_jax.config_schema import LOSS_REDUCTIONS  # declared with the config it checks
-from valen_jax.sharding import constrain, logical_to_spec
+from valen_jax.config.schema import LOSS_REDUCTIONS  # declared with the config it checks
+from valen_jax.models.sharding import constrain, logical_to_spec
 
 
 def token_cross_entropy(logits, targets, weights, z_loss: float = 0.0):

@@ -11,8 +11,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from valen_jax import sharding
-from valen_jax.losses import (
+from valen_jax.models import sharding
+from valen_jax.models.config import ModelConfig
+from valen_jax.models.drafter import DrafterConfig, abstract_drafter, draft_hidden
+from valen_jax.models.heads import branch_log_probs
+from valen_jax.models.transformer import abstract_model
+from valen_jax.training.losses import (
     acceptance_length,
     branch_cross_entropy,
     combine,
@@ -22,11 +26,7 @@ from valen_jax.losses import (
     position_weights,
     reduce_question_losses,
 )
-from valen_jax.models.config import ModelConfig
-from valen_jax.models.drafter import DrafterConfig, abstract_drafter, draft_hidden
-from valen_jax.models.heads import branch_log_probs
-from valen_jax.models.transformer import abstract_model
-from valen_jax.optim import build_optimizer, frozen_mask
+from valen_jax.training.optim import build_optimizer, frozen_mask
 
 
 def vision_inputs(batch):
