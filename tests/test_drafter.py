@@ -27,14 +27,15 @@ from valen_jax.models.drafter import (
     target_features,
 )
 from valen_jax.models.transformer import Transformer
-from valen_jax.training.losses import (
+from valen_jax.training.losses import token_losses
+from valen_jax.vflash.objective import (
+    DrafterOptions,
     acceptance_length,
     drafter_losses,
     drafter_targets,
+    make_drafter_train_step,
     position_weights,
-    token_losses,
 )
-from valen_jax.training.step import DrafterOptions, make_drafter_train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

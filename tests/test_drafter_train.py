@@ -26,7 +26,7 @@ from valen_jax.models.drafter import (
 )
 from valen_jax.models.transformer import Transformer
 from valen_jax.training import checkpoint
-from valen_jax.training.losses import drafter_losses, drafter_targets
+from valen_jax.vflash.objective import drafter_losses, drafter_targets
 from valen_jax.vflash.task import restore_target
 
 sys.path.insert(0, str(ROOT))

@@ -20,9 +20,9 @@ from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
 from valen_jax.decoding import generate_ids
 from valen_jax.decoding.speculative import RandomDrafter, SpeculativeDecoder
-from valen_jax.evaluation import speculative
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.training import checkpoint
+from valen_jax.vflash import evaluation as speculative
 
 SMOKE = ROOT / "data/smoke/vflash"
 MAX_NEW = 20  # more than the smallest announced block (14): blocks and the tokens after one both run

@@ -25,8 +25,9 @@ from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init
 from valen_jax.models.transformer import abstract_model
 from valen_jax.tasks.token_lm import token_assembly
 from valen_jax.training import checkpoint
-from valen_jax.training.step import DrafterOptions, TrainLayout, compile_step, make_drafter_train_step
+from valen_jax.training.step import TrainLayout, compile_step
 from valen_jax.training.task import Setup, Task
+from valen_jax.vflash.objective import DrafterOptions, make_drafter_train_step
 
 log = logging.getLogger(__name__)
 

@@ -50,12 +50,12 @@ from valen_jax.decoding.speculative import BlockStats, CachedDrafter, Speculativ
 from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
 from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import sharding
 from valen_jax.training import checkpoint
+from valen_jax.vflash.metrics import TAU_CONVENTION, BlockSums
 
 log = logging.getLogger(__name__)
 
