@@ -39,19 +39,20 @@ setup-test: $(VENV)/.installed-test
 train: setup
 	$(PY) -m valen_jax.train --config=configs/vflash.py --workdir=$(WORKDIR)
 
-# Two pytest-xdist workers, whole files to each (module fixtures that train are built once); the
+# Two pytest-xdist workers, whole files to each (module fixtures that train are built once), heaviest files
+# first (tests/conftest.py, from tests/file_seconds.json; xdist's own reorder by test count is off); the
 # session-wide trained workdirs and checkpoints are built once per run for both (tests/once_per_run.py).
 # Measured on a 2-core machine: 1463 tests in 20 min 35 s on two workers (quiet, load ~2); the last run on a
 # busier machine took 36 min 49 s for 1430, against 40 min 28 s for 1407 tests on one worker (XLA's
 # execution already uses both cores, so the second worker mostly fills compile time).
 TEST_WORKERS ?= 2
 test: setup-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # A change's first feedback: the suite without the tests marked `slow` (end-to-end runs, CLI subprocesses,
 # the larger compiles); `make test` (CI) runs them all.
 test-fast: setup-test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 lint: setup-test
 	$(VENV)/bin/ruff check .

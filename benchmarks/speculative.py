@@ -94,7 +94,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's packages
@@ -106,7 +105,7 @@ from valen_jax.decoding.engine import generate_ids  # noqa: E402
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder  # noqa: E402
 from valen_jax.evaluation import prompts  # noqa: E402
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
-from valen_jax.models import drafter as block_drafter  # noqa: E402
+from valen_jax.run import ModelRun, restore_drafter  # noqa: E402
 from valen_jax.training import checkpoint  # noqa: E402
 
 SMOKE = ROOT / "data/smoke/vflash"
@@ -198,31 +197,6 @@ def regenerate(target_dir: Path, prompts: Path, output: Path, max_new_tokens: in
 
 # -- the restored pair ---------------------------------------------------------------------------------
 
-def restore_drafter(drafter_dir: Path, target: eval_workdir.Restored):
-    """(DrafterConfig, graphdef, params) of the drafter workdir's latest step, refused unless it was
-    trained against exactly these target weights (meta.drafter.target's params identity)."""
-    mgr = checkpoint.manager(drafter_dir, read_only=True)
-    try:
-        step = checkpoint.select_step(mgr, drafter_dir)
-        meta = checkpoint.restore_meta(mgr, step)
-        if "drafter" not in meta:
-            raise SystemExit(f"--drafter={drafter_dir}: checkpoint {step} is not a vflash (drafter) run")
-        if not checkpoint.same_weights(meta["drafter"]["target"], target.identity, target.params):
-            raise SystemExit(f"--drafter={drafter_dir}: trained against target {meta['drafter']['target']}, not "
-                             f"the weights of {target.workdir} step {target.step}")
-        cfg = block_drafter.DrafterConfig.from_json(meta["drafter"]["config"])
-        graphdef, abstract = block_drafter.abstract_drafter(cfg)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
-                              nnx.to_pure_dict(abstract))
-        params = checkpoint.restore_params(mgr, step, shapes)
-    finally:
-        mgr.close()
-    print(f"drafter: {drafter_dir} step {step}, block_size {cfg.block_size}, {cfg.num_layers} layer(s), "
-          f"target layers {cfg.target_layers}")
-    return cfg, graphdef, params
-
-
 # -- the answers ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -232,7 +206,7 @@ class Answer:
     reference_block: int  # the reference's announced block_size
 
 
-def trajectory_answers(target: eval_workdir.Restored, calls: AtomicCalls, data: Path, from_call: bool
+def trajectory_answers(target: ModelRun, calls: AtomicCalls, data: Path, from_call: bool
                        ) -> tuple[list[Answer], int]:
     """Every trained answer of `data` whose reference announces a block, and how many answers there are."""
     fmt, options = eval_workdir.data_format(target, None)
@@ -410,10 +384,17 @@ def main(argv=None) -> int:
               f"--config.model.target_from={target_dir.resolve()}", f"--config.model.drafter.block_size={args.block_size}",
               f"--config.model.drafter.position_decay={7.0 if args.block_size >= 16 else 4.0}", *data)
 
-    target = eval_workdir.restore(target_dir, devices=jax.devices()[:1])
+    # The drafter run restores the target it recorded and refuses other weights (`valen_jax.run`); the
+    # target named here must be that one.
+    run = restore_drafter(drafter_dir.resolve(), devices=jax.devices()[:1])
+    target, cfg = run.target, run.cfg
+    if target.workdir != target_dir.resolve():
+        raise SystemExit(f"--drafter={drafter_dir}: trained against {target.workdir}, not --target={target_dir}")
     print(f"target: {target.workdir} step {target.step}, dim {target.model_cfg.dim}, {target.model_cfg.num_layers} "
           f"layers, vision tower: {target.model_cfg.vision is not None}")
-    cfg, drafter_graphdef, drafter_params = restore_drafter(drafter_dir.resolve(), target)
+    print(f"drafter: {run.workdir} step {run.step}, block_size {cfg.block_size}, {cfg.num_layers} layer(s), "
+          f"target layers {cfg.target_layers}")
+    drafter_graphdef, drafter_params = run.graphdef, run.params
     calls = AtomicCalls(target.tokenizer)
     args.from_call = args.from_call or args.quick
     answers, total = trajectory_answers(target, calls, args.data.resolve(), args.from_call)

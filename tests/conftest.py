@@ -31,3 +31,20 @@ def make_png(tmp_path: Path):
         return path
 
     return make
+
+
+# Heaviest files first. `make test` runs two xdist workers with whole files to each (`--dist loadfile`,
+# `--no-loadscope-reorder` so this order holds): a long file started last keeps one worker busy alone at
+# the end, so the files start in decreasing order of their measured seconds (tests/file_seconds.json, made
+# by tests/file_seconds.py from a run's junit XML), files not measured after them in collection order.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    order = {}
+    for item in items:
+        order.setdefault(item.nodeid.split("::")[0], len(order))
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), order[item.nodeid.split("::")[0]]))

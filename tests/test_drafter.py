@@ -344,31 +344,37 @@ def test_an_unknown_training_mode_is_refused_naming_the_registered_ones():
         check_mode(config)
 
 
-def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
+def _target_run(workdir: str, params, identity: str):
+    """A target's run handle holding only what `check_target` reads: where it is, its weights, their identity."""
+    from valen_jax.run import ModelRun
+
+    return ModelRun(Path(workdir), 4, None, TARGET, None, {}, None, None, None, params, identity)
+
+
+def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path, caplog):
+    from valen_jax.run import check_target
     from valen_jax.training import checkpoint
-    from valen_jax.vflash.task import Target, check_trained_against
 
     record = {"workdir": "/runs/target", "step": 4, "params_identity": "a" * 64, "tokenizer": {}}
-    target = Target(TARGET, None, None, None, {}, {**record, "params_identity": "b" * 64})
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint 3 is a drafter for target .*other weights"):
-        check_trained_against(tmp_path, 3, {"drafter": {"target": record}}, target)
-    check_trained_against(tmp_path, 3, {"drafter": {"target": record}}, Target(TARGET, None, None, None, {}, record))
+        check_target(tmp_path, 3, record, _target_run("/runs/target", None, "b" * 64))
+    check_target(tmp_path, 3, record, _target_run("/runs/target", None, "a" * 64))
+    assert "same target weights" not in caplog.text
+    check_target(tmp_path, 3, record, _target_run("/moved/target", None, "a" * 64))  # moved: a warning
+    assert "trained against the same target weights in /runs/target; now read from /moved/target" in caplog.text
 
 
 def test_a_drafter_saved_before_params_identity_is_checked_on_the_sha256_of_its_targets_weights(tmp_path):
     """Meta schema 1: the record holds params_sha256 (every byte of the weights), compared the old way."""
+    from valen_jax.run import check_target
     from valen_jax.training import checkpoint
-    from valen_jax.vflash.task import Target, check_trained_against
 
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
     legacy = {"workdir": "/runs/target", "step": 4, "params_sha256": checkpoint.params_sha256(params), "tokenizer": {}}
-    now = {**legacy, "params_identity": checkpoint.params_identity_of(params)}
-    now.pop("params_sha256")
-    check_trained_against(tmp_path, 3, {"drafter": {"target": legacy}}, Target(TARGET, None, params, None, {}, now))
+    check_target(tmp_path, 3, legacy, _target_run("/runs/target", params, checkpoint.params_identity_of(params)))
     other = {**params, "b": params["b"] * 2}
     with pytest.raises(checkpoint.CheckpointError, match="other weights"):
-        check_trained_against(tmp_path, 3, {"drafter": {"target": legacy}},
-                              Target(TARGET, None, other, None, {}, {**now, "params_identity": "c" * 64}))
+        check_target(tmp_path, 3, legacy, _target_run("/runs/target", other, "c" * 64))
 
 
 def test_metas_are_migrated_to_the_current_schema_and_a_newer_one_is_refused():

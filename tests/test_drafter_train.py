@@ -25,6 +25,7 @@ from valen_jax.models.drafter import (
     init_drafter_params,
 )
 from valen_jax.models.transformer import Transformer
+from valen_jax.run import target_record
 from valen_jax.training import checkpoint
 from valen_jax.vflash.objective import drafter_losses, drafter_targets
 from valen_jax.vflash.task import restore_target
@@ -81,7 +82,7 @@ def test_the_target_is_bitwise_unchanged_and_recorded_in_the_drafters_meta(runs)
     assert all(np.array_equal(a, b) for a, b in zip(before[1], after[1], strict=True))
     recorded = drafter_meta(drafter)["drafter"]["target"]
     restored = restore_target(drafter_config(target), recorded["tokenizer"], _mesh())
-    assert recorded == restored.record
+    assert recorded == target_record(restored)
     assert recorded["workdir"] == str(target.resolve()) and recorded["step"] == 4
     # The identity comes from the target's saved per-leaf digests (nothing gathered), and it is the one
     # the params in memory give: another set of weights gives another identity.

@@ -19,6 +19,7 @@ from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.answer_match import answer_matches, normalise_answer
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.entities import Generated, entity_found
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 CHAT_EVAL = ROOT / "data/smoke/chat/eval.jsonl"
@@ -84,7 +85,7 @@ def _recount(samples: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def chat_restored(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4"))
 
 
 @pytest.mark.slow
@@ -125,7 +126,7 @@ def test_examples_without_reference_texts_are_counted_not_scored(chat_restored):
 
 @pytest.mark.slow
 def test_vakforge_report_has_answer_match_and_entity_accuracy(tmp_path_factory):
-    restored = eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/vakforge.py:tiny"))
+    restored = restore_model(smoke_workdir(tmp_path_factory, "configs/vakforge.py:tiny"))
     with jax.set_mesh(restored.mesh):
         # The train split: the two conversations whose agent turns carry entities (a date in en-US,
         # an amount in hi-Latn-IN); dev holds none.

@@ -13,6 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 STEP = 3
@@ -133,11 +134,10 @@ def test_another_params_layout_is_an_error_not_corruption(saved):
 def test_evaluate_restores_a_trained_workdir_params_only_and_refuses_a_damaged_one(tmp_path_factory, tmp_path,
                                                                                    arrays_read):
     from tests.smoke_workdirs import smoke_workdir
-    from valen_jax.evaluation import workdir as eval_workdir
 
     workdir = tmp_path / "workdir"  # a copy: the smoke workdir is shared by the session's tests
     shutil.copytree(smoke_workdir(tmp_path_factory, "configs/valen.py:tiny"), workdir)
-    restored = eval_workdir.restore(workdir)
+    restored = restore_model(workdir)
     assert not hasattr(restored, "opt_state") and arrays_read
     assert not any(name.startswith(("opt_state.", "step")) for name in arrays_read)
 
@@ -155,4 +155,4 @@ def test_evaluate_restores_a_trained_workdir_params_only_and_refuses_a_damaged_o
     for path in (workdir / "checkpoints" / str(restored.step) / "state").glob("**/d/*"):
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
     with pytest.raises(checkpoint.CorruptCheckpoint, match=f"checkpoint {restored.step}: params"):
-        eval_workdir.restore(workdir)
+        restore_model(workdir)

@@ -15,9 +15,8 @@ from tests.train_runs import ROOT, run_train
 from valen_jax import evaluate
 from valen_jax.decoding.speculative import BlockStats
 from valen_jax.evaluation import hosts as eval_hosts
-from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.run import check_target, restore_drafter, restore_model
 from valen_jax.training import checkpoint
-from valen_jax.vflash import evaluation as speculative
 from valen_jax.vflash.metrics import BlockSums
 
 SMOKE = ROOT / "data/smoke/vflash"
@@ -125,14 +124,14 @@ def test_from_call_blocks_are_drafted_and_their_sums_agree(reports):
 @pytest.mark.slow
 def test_a_target_with_other_weights_is_refused_naming_both(runs):
     target, drafter, _ = runs
-    run = speculative.restore(drafter)
-    other = eval_workdir.restore(target)
+    run = restore_drafter(drafter)
+    other = restore_model(target)
     assert other.identity == run.record["params_identity"]
     # The target retrained to other weights: its checkpoint's digests, hence its identity, differ.
     other.params = jax.tree.map(lambda x: x + 1 if x.ndim == 1 else x, other.params)
     other.identity = checkpoint.params_identity_of(other.params)
     with pytest.raises(checkpoint.CheckpointError, match="the target changed since") as caught:
-        speculative.check_target(run.workdir, run.step, run.record, other)
+        check_target(run.workdir, run.step, run.record, other)
     assert run.record["params_identity"] in str(caught.value) and str(run.workdir) in str(caught.value)
     assert other.identity in str(caught.value)
 
@@ -150,7 +149,7 @@ def test_a_drafter_whose_target_step_is_gone_is_refused(runs):
 def test_predict_and_generate_name_the_target_of_a_drafter_workdir(runs):
     target, drafter, _ = runs
     with pytest.raises(checkpoint.CheckpointError, match="holds a vflash block drafter") as caught:
-        eval_workdir.restore(drafter)
+        restore_model(drafter)
     assert str(target.resolve()) in str(caught.value)
 
 

@@ -185,6 +185,7 @@ import json, sys
 import jax, numpy as np
 from valen_jax.training import checkpoint
 from valen_jax.evaluation import tokens, workdir as eval_workdir
+from valen_jax.run import restore_model
 
 workdir, data = sys.argv[1], sys.argv[2]
 saved_meta = checkpoint.restore_meta
@@ -201,7 +202,7 @@ def trained_with_fsdp(mgr, step):
 checkpoint.restore_meta = trained_with_fsdp
 out = {}
 for name, devices in (("eight", None), ("one", jax.devices()[:1])):
-    restored = eval_workdir.restore(workdir, devices=devices)
+    restored = restore_model(workdir, devices=devices)
     fmt, options = eval_workdir.data_format(restored, None)
     with jax.set_mesh(restored.mesh):
         examples, _, _ = eval_workdir.load_examples(fmt, data, restored.workdir, checkpoint.tokenizer_dir(workdir),
@@ -239,10 +240,10 @@ def test_training_eval_and_the_end_of_run_report_are_one_path(tmp_path_factory, 
     import jax
 
     from valen_jax.evaluate import evaluate_params
-    from valen_jax.evaluation import workdir as eval_workdir
     from valen_jax.evaluation.periodic import PeriodicEval
+    from valen_jax.run import restore_model
 
-    restored = eval_workdir.restore(smoke_workdir(tmp_path_factory, config))
+    restored = restore_model(smoke_workdir(tmp_path_factory, config))
     restored.config.eval.max_examples, restored.config.eval.max_new_tokens = 4, 2
     periodic = PeriodicEval(dataclasses.replace(restored, params=None))(restored.params)
     with jax.set_mesh(restored.mesh):

@@ -149,7 +149,7 @@ def test_the_format_comes_from_the_checkpoint_config_not_the_path():
     ({"data": 1, "fsdp": -1, "tensor": 2}, 8, {"data": 1, "fsdp": 4, "tensor": 2}),  # -1: the rest, as in training
 ])
 def test_the_evaluation_mesh_keeps_the_training_model_axes(saved, devices, fitted):
-    from valen_jax.evaluation.workdir import fitted_mesh_shape
+    from valen_jax.run import fitted_mesh_shape
     assert fitted_mesh_shape(saved, devices) == fitted
 
 

@@ -31,6 +31,7 @@ from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.prompts import prompt_of
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 VFLASH_DATA = ROOT / "data/smoke/vflash/eval.jsonl"
@@ -100,7 +101,7 @@ def test_cli_primitives_are_the_parsed_text_dequantised(vflash_cli):
 @pytest.mark.slow
 def test_cli_greedy_equals_evaluations_greedy_on_the_same_prompts(vflash_cli, vflash_workdir):
     lines = _read(vflash_cli[0])
-    restored = eval_workdir.restore(vflash_workdir)
+    restored = restore_model(vflash_workdir)
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
     eot = end_of_turn_id(tokenizer)
     with jax.set_mesh(mesh):

@@ -24,6 +24,7 @@ from valen_jax import evaluate
 from valen_jax.evaluation import chat, image_reliance, registry, valen, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.image_reliance import SwapPlan, layout_of, plan_swaps, swap_prompts
+from valen_jax.run import ModelRun, restore_model
 from valen_jax.training import checkpoint
 
 VFLASH = ROOT / "data/smoke/vflash"
@@ -208,10 +209,10 @@ def test_summary_lines_carry_the_figures_when_present():
 
 @pytest.fixture(scope="module")
 def vflash_restored(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
 
 
-def blind(restored: eval_workdir.Restored) -> eval_workdir.Restored:
+def blind(restored: ModelRun) -> ModelRun:
     """The same model with its vision merger's output projection zeroed: every image becomes the same
     all-zero vision tokens, so no answer can depend on which image a record holds."""
     def zero(path, x):
@@ -345,7 +346,7 @@ def _chat_row(image: str, *, before: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def chat_restored(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4"))
 
 
 @pytest.mark.slow
@@ -387,7 +388,7 @@ def _valen_record(k: int, image: str) -> dict:
 
 @pytest.fixture(scope="module")
 def valen_restored(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/valen.py:tiny"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/valen.py:tiny"))
 
 
 @pytest.mark.slow

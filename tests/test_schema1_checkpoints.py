@@ -12,6 +12,7 @@ data/smoke/vflash/eval.jsonl (`target-report.json`). Only `checkpoints/` and `to
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,11 +21,12 @@ import jax
 import ml_collections
 import pytest
 
-from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.evaluation import report as report_module
 from valen_jax.evaluation.report import evaluate_workdir
 from valen_jax.models import sharding
+from valen_jax.run import check_target, target_record
 from valen_jax.training import checkpoint
-from valen_jax.vflash.task import check_trained_against, restore_target
+from valen_jax.vflash.task import restore_target
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "schema1"
@@ -71,7 +73,7 @@ TRAINED_ON = "/tmp/wt/data/smoke/vflash/recipe.json"  # the checkout the fixture
 @pytest.mark.slow
 def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs, monkeypatch):
     target, _ = runs
-    restore = eval_workdir.restore
+    restore = report_module.restore_model
 
     def restore_here(*args, **kwargs):
         """The step, its recorded training data read from this checkout (the report's text-only baseline
@@ -81,7 +83,7 @@ def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs, monk
         restored.config.data.train = str(ROOT / "data" / "smoke" / "vflash" / "recipe.json")
         return restored
 
-    monkeypatch.setattr(eval_workdir, "restore", restore_here)
+    monkeypatch.setattr(report_module, "restore_model", restore_here)
     report = evaluate_workdir(target, EVAL, max_examples=4)
     assert report["text_only_baseline"]["value"] is not None, report["text_only_baseline"]
     assert _comparable(report) == _comparable(json.loads((FIXTURE / "target-report.json").read_text()))
@@ -94,10 +96,9 @@ def test_a_schema_1_drafter_is_checked_against_its_target_by_the_sha256_it_recor
     config.model.target_from = str(target)  # the fixture's target, copied here from /tmp/schema1/target
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     found = restore_target(config, meta["tokenizer"]["fingerprint"], mesh)
-    assert len(found.record["params_identity"]) == 64 and found.record["step"] == 1
-    check_trained_against(drafter, 1, meta, found)  # the same weights, moved: a warning, not a refusal
+    assert len(target_record(found)["params_identity"]) == 64 and found.step == 1
+    check_target(drafter, 1, meta["drafter"]["target"], found)  # the same weights, moved: a warning, not a refusal
     assert "trained against the same target weights in /tmp/schema1/target" in caplog.text
-    other = type(found)(found.model_cfg, found.graphdef, jax.tree.map(lambda x: x * 2, found.params),
-                        found.shardings, found.media_kwargs, found.record)
+    other = dataclasses.replace(found, params=jax.tree.map(lambda x: x * 2, found.params), identity="0" * 64)
     with pytest.raises(checkpoint.CheckpointError, match="is a drafter for target .*other weights"):
-        check_trained_against(drafter, 1, meta, other)
+        check_target(drafter, 1, meta["drafter"]["target"], other)

@@ -21,6 +21,7 @@ from tests.train_runs import ROOT
 from valen_jax.decoding import generate_ids
 from valen_jax.decoding.speculative import RandomDrafter, SpeculativeDecoder
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 from valen_jax.vflash import evaluation as speculative
 
@@ -30,7 +31,7 @@ MAX_NEW = 20  # more than the smallest announced block (14): blocks and the toke
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
 
 
 def _examples(target, data, fmt):

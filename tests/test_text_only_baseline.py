@@ -31,6 +31,7 @@ from valen_jax.evaluation.text_only import (
     collapse_media,
     prompt_key,
 )
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 VFLASH = ROOT / "data/smoke/vflash"
@@ -113,7 +114,7 @@ def test_the_summary_names_the_baseline_or_its_absence():
 
 @pytest.fixture(scope="module")
 def vflash_restored(tmp_path_factory):
-    return eval_workdir.restore(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
+    return restore_model(smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny"))
 
 
 def _training_shards(restored):

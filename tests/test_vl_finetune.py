@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.train_runs import ROOT, env_with_devices, metrics, run_train
+from valen_jax.run import restore_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -164,14 +165,13 @@ def test_frozen_tower_is_bitwise_the_checkpoints_and_the_decoder_trained(run, ex
 
 
 def _training_row(workdir):
-    """(Restored, the assembled row, media grids) of the training example with the most images."""
+    """(ModelRun, the assembled row, media grids) of the training example with the most images."""
     from data_pipeline import examples as contract
     from data_pipeline.shards import Example
     from valen_jax.data.assemble import assemble, expand_media_slots
     from valen_jax.data.shard_cache import ensure_shards
-    from valen_jax.evaluation import workdir as eval_workdir
 
-    restored = eval_workdir.restore(workdir)
+    restored = restore_model(workdir)
     config = restored.config
     shard_set = ensure_shards(config.data.format, config.data.train, workdir / "shards", config.data.tokenizer,
                               restored.fingerprint, config.data.train_options.to_dict())

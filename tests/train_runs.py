@@ -36,17 +36,11 @@ def metrics(workdir: Path) -> list[dict]:
 
 
 def final_params(workdir: Path):
-    """(step, params as numpy leaves) of the latest checkpoint in `workdir`, read onto one device."""
+    """(step, params as numpy leaves) of the latest checkpoint in `workdir` (a model's or a drafter's),
+    restored onto one device by the library's run handle (digests verified; the runs may have used several)."""
     import jax
     import numpy as np
 
-    from valen_jax.training import checkpoint
-    mgr = checkpoint.manager(workdir, read_only=True)
-    step = checkpoint.select_step(mgr, workdir)
-    # The saved shapes and dtypes, read back onto one device (the runs may have used several).
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                          mgr.item_metadata(step)["state"])
-    state = checkpoint.restore_state(mgr, step, target)
-    mgr.close()
-    return step, [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+    from valen_jax.run import restore
+    run = restore(workdir, devices=jax.devices()[:1])
+    return run.step, [np.asarray(x) for x in jax.tree.leaves(run.params)]

@@ -40,9 +40,9 @@ from valen_jax.data.vision_processor import (
     VIDEO_PROCESSOR_FILE,
 )
 from valen_jax.errors import UserError
-from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 log = logging.getLogger("valen_jax.export")
@@ -120,7 +120,7 @@ def _state_token_ids(config_path: Path, tokenizer, model_cfg: ModelConfig) -> No
 def export(workdir: str | Path, output: str | Path, step: int | None = None) -> Path:
     """Write the workdir's checkpoint at `step` (default: the latest) to `output` as an HF checkpoint."""
     workdir, output = Path(workdir), Path(output)
-    restored = eval_workdir.restore(workdir, step)
+    restored = restore_model(workdir, step)
     model_cfg = restored.model_cfg
     exportable(model_cfg)
     mgr = checkpoint.manager(restored.workdir, read_only=True)

@@ -45,6 +45,7 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 
@@ -52,7 +53,7 @@ def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
                      max_new_tokens: int | None = None, sampling: Sampling = answers.GREEDY, seed: int = 0,
                      batch_size: int | None = None) -> list[dict]:
     """The answer lines of the workdir's checkpoint (latest unless `step`) on `data`, in data order."""
-    restored = eval_workdir.restore(workdir, step)
+    restored = restore_model(workdir, step)
     fmt, options = eval_workdir.data_format(restored, fmt)
     answers.refuse_family(FORMATS[fmt].family, str(data))  # before the data is converted
     with jax.set_mesh(restored.mesh):
@@ -102,10 +103,10 @@ def generate(model, prompts: Sequence, *, tokenizer=None, max_new_tokens: int, s
     token not written) or the generated id lists (the stop token kept).
 
         from flax import nnx
-        from valen_jax.evaluation.workdir import restore
+        from valen_jax.run import restore_model
         from valen_jax.generate import generate
 
-        run = restore("runs/chat-smoke")  # python -m valen_jax.train --config=configs/chat.py:tiny --workdir=runs/chat-smoke
+        run = restore_model("runs/chat-smoke")  # python -m valen_jax.train --config=configs/chat.py:tiny --workdir=runs/chat-smoke
         model = nnx.merge(run.graphdef, run.params)
         print(generate(model, ["What is 4 plus 23?", [{"role": "user", "content": "And doubled?"}]],
                        tokenizer=run.tokenizer, max_new_tokens=16))

@@ -45,6 +45,7 @@ from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
+from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
 GENERATION = "generation"  # what predict_workdir names as its mode for generated (non-Valen) answers
@@ -53,7 +54,7 @@ GENERATION = "generation"  # what predict_workdir names as its mode for generate
 def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
                     mode: str | None = None, batch_size: int | None = None) -> tuple[str, list[dict]]:
     """(the Valen mode used, or GENERATION; the answer lines in data order; complete on process 0)."""
-    restored = eval_workdir.restore(workdir, step)
+    restored = restore_model(workdir, step)
     fmt, options = eval_workdir.data_format(restored, fmt)
     if FORMATS[fmt].family == "valen":
         eval_workdir.require_score_head(restored, str(data))  # before the data is converted

@@ -1,6 +1,6 @@
 """Evaluation of a trained workdir, or of a run during training.
 
-    workdir   restore a checkpoint (params only, on the training config's mesh) and read the data
+    workdir   the data as Examples, its format, the batch layout (the model comes from `valen_jax.run`)
     hosts     which examples a process evaluates; sums added across processes before any ratio
     tokens    the one teacher-forced path (per-example sums) and greedy decoding over token rows
     valen, vflash, chat   one evaluator per record family: evaluate(restored, examples, options), summary(report)

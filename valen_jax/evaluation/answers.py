@@ -42,7 +42,8 @@ from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import hosts, prompts
 from valen_jax.evaluation.chat import parse_tool_calls
-from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.run import ModelRun
 
 GENERATED_FAMILIES = ("vflash", "chat", "vakforge")
 GREEDY = Sampling()  # temperature 0: argmax, no draws
@@ -139,7 +140,7 @@ def refuse_family(family: str, where: str) -> None:
                          f"are token rows for training); generation reads {', '.join(GENERATED_FAMILIES)} data")
 
 
-def generate_answers(restored: Restored, examples: list[Example], family: str, *, max_new_tokens: int,
+def generate_answers(restored: ModelRun, examples: list[Example], family: str, *, max_new_tokens: int,
                      sampling: Sampling = GREEDY, seed: int = 0, batch_size: int | None = None) -> list[dict]:
     """Every trained assistant answer of `examples` (the whole data, the same list on every process)
     generated from the turns before it; the lines in data order, on every process. Call inside

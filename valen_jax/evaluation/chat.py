@@ -48,7 +48,8 @@ from valen_jax.evaluation import hosts, image_reliance, prompts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.entities import EntityStats, Generated, entity_found
-from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.run import ModelRun
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.options import Options
@@ -122,7 +123,7 @@ def _jobs(index: int, example: Example, spec, eot: int) -> list[tuple]:
     return jobs
 
 
-def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+def evaluate(restored: ModelRun, examples: list[Example], options: Options) -> dict:
     """The report's chat/vakforge part; `options.samples` decoded messages are listed."""
     tokenizer, spec, mesh = restored.tokenizer, restored.spec, restored.mesh
     max_new_tokens, samples = options.max_new_tokens, options.samples
@@ -195,7 +196,7 @@ def add_message(stats: ChatStats, job: tuple, ids: list[int], text: str, family:
     return predicted
 
 
-def _overall(restored: Restored, jobs: list[tuple], generated: list[list[int]], texts: list[str]) -> dict:
+def _overall(restored: ModelRun, jobs: list[tuple], generated: list[list[int]], texts: list[str]) -> dict:
     """All processes' overall chat metrics of these decoded messages."""
     stats, family = ChatStats(), template_family(restored.tokenizer.chat_template)
     eot = end_of_turn_id(restored.tokenizer)
@@ -212,7 +213,7 @@ def headline(overall: dict) -> tuple[str, float | None]:
     return "tool_call_exact_match", overall["exact_match"]
 
 
-def image_reliance_report(restored: Restored, jobs: list[tuple], generated: list[list[int]], options: Options
+def image_reliance_report(restored: ModelRun, jobs: list[tuple], generated: list[list[int]], options: Options
                           ) -> dict | None:
     """The report's `image_reliance` (`evaluation.image_reliance`) of this process's decoded messages.
 

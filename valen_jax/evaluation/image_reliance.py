@@ -58,7 +58,8 @@ import numpy as np
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics import shown
-from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.run import ModelRun
 
 if TYPE_CHECKING:
     from valen_jax.data.assemble import RowSpec
@@ -152,7 +153,7 @@ def global_counts(compared: int, unswappable: int, gather: hosts.Gather = hosts.
     return int(total[0]), int(total[1])
 
 
-def greedy(restored: Restored, prompts: list[dict], options: Options) -> list[list[int]]:
+def greedy(restored: ModelRun, prompts: list[dict], options: Options) -> list[list[int]]:
     """Greedy ids of this process's `prompts`, decoded as evaluation decodes the real ones (`tokens.greedy`,
     the options' budget, stop at end of turn); every process enters as many batches as the fullest needs."""
     local_batch = local_batch_size(options.batch_size, restored.mesh)

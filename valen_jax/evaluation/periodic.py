@@ -17,7 +17,8 @@ import jax
 from valen_jax.evaluation import valen
 from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.tokens import teacher_forced
-from valen_jax.evaluation.workdir import Restored, data_format, load_examples
+from valen_jax.evaluation.workdir import data_format, load_examples
+from valen_jax.run import ModelRun
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class PeriodicEval:
     """`evaluator(params)` → {"eval_<metric>": value} for metrics.jsonl (a metric with no data,
     e.g. RPS without a labeled score question, is left out rather than logged as null)."""
 
-    def __init__(self, run: Restored):
+    def __init__(self, run: ModelRun):
         """`run`: the training run in the shape a workdir restores to; its params are ignored."""
         config = run.config
         fmt, options = data_format(run, None)

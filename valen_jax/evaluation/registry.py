@@ -19,7 +19,7 @@ from valen_jax.evaluation.options import Options  # noqa: F401  (its home is the
 
 @dataclass(frozen=True)
 class Evaluator:
-    evaluate: Callable  # (Restored, list[Example], Options) -> dict, the report's kind-specific part
+    evaluate: Callable  # (ModelRun, list[Example], Options) -> dict, the report's kind-specific part
     summary: Callable[[dict], str]  # one line for the CLI, from the finished report
     # Valen questions are scored by the model's scalar head, which only a Valen run trains.
     needs_score_head: bool = False

@@ -15,12 +15,12 @@ from data_pipeline.format_registry import FORMATS
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import image_reliance, registry
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.workdir import Restored
+from valen_jax.run import ModelRun, holds_drafter, restore_model
 from valen_jax.training import checkpoint
 from valen_jax.vflash import evaluation as speculative
 
 
-def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str | None = None,
+def run(restored: ModelRun, data, fmt: str, options: dict | None, *, mode: str | None = None,
         max_examples: int | None = None, batch_size: int | None = None, max_new_tokens: int | None = None,
         samples: int | None = 8) -> dict:
     """The report of `restored` on `data` (converter format `fmt`); call inside `jax.set_mesh`."""
@@ -43,7 +43,7 @@ def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str |
     return report
 
 
-def evaluate_params(restored: Restored, data) -> dict:
+def evaluate_params(restored: ModelRun, data) -> dict:
     """Evaluation at the end of training: `restored` is the run's own state in the shape a workdir
     restores to (params, graphdef, model config, tokenizer, row spec, the full training config);
     `data` is read in the config's `data.eval_format` with its `data.eval_options`, and the first
@@ -63,11 +63,11 @@ def write_report(report: dict, path: str | Path) -> None:
 def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None,
                      **options) -> dict:
     """The report of the workdir's checkpoint (latest unless `step`) on `data`; `options` as in `run`."""
-    if eval_workdir.holds_drafter(workdir, step):  # a vflash run: its drafter, by speculative decoding
+    if holds_drafter(workdir, step):  # a vflash run: its drafter, by speculative decoding
         return speculative.evaluate_workdir(workdir, data, step, fmt, **options)
     if options.pop("from_call", False):
         raise UsageError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
-    restored = eval_workdir.restore(workdir, step)
+    restored = restore_model(workdir, step)
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
     if not Path(data, "manifest.json").is_file():  # a shard directory says its own format when loaded
         registry.evaluator_for(FORMATS[fmt].family, str(data))  # refused before it is converted into the workdir

@@ -33,7 +33,7 @@ from data_pipeline.shards import Example, ShardError
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.evaluation import prompts, tokens
-from valen_jax.evaluation.workdir import Restored
+from valen_jax.run import ModelRun
 from valen_jax.training import checkpoint
 
 # Training records read for the baseline: enough for the answer counts of any prompt that repeats, and a
@@ -113,7 +113,7 @@ def training_pairs(examples: Iterable[Example], slot_ids: Sequence[int], end_of_
         yield key, answers[-1]
 
 
-def _training_examples(restored: Restored, limit: int) -> Iterable[Example]:
+def _training_examples(restored: ModelRun, limit: int) -> Iterable[Example]:
     """The first `limit` training Examples of the workdir (module docstring), read one at a time."""
     data = restored.config.data
     if not isinstance(data.train, str):
@@ -134,7 +134,7 @@ def _training_examples(restored: Restored, limit: int) -> Iterable[Example]:
         yield Example.from_bytes(source[i])
 
 
-def fit_training(restored: Restored, limit: int = TRAINING_RECORDS) -> TextOnlyPredictor:
+def fit_training(restored: ModelRun, limit: int = TRAINING_RECORDS) -> TextOnlyPredictor:
     """The predictor of the workdir's first `limit` training records; TrainingDataUnavailable when they
     cannot be read."""
     eot = end_of_turn_id(restored.tokenizer)

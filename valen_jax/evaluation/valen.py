@@ -39,9 +39,10 @@ from valen_jax.errors import UsageError
 from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
-from valen_jax.evaluation.workdir import Restored, host_local, local_batch_size, stack
+from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
 from valen_jax.models import sharding
 from valen_jax.models.heads import branch_log_probs
+from valen_jax.run import ModelRun
 from valen_jax.training.step import vision_inputs
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class _Rows:
     qspec: QuestionSpec
 
     @classmethod
-    def of(cls, restored: Restored, examples: list[Example], qspec: QuestionSpec) -> _Rows:
+    def of(cls, restored: ModelRun, examples: list[Example], qspec: QuestionSpec) -> _Rows:
         return cls(examples, row_spec(restored.spec, examples, qspec), qspec)
 
     def row(self, i: int, donor: int | None = None) -> dict:
@@ -128,7 +129,7 @@ class _Rows:
         return image_reliance.with_patches(row, valen_row(self.examples[donor], self.spec, self.qspec, None))
 
 
-def _score(restored: Restored, rows: _Rows, indices: list[int], batches: int, local_batch: int,
+def _score(restored: ModelRun, rows: _Rows, indices: list[int], batches: int, local_batch: int,
            row_of: Callable[[int], dict]) -> list[tuple[int, list[np.ndarray]]]:
     """(index, per-question probabilities) of this process's records `indices`, in `batches` batches
     that every process enters together."""
@@ -148,7 +149,7 @@ def _score(restored: Restored, rows: _Rows, indices: list[int], batches: int, lo
     return out
 
 
-def score_records(restored: Restored, examples: list[Example], qspec: QuestionSpec, batch_size: int,
+def score_records(restored: ModelRun, examples: list[Example], qspec: QuestionSpec, batch_size: int,
                   rows: _Rows | None = None, layouts: list[image_reliance.Layout] | None = None
                   ) -> list[tuple[int, list[np.ndarray]]]:
     """(index in `examples`, per-question probabilities) for the records this process evaluates.
@@ -201,7 +202,7 @@ def add_unlabeled_record(stats: ValenStats, example: Example) -> None:
         stats.add(qtype, np.full(k, 1.0 / k), None, False, breakdown)
 
 
-def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+def evaluate(restored: ModelRun, examples: list[Example], options: Options) -> dict:
     """The report's Valen part: per-question metrics in `options.mode` (None: the checkpoint's).
     Records without labels add nothing to a metric, so they are counted, not scored."""
     labeled = [e for e in examples if has_labels(e)]
@@ -235,7 +236,7 @@ def _accuracy(rows: _Rows, scored: list[tuple[int, list[np.ndarray]]]) -> float 
     return hosts.sum_stats(stats).report()["overall"]["accuracy"]
 
 
-def image_reliance_report(restored: Restored, rows: _Rows, scored: list[tuple[int, list[np.ndarray]]],
+def image_reliance_report(restored: ModelRun, rows: _Rows, scored: list[tuple[int, list[np.ndarray]]],
                           layouts: list[image_reliance.Layout], options: Options) -> dict | None:
     """The report's `image_reliance` (`evaluation.image_reliance`): the same questions scored with each
     record's images swapped for another record's, over this process's `scored` records (`layouts` in
@@ -282,7 +283,7 @@ def summary(report: dict) -> str:
             f"{image_reliance.summary(report)}")
 
 
-def predict_valen(restored: Restored, examples: list[Example], mode: str | None, batch_size: int
+def predict_valen(restored: ModelRun, examples: list[Example], mode: str | None, batch_size: int
                   ) -> tuple[str, list[dict]]:
     """(the mode used, one answer line per record in data order; complete on process 0)."""
     qspec = question_spec(restored.config, mode, examples)

@@ -38,7 +38,8 @@ from data_pipeline.tokenizer import end_of_turn_id, number_token_ids
 from valen_jax.evaluation import hosts, image_reliance, prompts, text_only, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.vflash import VFlashStats
-from valen_jax.evaluation.workdir import Restored, local_batch_size
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.run import ModelRun
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.options import Options
@@ -98,7 +99,7 @@ def _first_image(example: Example) -> str | None:
     return None
 
 
-def evaluate(restored: Restored, examples: list[Example], options: Options) -> dict:
+def evaluate(restored: ModelRun, examples: list[Example], options: Options) -> dict:
     """The report's VFlash part; `options.samples` answers are listed (None: all, in data order)."""
     forced = tokens.teacher_forced(restored.params, restored.graphdef, examples, restored.spec, restored.mesh,
                                    options.batch_size)
@@ -113,13 +114,13 @@ def evaluate(restored: Restored, examples: list[Example], options: Options) -> d
     return report
 
 
-def last_answer_prompts(restored: Restored, examples: list[Example]) -> list[dict]:
+def last_answer_prompts(restored: ModelRun, examples: list[Example]) -> list[dict]:
     """The prompt of the last answer of each example this process evaluates (`hosts.local_indices` order)."""
     eot = end_of_turn_id(restored.tokenizer)
     return [prompts.prompt_of(examples[i], restored.spec, eot) for i in hosts.local_indices(len(examples))]
 
 
-def greedy_answers(restored: Restored, examples: list[Example], options: Options,
+def greedy_answers(restored: ModelRun, examples: list[Example], options: Options,
                    prompts: list[dict] | None = None) -> list[list[int]]:
     """The greedy ids (stop token kept) of the last answer of each example this process evaluates
     (`hosts.local_indices` order), from `prompts` (default: `last_answer_prompts`): every process
@@ -145,7 +146,7 @@ def answer_stats(tokenizer, examples: list[Example], texts: list[str]) -> VFlash
     return stats
 
 
-def answers_report(restored: Restored, examples: list[Example], generated: list[list[int]], options: Options) -> dict:
+def answers_report(restored: ModelRun, examples: list[Example], generated: list[list[int]], options: Options) -> dict:
     """generation, metrics and samples of this process's decoded last answers (`greedy_answers`' order),
     sums added across processes: the same numbers whichever decoder produced the ids (the speculative
     report scores its answers here too)."""
@@ -201,7 +202,7 @@ def _overall(tokenizer, examples: list[Example], texts: list[str]) -> dict:
     return {**overall, "exact_match": exact / answers if answers else None}
 
 
-def image_reliance_report(restored: Restored, examples: list[Example], prompts: list[dict],
+def image_reliance_report(restored: ModelRun, examples: list[Example], prompts: list[dict],
                           generated: list[list[int]], options: Options) -> dict | None:
     """The report's `image_reliance` (`evaluation.image_reliance`) of this process's last answers
     (`prompts` and their `generated` ids, in `hosts.local_indices` order); None without media."""
@@ -225,7 +226,7 @@ def image_reliance_report(restored: Restored, examples: list[Example], prompts: 
         metric=metric, with_images=value(real), swapped_images=value(fake), lower_is_better=lower_is_better)
 
 
-def text_only_baseline(restored: Restored, examples: list[Example], overall: dict) -> dict:
+def text_only_baseline(restored: ModelRun, examples: list[Example], overall: dict) -> dict:
     """The report's `text_only_baseline` (module docstring) of the evaluated `examples` (the whole data);
     `overall`: the real answers' overall metrics, whose references name the metric when the training data
     is unavailable."""

@@ -20,8 +20,8 @@ from valen_jax.data.pipeline import TokenAssembly, component_seed
 from valen_jax.data.sources import mixture_of, sampling_indices
 from valen_jax.evaluation.periodic import PeriodicEval
 from valen_jax.evaluation.report import evaluate_params, write_report
-from valen_jax.evaluation.workdir import Restored
 from valen_jax.models.build import initial_params
+from valen_jax.run import ModelRun
 from valen_jax.training.metrics import model_flops_per_step
 from valen_jax.training.step import StepOptions, TrainLayout, compile_step, make_train_step
 from valen_jax.training.task import Evaluation, Task
@@ -62,7 +62,7 @@ class ModelTask(Task):
         """Evaluation on config.data.eval through `evaluate`'s code, with the run in the shape a workdir
         restores to (each evaluation fills in the params of the moment)."""
         s, config = self.setup, self.config
-        own = Restored(s.workdir, None, config, self.model_cfg, s.tokenizer, s.fingerprint, spec, s.mesh,
+        own = ModelRun(s.workdir, None, config, self.model_cfg, s.tokenizer, s.fingerprint, spec, s.mesh,
                        layout.graphdef, None)
 
         def at_end(params, step: int) -> Path:

@@ -5,8 +5,8 @@ against, decoding every example's last trained answer target-only and speculativ
         --output=runs/vflash-drafter/eval/report.json
 
 The drafter's checkpoint names its target (meta.drafter.target: workdir, step, params_identity); that step
-of that workdir is restored and its params' sha256 must be the recorded one: a target retrained or
-replaced since is refused, naming both. The report holds
+of that workdir is restored and its params' identity must be the recorded one (`valen_jax.run`): a
+target retrained or replaced since is refused, naming both. The report holds
 - `ar`: the target's own VFlash report (teacher-forced loss/accuracy, greedy generation, geometry per
   recipe entry), exactly what evaluating the target workdir on the same data gives
   (`evaluation.vflash`, engine greedy decoding);
@@ -37,9 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
-from flax import nnx
 
 from data_pipeline import examples as contract
 from data_pipeline.primitives import AtomicCalls
@@ -51,9 +49,8 @@ from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.options import Options
-from valen_jax.evaluation.workdir import Restored, local_batch_size
-from valen_jax.models import drafter as block_drafter
-from valen_jax.models import sharding
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.run import DrafterRun, ModelRun, restore_drafter
 from valen_jax.training import checkpoint
 from valen_jax.vflash.metrics import TAU_CONVENTION, BlockSums
 
@@ -62,77 +59,6 @@ log = logging.getLogger(__name__)
 
 class LossyDecoding(RuntimeError):
     """Greedy speculative output differs from target-only greedy: a decoder bug, never a metric."""
-
-
-@dataclass
-class DrafterRun:
-    """One checkpoint step of a vflash workdir: the drafter and the target it was trained against."""
-
-    workdir: Path
-    step: int
-    config: ml_collections.ConfigDict  # the drafter run's training config
-    cfg: block_drafter.DrafterConfig
-    graphdef: object
-    params: object
-    target: Restored
-    record: dict  # meta.drafter.target: workdir, step, params_identity, tokenizer
-
-
-def restore(workdir: str | Path, step: int | None = None) -> DrafterRun:
-    """The drafter at `step` (default: the latest) and its target, refused unless the target's params are
-    the ones recorded at training (sha256) and share the drafter's tokenizer."""
-    workdir = Path(workdir).resolve()
-    mgr = checkpoint.manager(workdir, read_only=True)
-    try:
-        step = checkpoint.select_step(mgr, workdir, step)
-        meta = checkpoint.restore_meta(mgr, step)
-        if "drafter" not in meta:
-            raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} holds no drafter (not a vflash run)")
-        record = meta["drafter"]["target"]
-        target = _target(workdir, step, record)
-        if target.fingerprint != meta["tokenizer"]["fingerprint"]:
-            raise checkpoint.CheckpointError(
-                f"{workdir}: drafter tokenizer {meta['tokenizer']['fingerprint']}, its target {target.workdir} "
-                f"step {target.step} has {target.fingerprint}")
-        cfg = block_drafter.DrafterConfig.from_json(meta["drafter"]["config"])
-        graphdef, abstract = block_drafter.abstract_drafter(cfg)
-        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, target.mesh))
-        params = checkpoint.restore_params_verified(
-            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
-    finally:
-        mgr.close()
-    config = ml_collections.ConfigDict(meta["config"])
-    return DrafterRun(workdir, step, config, cfg, graphdef, params, target, record)
-
-
-def _target(workdir: Path, step: int, record: dict) -> Restored:
-    try:
-        target = eval_workdir.restore(record["workdir"], int(record["step"]))
-    except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as err:
-        raise checkpoint.CheckpointError(f"{_trained_against(workdir, step, record)}, which cannot be restored: "
-                                         f"{err}") from err
-    check_target(workdir, step, record, target)
-    return target
-
-
-def _trained_against(workdir: Path, step: int, record: dict) -> str:
-    return (f"{workdir}: checkpoint {step} is a drafter trained against target {record['workdir']} step "
-            f"{record['step']} ({_weights(record)})")
-
-
-def _weights(record: dict) -> str:
-    if "params_identity" in record:
-        return f"params identity {record['params_identity']}"
-    return f"params sha256 {record['params_sha256']}"  # a drafter saved before meta schema 2
-
-
-def check_target(workdir: Path, step: int, record: dict, target: Restored) -> None:
-    """Refuses a target whose params are not the ones the drafter at `workdir` `step` recorded."""
-    if not checkpoint.same_weights(record, target.identity, target.params):
-        raise checkpoint.CheckpointError(
-            f"{_trained_against(workdir, step, record)}; {target.workdir} step {target.step} now holds params "
-            f"identity {target.identity}: the target changed since the drafter trained, so its acceptance would "
-            "describe other weights; train the drafter again (train.mode=vflash) against the target as it is")
 
 
 # -- prompts -------------------------------------------------------------------------------------------
@@ -144,7 +70,7 @@ class Answer:
     prompt: dict  # prompts.Prompts.prompt: ids, positions, vision
 
 
-def own_prompts(examples: list[Example], mine: list[int], target: Restored) -> list[Answer]:
+def own_prompts(examples: list[Example], mine: list[int], target: ModelRun) -> list[Answer]:
     """The prompts `vflash.greedy_answers` continues (each example's last answer, from the turns before it)."""
     eot = end_of_turn_id(target.tokenizer)
     found = []
@@ -154,7 +80,7 @@ def own_prompts(examples: list[Example], mine: list[int], target: Restored) -> l
     return found
 
 
-def call_prompts(examples: list[Example], mine: list[int], target: Restored, calls: AtomicCalls) -> list[Answer]:
+def call_prompts(examples: list[Example], mine: list[int], target: ModelRun, calls: AtomicCalls) -> list[Answer]:
     """Prompts through the reference's first `atomic_decoding` call in each example's last answer; an
     answer that announces no block has nothing to draft and is left out (counted by the caller)."""
     eot = end_of_turn_id(target.tokenizer)
@@ -232,7 +158,7 @@ def decode_all(decoder: PairDecoder, answers: list[Answer], room: list[int], max
 
 # -- the report ----------------------------------------------------------------------------------------
 
-def _rooms(answers: list[Answer], target: Restored) -> list[int]:
+def _rooms(answers: list[Answer], target: ModelRun) -> list[int]:
     # As tokens.greedy: a row stops where prompt + generated reach the row length.
     return [target.spec.seq_len - len(a.prompt["ids"]) for a in answers]
 
@@ -307,7 +233,7 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     """The report of a vflash workdir's drafter (latest step unless `step`) on `data`, options as
     `evaluate.run`'s; the data's format and the decoding defaults are the target's, so `ar` is exactly the
     target workdir's own report."""
-    run = restore(workdir, step)
+    run = restore_drafter(workdir, step)
     target = run.target
     fmt, converter_options = eval_workdir.data_format(target, fmt)
     with jax.set_mesh(target.mesh):

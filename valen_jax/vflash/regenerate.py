@@ -63,6 +63,7 @@ from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers, prompts, tokens
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.run import restore_model
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class Regenerator:
                  sampling: Sampling, seed: int):
         if jax.process_count() > 1:
             raise SystemExit("regenerate runs in one process; split the data and run one per part")
-        self.target = eval_workdir.restore(workdir)
+        self.target = restore_model(workdir)
         config = self.target.config
         if config.train.mode != "ar":
             raise SystemExit(f"--workdir={workdir}: a {config.train.mode!r} run; regenerate needs the ar target "

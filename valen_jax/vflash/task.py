@@ -2,8 +2,8 @@
 target of an `ar` workdir.
 
 The target is that workdir's latest checkpoint, its params verified against their save-time digests;
-the drafter's checkpoint meta records it (workdir, step, sha256 of its params, tokenizer) and a resumed
-run refuses a target with other weights. The rows are the target's token rows with the primitive blocks
+the drafter's checkpoint meta records it (`valen_jax.run.target_record`: workdir, step, the identity of
+its params, tokenizer) and a resumed run refuses a target with other weights (`run.check_target`). The rows are the target's token rows with the primitive blocks
 marked (`draft_block`); the state holds the drafter alone, the target's params are a read-only input of
 the step. `metrics.jsonl` gets the drafter's loss, per-position accuracy and expected acceptance length.
 """
@@ -15,14 +15,10 @@ import json
 import logging
 from pathlib import Path
 
-from flax import nnx
-
 from valen_jax.data.valen_rows import is_valen
 from valen_jax.errors import ConfigError
-from valen_jax.models import sharding
-from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
-from valen_jax.models.transformer import abstract_model
+from valen_jax.run import ModelRun, check_target, holds_drafter, restore_model, target_record
 from valen_jax.tasks.token_lm import token_assembly
 from valen_jax.training import checkpoint
 from valen_jax.training.step import TrainLayout, compile_step
@@ -32,62 +28,31 @@ from valen_jax.vflash.objective import DrafterOptions, make_drafter_train_step
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """A `vflash` run's frozen target: an `ar` workdir's latest params, and what identifies them."""
-
-    model_cfg: ModelConfig
-    graphdef: object
-    params: object
-    shardings: object
-    media_kwargs: dict
-    record: dict  # meta["drafter"]["target"]: workdir, step, params_identity, tokenizer
-
-
-def restore_target(config, fingerprint: dict, mesh) -> Target:
-    """The target of `config.model.target_from`: an ar run of this tokenizer, its latest step, params verified."""
+def restore_target(config, fingerprint: dict, mesh) -> ModelRun:
+    """The target of `config.model.target_from`: an ar run of this tokenizer, its latest step, params
+    verified, laid out on the drafter run's `mesh`."""
     workdir = Path(config.model.target_from).resolve()
     where = f"config.model.target_from={workdir}"
     if not checkpoint.checkpoint_dir(workdir).is_dir():
         raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; train the ar target "
                                          "there first (train.mode=ar)")
-    mgr = checkpoint.manager(workdir, read_only=True)
+    if holds_drafter(workdir):
+        raise checkpoint.CheckpointError(f"{where}: its latest checkpoint was trained with train.mode=vflash; a "
+                                         "drafter's target must be an ar run")
     try:
-        step = checkpoint.select_step(mgr, workdir)
-        meta = checkpoint.restore_meta(mgr, step)
-        mode = meta["config"]["train"]["mode"]
-        if mode != "ar":
-            raise checkpoint.CheckpointError(f"{where}: checkpoint {step} was trained with train.mode={mode}; "
-                                             "a drafter's target must be an ar run")
-        if meta["tokenizer"]["fingerprint"] != fingerprint:
-            raise checkpoint.CheckpointError(
-                f"{where}: the target was trained with tokenizer {meta['tokenizer']['fingerprint']}, this run's "
-                f"config.data.tokenizer gives {fingerprint}; the drafter must share the target's vocabulary")
-        model_cfg = ModelConfig.from_json(meta["model"])
-        graphdef, abstract = abstract_model(model_cfg)
-        shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-        params = checkpoint.restore_params_verified(
-            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
-    finally:
-        mgr.close()
-    # The weights' identity from the digests the save recorded (and the restore just verified): nothing gathered.
-    record = {"workdir": str(workdir), "step": step, "params_identity": checkpoint.params_identity(meta, where),
-              "tokenizer": meta["tokenizer"]["fingerprint"]}
-    log.info("target: %s step %d, params identity %s", workdir, step, record["params_identity"])
-    return Target(model_cfg, graphdef, params, shardings, meta["media_kwargs"], record)
-
-
-def check_trained_against(workdir: Path, step: int, saved: dict, target: Target) -> None:
-    """Refuse a drafter checkpoint trained against other target weights (the same weights moved: a warning)."""
-    # The target is its weights: the same params found in a moved or copied workdir are the same target.
-    trained_against = saved.get("drafter", {}).get("target") or {}
-    if not checkpoint.same_weights(trained_against, target.record["params_identity"], target.params):
+        target = restore_model(workdir, mesh=mesh)
+    except checkpoint.CheckpointError as error:
+        raise checkpoint.CheckpointError(f"{where}: {error}") from None
+    mode = target.config.train.mode
+    if mode != "ar":
+        raise checkpoint.CheckpointError(f"{where}: checkpoint {target.step} was trained with train.mode={mode}; "
+                                         "a drafter's target must be an ar run")
+    if target.fingerprint != fingerprint:
         raise checkpoint.CheckpointError(
-            f"{workdir}: checkpoint {step} is a drafter for target {trained_against}; "
-            f"config.model.target_from now gives {target.record} (other weights)")
-    if trained_against["workdir"] != target.record["workdir"]:
-        log.warning("%s: checkpoint %d was trained against the same target weights in %s; now read from %s",
-                    workdir, step, trained_against["workdir"], target.record["workdir"])
+            f"{where}: the target was trained with tokenizer {target.fingerprint}, this run's "
+            f"config.data.tokenizer gives {fingerprint}; the drafter must share the target's vocabulary")
+    log.info("target: %s step %d, params identity %s", workdir, target.step, target.identity)
+    return target
 
 
 class DrafterTask(Task):
@@ -105,7 +70,7 @@ class DrafterTask(Task):
                               f"config.data.format={setup.config.data.format!r} has none")
         return cls(setup, target, train_set)
 
-    def __init__(self, setup: Setup, target: Target, train_set):
+    def __init__(self, setup: Setup, target: ModelRun, train_set):
         super().__init__(setup, target.model_cfg, train_set)
         self.target = target
         try:
@@ -130,10 +95,10 @@ class DrafterTask(Task):
 
     def meta(self) -> dict:
         # `model` is the target's architecture; the state holds the drafter, trained against `target`.
-        return {"drafter": {"config": self.drafter_cfg.to_json(), "target": self.target.record}}
+        return {"drafter": {"config": self.drafter_cfg.to_json(), "target": target_record(self.target)}}
 
     def check_resume(self, step: int, saved: dict) -> None:
-        check_trained_against(self.setup.workdir, step, saved, self.target)
+        check_target(self.setup.workdir, step, saved["drafter"]["target"], self.target)
 
     def initial_params(self, layout):
         return init_drafter_params(self.drafter_cfg, int(self.config.train.seed), layout.param_shardings)

@@ -1,0 +1,37 @@
+"""tests/file_seconds.py: the per-file seconds the conftest orders the suite by (heaviest first)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("file_seconds", ROOT / "tests" / "file_seconds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_junit_report_sums_into_seconds_per_file_heaviest_first(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_a" name="x" time="1.5"/>'
+        '<testcase classname="tests.test_b.TestGroup" name="y" time="4.0"/>'
+        '<testcase classname="tests.test_a" name="z" time="2.25"/>'
+        '<testcase classname="conftest" name="setup" time="9"/>'
+        '</testsuite></testsuites>')
+    seconds = _module().file_seconds(junit)
+    assert seconds == {"tests/test_b.py": 4.0, "tests/test_a.py": 3.8}
+    assert list(seconds) == ["tests/test_b.py", "tests/test_a.py"]
+
+
+def test_the_committed_table_names_files_that_exist():
+    import json
+
+    table = json.loads((ROOT / "tests" / "file_seconds.json").read_text())
+    missing = [name for name in table if not name.startswith("_") and not (ROOT / name).is_file()]
+    assert not missing, missing
