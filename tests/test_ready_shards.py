@@ -4,7 +4,9 @@ folder; the manifest's own options are logged and a difference is one warning li
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -48,3 +50,25 @@ def test_matching_or_no_options_warn_nothing(chat_shards, tmp_path, caplog):
         ensure_shards("chat", chat_shards, tmp_path / "cache", TOKENIZER, fingerprint, {"assistant_turns": "all"})
         ensure_shards("chat", chat_shards, tmp_path / "cache", TOKENIZER, fingerprint, {})
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.slow
+def test_evaluate_reads_a_shard_folder_whatever_the_workdirs_eval_options(tmp_path_factory, tmp_path):
+    """configs/chat.py's eval_options (assistant_turns) once refused a shard folder as --data, with no way
+    around it; the command now evaluates it, and the difference from the shards' options is not an error."""
+    from tests.smoke_workdirs import smoke_workdir
+
+    workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
+    shards = tmp_path / "eval_shards"
+    subprocess.run([sys.executable, "-m", "data_pipeline.convert", "--format=chat", "--assistant-turns=last",
+                    f"--input={ROOT / 'data/smoke/chat/eval.jsonl'}", f"--output={shards}",
+                    f"--tokenizer={TOKENIZER}"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    copy = tmp_path / "wd"
+    shutil.copytree(workdir, copy)
+    result = subprocess.run([sys.executable, "-m", "valen_jax.evaluate", f"--workdir={copy}", f"--data={shards}",
+                             f"--output={tmp_path / 'report.json'}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "report.json").read_text())
+    differ = [line for line in result.stderr.splitlines() if "converter options differ" in line]
+    assert len(differ) == 1 and "assistant_turns='all' (shards: 'last')" in differ[0], result.stderr[-3000:]
