@@ -6,11 +6,11 @@
 For each model (0.5B: hidden 896, 24 layers, 14/2 heads; 1.5B: hidden 1536, 28 layers, 12/2 heads;
 vocab 151,936, tied embeddings, Qwen2 q/k/v biases) and each attention implementation this backend has
 (GPU: cudnn, flash; TPU: splash, flash; CPU: blockwise, flash), one child process compiles
-`valen_jax.step.make_train_step` (AdamW, f32 master weights, bf16 compute, scanned layers) through
-`valen_jax.step.compile_step` (the state donated, as training runs it), runs warm-up + `--steps`
+`valen_jax.training.step.make_train_step` (AdamW, f32 master weights, bf16 compute, scanned layers) through
+`valen_jax.training.step.compile_step` (the state donated, as training runs it), runs warm-up + `--steps`
 steps on one random batch, and reports step time, tokens/s, peak device memory
 (`device.memory_stats()`, fresh per child; on CPU the compiled step's own memory analysis), and MFU
-against the datasheet peak (`valen_jax.metrics.peak_flops_per_device`; on CPU a measured matmul).
+against the datasheet peak (`valen_jax.training.metrics.peak_flops_per_device`; on CPU a measured matmul).
 The batch is sized to the device from a batch-1 compile's memory analysis: rows × its temp memory +
 its fixed memory within 85% of device memory (conservative: some temp, e.g. gradients, does not grow
 with rows; `--batch` overrides). The pre-update loss and gradient norm
@@ -92,9 +92,9 @@ def run_child(args) -> None:
     import jax.numpy as jnp
     from step_setup import compiled_step, train_layout
 
-    from valen_jax import sharding
-    from valen_jax.metrics import model_flops_per_step, peak_flops_per_device
+    from valen_jax.models import sharding
     from valen_jax.models.transformer import init_params
+    from valen_jax.training.metrics import model_flops_per_step, peak_flops_per_device
 
     name, attention = args.child.split(":")
     cfg = model_config(name, attention, args.smoke, remat=not args.no_remat)

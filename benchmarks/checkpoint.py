@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from step_setup import compiled_step, train_config, train_layout
 
-from valen_jax import checkpoint, sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
-from valen_jax.step import TrainLayout
+from valen_jax.training import checkpoint
+from valen_jax.training.step import TrainLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 LEARNING_RATE = 1e-4

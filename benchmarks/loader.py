@@ -14,7 +14,7 @@ tokenizer data/tokenizer. Three measurements:
    stream of examples (65–150 tokens each after media expansion) in rows of `--pack-seq-len`, in
    steady state (an endless shuffled stream, so no final partial rows), plus the same at 192.
 3. The compiled train step of configs/vflash.py's model (as train.py builds it: the token-LM
-   task's `compile`, i.e. valen_jax.step.compile_step) timed on the loader's own batches;
+   task's `compile`, i.e. valen_jax.training.step.compile_step) timed on the loader's own batches;
    `loader_vs_step` is the fastest loader configuration's rows per second over the rows per
    second the step consumes (> 1: the step, not the loader, sets the pace).
 
@@ -41,11 +41,11 @@ sys.path.insert(0, str(ROOT))  # `configs` is a directory of config files, not a
 from configs import vflash  # noqa: E402
 from data_pipeline.conversion import convert  # noqa: E402
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
-from valen_jax import sharding  # noqa: E402
 from valen_jax.data.assemble import RowSpec, batch_shapes_of  # noqa: E402
 from valen_jax.data.packing import PackingSpec, PackIterDataset, piece_of  # noqa: E402
 from valen_jax.data.pipeline import TokenAssembly, build_dataset  # noqa: E402
 from valen_jax.data.sources import ShardSet, decode, sampling_indices  # noqa: E402
+from valen_jax.models import sharding  # noqa: E402
 from valen_jax.models.build import model_config  # noqa: E402
 from valen_jax.tasks.token_lm import TokenLMTask  # noqa: E402
 from valen_jax.training.task import Setup  # noqa: E402
@@ -96,7 +96,7 @@ def packing_efficiency(pieces, spec, packing: PackingSpec, rows: int) -> float:
 
 def time_train_step(config, model_cfg, tokenizer, spec, batches, steps: int) -> float:
     """Seconds per compiled train step, built the way valen_jax.train builds it: the token-LM task's
-    layout, initial parameters and `compile` (valen_jax.step.compile_step)."""
+    layout, initial parameters and `compile` (valen_jax.training.step.compile_step)."""
     mesh = sharding.make_mesh(config.mesh)
     task = TokenLMTask(Setup(config, None, tokenizer, {}, mesh), model_cfg, None)
     layout = task.layout()

@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/memory.py --model=1.5b --layers=28 --lengths=8192,16384,32768,65536 \
         --fit-gib=80                                             # longest 1.5B row on one 80 GB device
 
-For each length, `valen_jax.step.make_train_step` (AdamW, f32 master weights, bf16 compute, remat
-`--remat`, scanned layers, token-tiled loss) is compiled by `valen_jax.step.compile_step` (the state
+For each length, `valen_jax.training.step.make_train_step` (AdamW, f32 master weights, bf16 compute, remat
+`--remat`, scanned layers, token-tiled loss) is compiled by `valen_jax.training.step.compile_step` (the state
 donated, as training runs it) for one row of that many tokens on this backend;
 `compiled.memory_analysis()` gives the step's temporary memory (every buffer live inside the step:
 activations, residuals, logits chunks, gradients) next to its arguments (parameters + optimizer

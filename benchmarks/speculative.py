@@ -102,12 +102,12 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's
 
 from data_pipeline.primitives import AtomicCalls  # noqa: E402
 from data_pipeline.tokenizer import end_of_turn_id  # noqa: E402
-from valen_jax import checkpoint  # noqa: E402
 from valen_jax.decoding.engine import generate_ids  # noqa: E402
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder  # noqa: E402
 from valen_jax.evaluation import prompts  # noqa: E402
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
 from valen_jax.models import drafter as block_drafter  # noqa: E402
+from valen_jax.training import checkpoint  # noqa: E402
 
 SMOKE = ROOT / "data/smoke/vflash"
 EVAL_DATA = SMOKE / "eval.jsonl"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
-from valen_jax.step import TrainLayout, compile_step, make_train_step
+from valen_jax.training.step import TrainLayout, compile_step, make_train_step
 
 
 def train_config(learning_rate: float) -> ml_collections.ConfigDict:
@@ -32,7 +32,7 @@ def train_layout(cfg: ModelConfig, learning_rate: float):
 
 
 def compiled_step(layout: TrainLayout, batch: dict):
-    """The token train step (`make_train_step`, default StepOptions) compiled by `valen_jax.step.compile_step`
+    """The token train step (`make_train_step`, default StepOptions) compiled by `valen_jax.training.step.compile_step`
     (state donated, the layout's shardings) for the shapes and dtypes of `batch`."""
     shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in batch.items()}
     return compile_step(make_train_step(layout.graphdef, layout.tx, layout.schedule), layout, shapes)

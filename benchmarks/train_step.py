@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from step_setup import compiled_step, train_layout
 
-from valen_jax import sharding
-from valen_jax.metrics import measured_matmul_flops, model_flops_per_step
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import init_params
+from valen_jax.training.metrics import measured_matmul_flops, model_flops_per_step
 
 
 def parse_args():

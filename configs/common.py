@@ -5,7 +5,7 @@
     return common.apply_variant(config, variant, "configs/chat.py")
 
 Groups, their keys and defaults (with what each key means) are declared once in
-`valen_jax.config_schema`, which also validates a config once at start-up: `data`,
+`valen_jax.config.schema`, which also validates a config once at start-up: `data`,
 `media_kwargs`, `model`, `train`, `loss`, `mesh`, `eval`. Variants after `:`: none = the CPU
 smoke run; `tiny` = the smallest model and a few steps, for tests; `hf` = start from an HF
 checkpoint, a directory or hub name (`--config.model.init_from=PATH --config.data.tokenizer=PATH`):
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ml_collections
 
-from valen_jax.config_schema import ARCHITECTURE_KEYS, defaults
+from valen_jax.config.schema import ARCHITECTURE_KEYS, defaults
 
 ROOT = Path(__file__).resolve().parent.parent
 

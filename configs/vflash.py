@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # config files are loaded by path; make their sibling `common` importable
     sys.path.insert(0, str(ROOT))
 from configs import common  # noqa: E402
-from valen_jax.config_schema import defaults  # noqa: E402
+from valen_jax.config.schema import defaults  # noqa: E402
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:

@@ -5,7 +5,7 @@
 
 Everything after `--` goes to every process unchanged. Each process gets the coordinator (a free
 localhost port, process 0 serves it) and its id through VALEN_* variables, which
-`valen_jax.distributed.initialize` reads. `--devices-per-process` simulates CPU devices with
+`valen_jax.cli.distributed.initialize` reads. `--devices-per-process` simulates CPU devices with
 XLA_FLAGS, so this exercises the multi-host code paths (per-process data slices, global arrays,
 cross-process collectives over gloo, Orbax multi-host saves) without accelerators; pass 0 to leave
 the platform and devices as they are. Output lines are prefixed `[pN]`. The exit status is 0 when

@@ -23,7 +23,7 @@ CONFIG=${CONFIG:-configs/vflash.py}
 OVERRIDES=$(printf ' %q' "$@")
 
 # make setup installs the CPU jaxlib of the lock; libtpu comes with jax's `tpu` extra of the
-# same version. valen_jax.distributed detects the pod (JAX's Cloud TPU cluster detection reads
+# same version. valen_jax.cli.distributed detects the pod (JAX's Cloud TPU cluster detection reads
 # the worker list from the VM metadata) and calls jax.distributed.initialize() on every host.
 gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=all --command="
   set -euo pipefail

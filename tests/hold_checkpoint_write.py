@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from valen_jax import checkpoint
+from valen_jax.training import checkpoint
 
 MESSAGE = "holding the write of checkpoint {step} open"
 

@@ -148,7 +148,7 @@ def test_auto_on_gpu_runs_branch_trees_with_flash(monkeypatch):
 _SHARDED_CHECK = """
 import jax, jax.numpy as jnp, numpy as np
 from tests.test_attention_accel import _branches, _inputs, _segments, _value_and_grads
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.attention import reference
 from valen_jax.models.attention_accel import splash_attention
 q, k, v = _inputs()

@@ -258,7 +258,7 @@ SHARDED_FLASH = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model, init_params
 

@@ -18,10 +18,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from tests.hold_checkpoint_write import holding_async_save
-from valen_jax import checkpoint
+from valen_jax.training import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-# Written by valen_jax/checkpoint.py as of commit 02e97f6 (Orbax 0.12.8, the `state` item through
+# Written by valen_jax/training/checkpoint.py as of commit 02e97f6 (Orbax 0.12.8, the `state` item through
 # StandardCheckpointHandler, digests in `meta`), with zstd and without: step 5 of `old_state()`,
 # the iterator of `make_iterator(40)` after two batches.
 OLD_CHECKPOINTS = Path(__file__).resolve().parent / "orbax_0_12_checkpoints"
@@ -157,7 +157,7 @@ def test_a_damaged_latest_checkpoint_is_reported_moved_aside_and_the_previous_on
         data = data[: len(data) // 3]
     path.write_bytes(bytes(data))
 
-    with caplog.at_level(logging.WARNING, logger="valen_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="valen_jax.training.checkpoint"):
         (step, state, _), iterator = restore(tmp_path)
     assert step == 1
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.asarray(make_state(1)["params"]["w"]))
@@ -170,7 +170,7 @@ def test_a_damaged_latest_checkpoint_is_reported_moved_aside_and_the_previous_on
 def test_damaged_meta_is_corruption_too(tmp_path, caplog):
     save_steps(tmp_path, [1, 2])
     (tmp_path / "checkpoints" / "2" / "meta" / "metadata").write_text('{"step": 2, "dig')
-    with caplog.at_level(logging.WARNING, logger="valen_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="valen_jax.training.checkpoint"):
         (step, _, _), _ = restore(tmp_path)
     assert step == 1 and any("checkpoint 2 is corrupt" in r.getMessage() for r in caplog.records)
 
@@ -240,7 +240,7 @@ def test_checkpoints_written_through_the_standard_handler_still_restore_verified
 
 def test_what_we_rely_on_from_orbax_is_unchanged(tmp_path):
     """If this fails after an Orbax upgrade, the checkpoint format or an API valen_jax uses changed:
-    read the Orbax changelog, adapt valen_jax/checkpoint.py, and keep the old-checkpoint test green."""
+    read the Orbax changelog, adapt valen_jax/training/checkpoint.py, and keep the old-checkpoint test green."""
     # Handler type strings recorded in every step's metadata (old steps name StandardCheckpointHandler
     # for `state`; restores choose handlers by argument type, so both read).
     recorded = {

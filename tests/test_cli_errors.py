@@ -1,4 +1,4 @@
-"""Every command's error boundary (valen_jax/cli_errors.py; issue 27): one row per mistake per CLI.
+"""Every command's error boundary (valen_jax/cli/boundary.py; issue 27): one row per mistake per CLI.
 
 Each row runs the command as a user would (`python -m valen_jax.X ...` from the repository root) and
 asserts: the stated exit code (2 for a command line that cannot work, 1 for data and state), no
@@ -8,7 +8,7 @@ not created). The trained workdir is the shared tiny VFlash one (tests/smoke_wor
 row, so a row that damages or writes into it touches only its copy.
 
 `train.lock` is compared by name only: every trainer that takes the lock rewrites its informational
-`pid N on HOST` line (valen_jax/workdir_lock.py), and the lock is taken before the data is read.
+`pid N on HOST` line (valen_jax/training/workdir_lock.py), and the lock is taken before the data is read.
 
 The rows that need no trained workdir run by default; the whole table is `slow` (each row is a
 process start, 5-15 s here).
@@ -269,7 +269,7 @@ def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
 
 def test_the_boundary_prints_one_line_and_exits_by_kind(capsys):
     from data_pipeline.formats.errors import FormatError, Problem
-    from valen_jax.cli_errors import error_boundary
+    from valen_jax.cli.boundary import error_boundary
     from valen_jax.errors import ConfigError, UsageError
 
     with pytest.raises(SystemExit) as exited, error_boundary("cmd"):
@@ -286,7 +286,7 @@ def test_the_boundary_prints_one_line_and_exits_by_kind(capsys):
 
 
 def test_an_os_error_is_the_users_only_about_their_paths(tmp_path, capsys):
-    from valen_jax.cli_errors import error_boundary, is_user_error
+    from valen_jax.cli.boundary import error_boundary, is_user_error
 
     mine = FileNotFoundError(2, "No such file or directory", str(tmp_path / "data" / "x.jsonl"))
     assert is_user_error(mine, [tmp_path / "data"]) and not is_user_error(mine, [tmp_path / "other"])
@@ -300,7 +300,7 @@ def test_an_os_error_is_the_users_only_about_their_paths(tmp_path, capsys):
 
 
 def test_a_bug_keeps_its_traceback_after_a_line_saying_so(capsys):
-    from valen_jax.cli_errors import error_boundary
+    from valen_jax.cli.boundary import error_boundary
 
     with pytest.raises(KeyError), error_boundary("valen_jax.cmd"):
         raise KeyError("internal")
@@ -311,7 +311,7 @@ def test_a_bug_keeps_its_traceback_after_a_line_saying_so(capsys):
 
 
 def test_config_overrides_are_checked_against_the_config_with_the_closest_keys(tmp_path):
-    from valen_jax.cli_errors import check_config_overrides
+    from valen_jax.cli.boundary import check_config_overrides
     from valen_jax.errors import UsageError
 
     config = tmp_path / "c.py"
@@ -336,7 +336,7 @@ def test_a_read_completion_reaching_a_closed_loop_is_dropped_and_other_reports_a
     unraisable hook; the boundary's hook drops exactly that report and passes on every other one."""
     import asyncio
 
-    from valen_jax import cli_errors
+    from valen_jax.cli import boundary as cli_errors
 
     seen = []
     previous = sys.unraisablehook

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from tests.train_runs import ROOT
-from valen_jax.config_schema import ARCHITECTURE_KEYS, REQUIRED, ConfigError, defaults, validate_config
+from valen_jax.config.schema import ARCHITECTURE_KEYS, REQUIRED, ConfigError, defaults, validate_config
 
 CONFIGS = ("vflash", "valen", "chat", "vakforge", "prepared")
 

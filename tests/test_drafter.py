@@ -14,16 +14,9 @@ import pytest
 from flax import nnx
 
 from data_pipeline.shards import Example
-from valen_jax.config_schema import ConfigError, validate_config
+from valen_jax.config.schema import ConfigError, validate_config
 from valen_jax.data.assemble import AssemblyError, RowSpec, assemble, batch_shapes_of, draft_block_of
 from valen_jax.data.packing import piece_of, row_of
-from valen_jax.losses import (
-    acceptance_length,
-    drafter_losses,
-    drafter_targets,
-    position_weights,
-    token_losses,
-)
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import (
     Drafter,
@@ -34,7 +27,15 @@ from valen_jax.models.drafter import (
     target_features,
 )
 from valen_jax.models.transformer import Transformer
-from valen_jax.step import DrafterOptions, make_drafter_train_step
+from valen_jax.training.losses import token_losses
+from valen_jax.vflash.objective import (
+    DrafterOptions,
+    acceptance_length,
+    drafter_losses,
+    drafter_targets,
+    make_drafter_train_step,
+    position_weights,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -344,7 +345,7 @@ def test_an_unknown_training_mode_is_refused_naming_the_registered_ones():
 
 
 def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     from valen_jax.vflash.task import Target, check_trained_against
 
     record = {"workdir": "/runs/target", "step": 4, "params_identity": "a" * 64, "tokenizer": {}}
@@ -356,7 +357,7 @@ def test_resuming_a_drafter_against_other_target_weights_is_refused(tmp_path):
 
 def test_a_drafter_saved_before_params_identity_is_checked_on_the_sha256_of_its_targets_weights(tmp_path):
     """Meta schema 1: the record holds params_sha256 (every byte of the weights), compared the old way."""
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     from valen_jax.vflash.task import Target, check_trained_against
 
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
@@ -371,7 +372,7 @@ def test_a_drafter_saved_before_params_identity_is_checked_on_the_sha256_of_its_
 
 
 def test_metas_are_migrated_to_the_current_schema_and_a_newer_one_is_refused():
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
 
     old = {"config": {"train": {"steps": 4}}, "model": {}}
     migrated = checkpoint.migrate_meta(old)

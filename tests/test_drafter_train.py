@@ -15,10 +15,8 @@ from flax import nnx
 from data_pipeline.shards import read_shard
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT, final_params, metrics, run_train
-from valen_jax import checkpoint
 from valen_jax.data.assemble import RowSpec, assemble
 from valen_jax.data.sources import ShardSet
-from valen_jax.losses import drafter_losses, drafter_targets
 from valen_jax.models.drafter import (
     Drafter,
     DrafterConfig,
@@ -27,6 +25,8 @@ from valen_jax.models.drafter import (
     init_drafter_params,
 )
 from valen_jax.models.transformer import Transformer
+from valen_jax.training import checkpoint
+from valen_jax.vflash.objective import drafter_losses, drafter_targets
 from valen_jax.vflash.task import restore_target
 
 sys.path.insert(0, str(ROOT))
@@ -92,7 +92,7 @@ def test_the_target_is_bitwise_unchanged_and_recorded_in_the_drafters_meta(runs)
 
 
 def _mesh():
-    from valen_jax import sharding
+    from valen_jax.models import sharding
     return sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
 
 

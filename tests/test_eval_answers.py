@@ -13,12 +13,13 @@ from data_pipeline.render.chat import ChatRenderer
 from data_pipeline.tokenizer import load_tokenizer
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
-from valen_jax import checkpoint, evaluate
+from valen_jax import evaluate
 from valen_jax.evaluation import chat, registry
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.metrics.answer_match import answer_matches, normalise_answer
 from valen_jax.evaluation.metrics.chat import ChatStats
 from valen_jax.evaluation.metrics.entities import Generated, entity_found
+from valen_jax.training import checkpoint
 
 CHAT_EVAL = ROOT / "data/smoke/chat/eval.jsonl"
 VAKFORGE = ROOT / "data/smoke/vakforge/vakforge.jsonl"

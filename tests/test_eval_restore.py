@@ -13,7 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from valen_jax import checkpoint
+from valen_jax.training import checkpoint
 
 STEP = 3
 
@@ -142,7 +142,7 @@ def test_evaluate_restores_a_trained_workdir_params_only_and_refuses_a_damaged_o
     assert not any(name.startswith(("opt_state.", "step")) for name in arrays_read)
 
     # The same params as the full train-state restore that training resume uses.
-    from valen_jax.step import TrainLayout
+    from valen_jax.training.step import TrainLayout
 
     mgr = checkpoint.manager(workdir, read_only=True)
     layout = TrainLayout.from_config(restored.model_cfg, restored.config.train, restored.mesh)

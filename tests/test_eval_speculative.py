@@ -12,12 +12,13 @@ import pytest
 from tests.smoke_workdirs import smoke_workdir
 from tests.test_evaluate_units import FakeHosts
 from tests.train_runs import ROOT, run_train
-from valen_jax import checkpoint, evaluate
+from valen_jax import evaluate
 from valen_jax.decoding.speculative import BlockStats
 from valen_jax.evaluation import hosts as eval_hosts
-from valen_jax.evaluation import speculative
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.metrics.speculative import BlockSums
+from valen_jax.training import checkpoint
+from valen_jax.vflash import evaluation as speculative
+from valen_jax.vflash.metrics import BlockSums
 
 SMOKE = ROOT / "data/smoke/vflash"
 MAX_NEW = 12  # under the smallest announced block (14): every from-call block runs to the budget

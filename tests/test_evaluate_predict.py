@@ -183,7 +183,7 @@ def test_a_choice_question_with_one_candidate_evaluates(valen_workdir, tmp_path)
 FSDP_SCRIPT = r"""
 import json, sys
 import jax, numpy as np
-from valen_jax import checkpoint
+from valen_jax.training import checkpoint
 from valen_jax.evaluation import tokens, workdir as eval_workdir
 
 workdir, data = sys.argv[1], sys.argv[2]

@@ -22,8 +22,8 @@ from data_pipeline.primitives import coordinates, dequantise, parse_answer
 from data_pipeline.tokenizer import end_of_turn_id, load_tokenizer
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT, env_with_devices
-from valen_jax import checkpoint, predict
 from valen_jax import generate as generate_cli
+from valen_jax import predict
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers, tokens
@@ -31,6 +31,7 @@ from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.prompts import prompt_of
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
+from valen_jax.training import checkpoint
 
 VFLASH_DATA = ROOT / "data/smoke/vflash/eval.jsonl"
 CHAT_DATA = ROOT / "data/smoke/chat/eval.jsonl"

@@ -21,10 +21,10 @@ from tests.test_checkpoint import abstract, largest_state_file, make_iterator, m
 from tests.test_packing import SPEC as PACK_SPEC
 from tests.test_packing import make_piece
 from tests.train_runs import ROOT, env_with_devices, train_command
-from valen_jax import checkpoint, workdir_lock
-from valen_jax.config_schema import ConfigError, validate_config
+from valen_jax.config.schema import ConfigError, validate_config
 from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec, PackIterDataset
+from valen_jax.training import checkpoint, workdir_lock
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_a_workdir_whose_checkpoints_were_all_quarantined_is_refused_unless_a_fr
     with pytest.raises(checkpoint.CheckpointError, match="checkpoints-corrupt") as error:
         restore(tmp_path)
     assert "config.train.allow_fresh_start=True" in str(error.value) and "\n" not in str(error.value)
-    with caplog.at_level(logging.WARNING, logger="valen_jax.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="valen_jax.training.checkpoint"):
         assert restore(tmp_path, allow_fresh_start=True) is None
     assert any("from step 0" in r.getMessage() for r in caplog.records)
 
@@ -92,7 +92,7 @@ def test_a_second_trainer_on_a_workdir_is_refused_naming_the_holder_and_a_crash_
     # A holder killed with SIGKILL (no cleanup of any kind) leaves the workdir free.
     crashed = subprocess.run([sys.executable, "-c", (
         "import os, signal, sys\n"
-        "from valen_jax import workdir_lock\n"
+        "from valen_jax.training import workdir_lock\n"
         f"with workdir_lock.exclusive({str(tmp_path)!r}):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert crashed.returncode == -signal.SIGKILL
@@ -105,7 +105,7 @@ def test_a_forked_child_outliving_a_killed_trainer_does_not_keep_the_workdir_loc
     # blocked on its stdin, holding a copy of every descriptor its parent had at the fork.
     holder = subprocess.Popen([sys.executable, "-c", (
         "import os, signal, sys\n"
-        "from valen_jax import workdir_lock\n"
+        "from valen_jax.training import workdir_lock\n"
         f"with workdir_lock.exclusive({str(tmp_path)!r}):\n"
         "    if os.fork() == 0:\n"
         "        print('forked', flush=True)\n"

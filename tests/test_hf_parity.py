@@ -90,7 +90,7 @@ def test_added_token_rows_follow_the_documented_rule(tmp_path):
     pieces = {base: [1, 2, 3], base + 1: [7], 5: [9, 10]}  # id 5: a spare row re-initialised too
     cfg = hf.config_from_hf(__import__("json").loads((tmp_path / "hf" / "config.json").read_text()))
     cfg = __import__("dataclasses").replace(cfg, vocab_size=base + 128)
-    from valen_jax import sharding
+    from valen_jax.models import sharding
     from valen_jax.models.transformer import abstract_model
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_model(cfg)[1], mesh))

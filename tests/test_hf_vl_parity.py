@@ -215,7 +215,7 @@ SHARDED = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models import hf
 from tests.test_hf_vl_parity import _our_logits, _pixels, _prompt, IMAGE_GRIDS, VIDEO_GRIDS
 

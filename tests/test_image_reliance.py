@@ -20,10 +20,11 @@ from PIL import Image
 from tests.smoke_workdirs import smoke_workdir
 from tests.test_evaluate_units import FakeHosts
 from tests.train_runs import ROOT
-from valen_jax import checkpoint, evaluate
+from valen_jax import evaluate
 from valen_jax.evaluation import chat, image_reliance, registry, valen, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.image_reliance import SwapPlan, layout_of, plan_swaps, swap_prompts
+from valen_jax.training import checkpoint
 
 VFLASH = ROOT / "data/smoke/vflash"
 KEYS = {"compared", "unswappable", "changed_fraction", "differing", "reliance", "metric", "with_images",

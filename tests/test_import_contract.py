@@ -11,9 +11,8 @@ edge too (unless the importer lives inside it). The contract fails on
   (iii) an edge against the layer order of `LAYERS`, or into a sealed layer (nothing imports a command),
         or a module that no layer of `LAYERS` names (a new module is placed in the order on purpose).
 
-The package is not yet reorganised into DESIGN's subpackages, so `LAYERS` maps today's modules and
-packages onto DESIGN's order, and names the packages DESIGN adds (`training`, `tasks`, `vflash`, `run`)
-so they are placed from their first file. An edge against the order that is not fixed yet is listed in
+`LAYERS` maps the subpackages onto DESIGN's order (the top of `valen_jax/` holds only the commands and
+`errors.py`); it names `run` before that package has a file, so the package is placed from its first. An edge against the order that is not fixed yet is listed in
 `KNOWN_BACK_EDGES` with why; the test fails when a listed edge no longer exists, so the list only shrinks.
 """
 
@@ -36,20 +35,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data_pipeline", ("data_pipeline.*",)),
     # The user-error taxonomy, a leaf; and the package itself (an empty __init__).
     ("errors", ("valen_jax", "valen_jax.errors")),
-    # Models and data, and the leaves both read: sharding rules, the config schema (it reads only leaves:
-    # errors, data.media_defaults, the attention and remat names).
-    ("models/data", ("valen_jax.models.*", "valen_jax.data.*", "valen_jax.sharding", "valen_jax.config_schema")),
-    # The training loop and the Task protocol it drives (`training/`), the training pieces still beside it
-    # at the top (losses, step, optimizer, metrics, progress, checkpoints, the workdir's lock) and the decoder.
-    ("training/decoding", ("valen_jax.training.*", "valen_jax.losses", "valen_jax.step", "valen_jax.optim",
-                           "valen_jax.metrics", "valen_jax.progress", "valen_jax.checkpoint",
-                           "valen_jax.workdir_lock", "valen_jax.decoding.*")),
+    # Models and data (the mesh and logical axis rules live with the models that name their axes), and
+    # the config schema both read (it reads only leaves: errors, data.media_defaults, the attention and
+    # remat names).
+    ("models/data", ("valen_jax.models.*", "valen_jax.data.*", "valen_jax.config.*")),
+    # The training loop and the Task protocol it drives, the step builders, losses, optimizer, metrics,
+    # progress, checkpoints and the workdir's lock (`training/`), and the decoder.
+    ("training/decoding", ("valen_jax.training.*", "valen_jax.decoding.*")),
     # One module per training mode (`tasks/`), the VFlash feature (`vflash/`), evaluation.
     ("tasks/evaluation", ("valen_jax.tasks.*", "valen_jax.vflash.*", "valen_jax.evaluation.*")),
-    # The run handle (future `run/`: workdir layout, restore).
+    # The run handle (`run/`: workdir layout, restore).
     ("run", ("valen_jax.run.*",)),
     # What only the commands use: their logging set-up, the multi-process start, the one error boundary.
-    ("cli support", ("valen_jax.cli_logging", "valen_jax.distributed", "valen_jax.cli_errors")),
+    ("cli support", ("valen_jax.cli.*",)),
     # The commands users run (DESIGN: `valen_jax/{train,evaluate,predict,generate,regenerate,export,compile,serve}.py`).
     ("commands", ("valen_jax.train", "valen_jax.evaluate", "valen_jax.predict", "valen_jax.generate",
                   "valen_jax.regenerate", "valen_jax.export", "valen_jax.compile", "valen_jax.serve")),
@@ -260,6 +258,14 @@ def test_the_tree_keeps_the_import_contract():
     assert not problems, "\n".join(problems)
 
 
+def test_the_top_of_valen_jax_holds_the_commands_and_the_error_taxonomy_only():
+    """DESIGN "Layout": everything a command calls lives in a subpackage with one job."""
+    commands = {pattern.removeprefix("valen_jax.") for _, patterns in LAYERS for pattern in patterns
+                if dict(LAYERS)["commands"] == patterns}
+    top = {path.stem for path in (ROOT / "valen_jax").glob("*.py")} - {"__init__", "errors"}
+    assert top <= commands, sorted(top - commands)
+
+
 def test_every_layer_pattern_names_something_or_a_planned_package():
     """A pattern that matches no module must be one of DESIGN's packages still to come (or a command to
     come): a typo in the table would otherwise leave a module unplaced without anyone noticing."""
@@ -282,7 +288,7 @@ TOY_LAYERS = (
     ("data_pipeline", ("data_pipeline.*",)),
     ("errors", ("valen_jax", "valen_jax.errors")),
     ("models", ("valen_jax.models.*",)),
-    ("training", ("valen_jax.losses",)),
+    ("training", ("valen_jax.training.losses",)),
     ("commands", ("valen_jax.train", "valen_jax.evaluate")),
 )
 
@@ -299,14 +305,14 @@ def test_the_checker_reports_a_back_edge_a_circle_and_the_rest(tmp_path):
         "valen_jax/models/__init__.py": "",
         # (iii): models -> training, a back edge; models -> errors and data_pipeline are fine.
         "valen_jax/models/net.py": "from data_pipeline import formats\nfrom valen_jax.errors import UserError\n"
-                                   "from valen_jax import losses\n",
+                                   "from valen_jax.training import losses\n",
         # (i): a circle, one way at module level, back under TYPE_CHECKING.
         "valen_jax/models/a.py": "from valen_jax.models.b import B\n",
         "valen_jax/models/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                  "    from valen_jax.models.a import A\nB = 1\n",
-        "valen_jax/losses.py": "import valen_jax.errors\n",
+        "valen_jax/training/losses.py": "import valen_jax.errors\n",
         # A command importing another (sealed), and one importing the library (fine).
-        "valen_jax/evaluate.py": "from valen_jax import losses\n",
+        "valen_jax/evaluate.py": "from valen_jax.training import losses\n",
         "valen_jax/train.py": "import importlib\nfrom valen_jax.models import net\n"
                               "def report():\n    return importlib.import_module('valen_jax.evaluate')\n",
         # A module in no layer.
@@ -319,7 +325,7 @@ def test_the_checker_reports_a_back_edge_a_circle_and_the_rest(tmp_path):
     assert circle.startswith("import circle among valen_jax.models.a, valen_jax.models.b: ")
     assert "valen_jax/models/a.py:1 (module level)" in circle and "valen_jax/models/b.py:3 (type checking)" in circle
     assert unplaced.startswith("valen_jax.helpers (valen_jax/helpers.py) is in no layer")
-    assert back == ("valen_jax.models.net -> valen_jax.losses goes against the layer order (models may not import "
+    assert back == ("valen_jax.models.net -> valen_jax.training.losses goes against the layer order (models may not import "
                     "the later training layer) at valen_jax/models/net.py:3 (module level)")
     assert sealed == ("valen_jax.train -> valen_jax.evaluate goes against the layer order (nothing imports the "
                       "commands layer) at valen_jax/train.py:4 (import_module)")
@@ -327,11 +333,11 @@ def test_the_checker_reports_a_back_edge_a_circle_and_the_rest(tmp_path):
                              "data_pipeline/render.py:2 (in a function)")
 
     # A listed back edge is tolerated while it exists, and reported once it is gone.
-    known = {("valen_jax.models.net", "valen_jax.losses"): "toy"}
-    assert not any("net -> valen_jax.losses" in p for p in import_problems(tmp_path, TOY_LAYERS, frozenset(), known))
+    known = {("valen_jax.models.net", "valen_jax.training.losses"): "toy"}
+    assert not any("net -> valen_jax.training.losses" in p for p in import_problems(tmp_path, TOY_LAYERS, frozenset(), known))
     (tmp_path / "valen_jax/models/net.py").write_text("from valen_jax.errors import UserError\n")
     assert [p for p in import_problems(tmp_path, TOY_LAYERS, frozenset(), known) if "KNOWN" in p] == [
-        "KNOWN_BACK_EDGES lists valen_jax.models.net -> valen_jax.losses, which is no longer an edge against the "
+        "KNOWN_BACK_EDGES lists valen_jax.models.net -> valen_jax.training.losses, which is no longer an edge against the "
         "order: remove it from the list"]
 
 
@@ -343,14 +349,14 @@ def test_the_checker_follows_relative_imports_and_package_inits(tmp_path):
         "valen_jax/models/__init__.py": "from .net import Net\n",  # the package runs net
         "valen_jax/models/net.py": "from ..errors import *\nNet = 1\n",
         "valen_jax/models/util.py": "",
-        "valen_jax/losses.py": "from valen_jax.models.util import *\n",  # runs models/__init__ too
+        "valen_jax/training/losses.py": "from valen_jax.models.util import *\n",  # runs models/__init__ too
     })
     _, edges = import_edges(tmp_path)
     assert {(e.source, e.target, e.kind) for e in edges} == {
         ("valen_jax.models", "valen_jax.models.net", "module level"),
         ("valen_jax.models.net", "valen_jax.errors", "module level"),
-        ("valen_jax.losses", "valen_jax.models.util", "module level"),
-        ("valen_jax.losses", "valen_jax.models", "package __init__"),
+        ("valen_jax.training.losses", "valen_jax.models.util", "module level"),
+        ("valen_jax.training.losses", "valen_jax.models", "package __init__"),
     }
     assert import_problems(tmp_path, TOY_LAYERS, frozenset({"commands"}), {}) == []
 
@@ -364,9 +370,9 @@ def test_a_back_edge_added_to_the_real_tree_is_reported(tmp_path):
     config = tmp_path / "valen_jax/models/config.py"
     config.write_text(config.read_text() + "\n\ndef _late():\n    from valen_jax import train  # noqa\n")
     errors = tmp_path / "valen_jax/errors.py"
-    errors.write_text(errors.read_text() + "\nfrom valen_jax import config_schema  # noqa\n")
+    errors.write_text(errors.read_text() + "\nfrom valen_jax.config import schema  # noqa\n")
     problems = import_problems(tmp_path)
     assert any(p.startswith("valen_jax.models.config -> valen_jax.train goes against the layer order") for p in problems)
-    assert any(p.startswith("valen_jax.errors -> valen_jax.config_schema goes against") for p in problems)
-    assert any(p.startswith("import circle among ") and "valen_jax.errors" in p and "valen_jax.config_schema" in p
+    assert any(p.startswith("valen_jax.errors -> valen_jax.config.schema goes against") for p in problems)
+    assert any(p.startswith("import circle among ") and "valen_jax.errors" in p and "valen_jax.config.schema" in p
                for p in problems)

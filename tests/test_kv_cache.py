@@ -183,7 +183,7 @@ SHARDED = r"""
 import json
 import jax, numpy as np
 from flax import nnx
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.decoding import Sampling, generate_ids
 from tests.test_kv_cache import VOCAB, text_model, text_prompts
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from valen_jax.losses import (
+from valen_jax.training.losses import (
     branch_cross_entropy,
     combine,
     head_token_losses,

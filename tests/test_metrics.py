@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from valen_jax.metrics import MetricsLog, PeakFlopsError, model_flops_per_step, peak_flops_per_device
 from valen_jax.models.config import ModelConfig
+from valen_jax.training.metrics import MetricsLog, PeakFlopsError, model_flops_per_step, peak_flops_per_device
 
 
 def records(workdir):
@@ -59,8 +59,8 @@ def test_model_flops_agree_with_xla_s_count_of_the_compiled_train_step():
     import ml_collections
     import numpy as np
 
-    from valen_jax import sharding
-    from valen_jax.step import StepOptions, TrainLayout, make_train_step
+    from valen_jax.models import sharding
+    from valen_jax.training.step import StepOptions, TrainLayout, make_train_step
 
     cfg = ModelConfig(vocab_size=1024, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=256)
     batch, seq = 8, 16
@@ -121,7 +121,7 @@ def _tiny():
     ("train.peak_flops", float("inf"), "peak_flops must be a finite number"),
 ])
 def test_impossible_config_values_fail_at_start_up(path, value, message):
-    from valen_jax.config_schema import ConfigError, validate_config
+    from valen_jax.config.schema import ConfigError, validate_config
     config = _tiny()
     group, key = path.split(".")
     with config.unlocked():
@@ -137,7 +137,7 @@ def test_every_config_and_variant_validates(name, variant):
     import importlib.util
     from pathlib import Path
 
-    from valen_jax.config_schema import validate_config
+    from valen_jax.config.schema import validate_config
     spec = importlib.util.spec_from_file_location(f"{name}_cfg", Path(__file__).parent.parent / f"configs/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

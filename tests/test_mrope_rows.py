@@ -245,9 +245,8 @@ def test_greedy_decoding_equals_transformers_generate(family):
     import jax
     from flax import nnx
 
-    from valen_jax import sharding
     from valen_jax.evaluation import prompts, tokens
-    from valen_jax.models import hf
+    from valen_jax.models import hf, sharding
 
     f = family
     example, hf_text = _mixed(f)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.train_runs import ROOT, env_with_devices, metrics, run_train
-from valen_jax import distributed
+from valen_jax.cli import distributed
 
 TINY = "configs/vflash.py:tiny"
 # Global batch 8 (tiny) splits as 4 rows per process. Teacher-forced eval at step 4: each process
@@ -70,7 +70,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
     # One process, one device: every array read back onto it matches the save-time digest.
     check = subprocess.run([sys.executable, "-c", (
         "import json, sys, jax\n"
-        "from valen_jax import checkpoint\n"
+        "from valen_jax.training import checkpoint\n"
         f"mgr = checkpoint.manager({str(workdir)!r}, read_only=True)\n"
         "step = mgr.latest_step()\n"
         "meta = checkpoint.restore_meta(mgr, step)\n"

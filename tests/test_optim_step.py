@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.transformer import abstract_model, init_params
-from valen_jax.optim import ParamGroupError, groups_of, learning_rate_schedule, param_labels
-from valen_jax.step import StepOptions, TrainLayout, make_train_step
+from valen_jax.training.optim import ParamGroupError, groups_of, learning_rate_schedule, param_labels
+from valen_jax.training.step import StepOptions, TrainLayout, make_train_step
 
 VOCAB, SEQ, BATCH = 128, 16, 8
 

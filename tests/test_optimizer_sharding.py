@@ -18,11 +18,11 @@ from tests.train_runs import ROOT, env_with_devices
 SCRIPT = r"""
 import json
 import jax, ml_collections
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.transformer import init_params
-from valen_jax.optim import path_of
-from valen_jax.step import TrainLayout
+from valen_jax.training.optim import path_of
+from valen_jax.training.step import TrainLayout
 
 cfg = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                   image_pad_id=7, scan_layers=True, vision=VisionConfig(patch_size=8, merge_size=2,

@@ -14,7 +14,7 @@ import pytest
 from configs import prepared as prepared_config
 from tests.train_runs import ROOT, metrics, run_train
 from valen_jax import train
-from valen_jax.config_schema import ConfigError
+from valen_jax.config.schema import ConfigError
 from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.training import loop
 
@@ -107,7 +107,7 @@ def test_the_prepared_smoke_set_regenerates_byte_identically(tmp_path):
 
 @pytest.mark.parametrize("variant", ["", "tiny", "hf"])
 def test_every_variant_of_the_prepared_config_validates(variant):
-    from valen_jax.config_schema import validate_config
+    from valen_jax.config.schema import validate_config
 
     config = prepared_config.get_config(variant)
     validate_config(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from valen_jax.progress import FinishedSteps
+from valen_jax.training.progress import FinishedSteps
 
 
 class Bar:

@@ -14,8 +14,8 @@ import pytest
 
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
-from valen_jax.checkpoint import fingerprint_of
 from valen_jax.data.shard_cache import ensure_shards
+from valen_jax.training.checkpoint import fingerprint_of
 
 TOKENIZER = ROOT / "data/tokenizer"
 

@@ -16,10 +16,10 @@ import pytest
 
 from data_pipeline.validate import validate
 from tests.train_runs import ROOT, run_train
-from valen_jax import regenerate as regen_module
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers
 from valen_jax.generate import generate_workdir
+from valen_jax.vflash import regenerate as regen_module
 
 BOXES = ROOT / "data/smoke/vflash/boxes.jsonl"
 MAX_NEW_TOKENS = 24  # short enough that some multi-box answers do not finish

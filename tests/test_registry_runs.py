@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline.registry import open_registry
-from valen_jax.config_schema import ConfigError
+from valen_jax.config.schema import ConfigError
 from valen_jax.data.references import recorded_references, resolve_config_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def test_an_unknown_reference_is_refused_before_any_jax_backend_starts(registry,
         "import sys; sys.path.insert(0, '.')\n"
         "from configs import valen\n"
         "from valen_jax import train\n"
-        "from valen_jax.config_schema import ConfigError\n"
+        "from valen_jax.config.schema import ConfigError\n"
         "import jax._src.xla_bridge as xb\n"
         "config = valen.get_config('tiny')\n"
         f"config.data.registry = {str(tmp_path / 'registry')!r}\n"
@@ -110,7 +110,7 @@ def test_an_unknown_reference_is_refused_before_any_jax_backend_starts(registry,
 @pytest.mark.slow
 def test_a_run_from_an_alias_resumes_on_the_recorded_version_after_the_alias_moved(registry, tmp_path):
     from tests.train_runs import run_train
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
 
     reg, first, three = registry
     workdir = tmp_path / "run"

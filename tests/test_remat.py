@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from configs import chat
-from valen_jax.config_schema import ConfigError, validate_config
-from valen_jax.losses import head_token_losses
+from valen_jax.config.schema import ConfigError, validate_config
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
+from valen_jax.training.losses import head_token_losses
 
 TINY = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 

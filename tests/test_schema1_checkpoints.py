@@ -20,9 +20,10 @@ import jax
 import ml_collections
 import pytest
 
-from valen_jax import checkpoint, sharding
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.report import evaluate_workdir
+from valen_jax.models import sharding
+from valen_jax.training import checkpoint
 from valen_jax.vflash.task import check_trained_against, restore_target
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from data_pipeline import conversion
-from valen_jax.config_schema import ConfigError
+from valen_jax.config.schema import ConfigError
 from valen_jax.data.separation import check_separation
 from valen_jax.data.sources import ShardSet
 
@@ -88,7 +88,7 @@ def test_vakforge_shared_conversation_ids(tmp_path):
 @pytest.mark.slow
 def test_a_run_refuses_overlap_before_compiling_and_records_allowed_overlap(tmp_path):
     from tests.train_runs import env_with_devices, metrics, run_train, train_command
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
 
     same = (f"--config.data.eval={SMOKE / 'valen' / 'text.jsonl'}", f"--config.data.train={SMOKE / 'valen' / 'text.jsonl'}",
             "--config.train.steps=1", "--config.train.checkpoint_every=1", "--config.eval.at_end=False")

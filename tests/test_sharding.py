@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from tests.train_runs import ROOT, env_with_devices
-from valen_jax.sharding import ShardingError, logical_to_spec, mesh_shape
+from valen_jax.models.sharding import ShardingError, logical_to_spec, mesh_shape
 
 SCRIPT = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from valen_jax import sharding
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig, VisionConfig
 from valen_jax.models.transformer import abstract_model, init_params
 

@@ -17,16 +17,15 @@ from scipy import stats as scipy_stats
 
 from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import load_tokenizer
+from tests.speculative_host import HostDecoder, HostOracle, HostTrainedDrafter, Proposal
 from tests.train_runs import ROOT
 from valen_jax.decoding import Sampling, generate_ids
 from valen_jax.decoding.speculative import (
     CachedDrafter,
     OracleDrafter,
-    Proposal,
     RandomDrafter,
     ScriptedDrafter,
     SpeculativeDecoder,
-    TrainedDrafter,
     accept_pass,
     target_probs,
     verify_sampled,
@@ -80,9 +79,9 @@ def target_only(graphdef, params, vocab, prompt, new=NEW):
 
 class CorruptedOracle:
     """The target's greedy block with draft position `wrong` (0-based) replaced: every pass accepts
-    exactly `wrong` tokens, then the bonus (the target's own token there) repairs it."""
+    exactly `wrong` tokens, then the bonus (the target's own token there) repairs it. A host drafter."""
 
-    def __init__(self, oracle: OracleDrafter, wrong: int, vocab: int):
+    def __init__(self, oracle: HostOracle, wrong: int, vocab: int):
         self.oracle, self.wrong, self.vocab = oracle, wrong, vocab
 
     def propose(self, context, block, key):
@@ -125,8 +124,8 @@ def test_dense_count_announces_count_blocks_that_meet_exactly(tokenizer, target)
 def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, 12, seed=5)
-    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
-    drafter = CorruptedOracle(OracleDrafter(graphdef, params, vocab), wrong=3, vocab=vocab)
+    decoder = HostDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    drafter = CorruptedOracle(HostOracle(graphdef, params, vocab), wrong=3, vocab=vocab)
     assert decoder.generate(prompt, drafter, max_new_tokens=NEW) == target_only(graphdef, params, vocab, prompt)
     # Block of 12: three passes of 3 accepted + 1 bonus each (drafts of 12, 8 and 4 tokens).
     assert decoder.stats.passes == 3 and decoder.stats.committed == 12
@@ -136,16 +135,32 @@ def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
 
 
 @pytest.mark.slow
-def test_an_untrained_block_drafter_of_8_slots_is_lossless_on_a_block_of_12(tokenizer, target):
+def test_the_block_loop_and_the_host_oracle_decode_an_untrained_drafter_alike(tokenizer, target):
+    """The differential test: the compiled block loop (context cache, one program per block) and the host
+    loop (features recomputed by training's `draft_hidden` at every pass, Python bookkeeping) commit the
+    same tokens in the same passes with the same per-pass acceptance, on a block of 12 that a drafter of
+    8 slots cannot cover in one pass."""
     graphdef, params, vocab = target
     cfg = DrafterConfig(block_size=8, num_layers=1, target_layers=(0, 1), dim=32, num_heads=4, num_kv_heads=2,
                         head_dim=8, mlp_dim=64)
     drafter_graphdef, drafter_params = nnx.split(Drafter(cfg, nnx.Rngs(4)))
     prompt = announced_prompt(tokenizer, 12, seed=21)
+    reference = target_only(graphdef, params, vocab, prompt)
+    fast = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    host = HostDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    assert fast.generate(prompt, CachedDrafter(drafter_graphdef, drafter_params, vocab), max_new_tokens=NEW) == reference
+    assert host.generate(prompt, HostTrainedDrafter(drafter_graphdef, drafter_params, graphdef, params, vocab),
+                         max_new_tokens=NEW) == reference
+    assert max(fast.stats.drafted_at) == 8 and fast.stats.passes >= 2
+    assert (fast.stats.passes, fast.stats.committed, fast.stats.histogram, fast.stats.acceptance()) == (
+        host.stats.passes, host.stats.committed, host.stats.histogram, host.stats.acceptance())
+
+
+def test_the_library_decoder_takes_device_drafters_only(tokenizer, target):
+    graphdef, params, vocab = target
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
-    drafter = TrainedDrafter(drafter_graphdef, drafter_params, graphdef, params, vocab)
-    assert decoder.generate(prompt, drafter, max_new_tokens=NEW) == target_only(graphdef, params, vocab, prompt)
-    assert max(decoder.stats.drafted_at) == 8 and decoder.stats.passes >= 2
+    with pytest.raises(TypeError, match="HostOracle is not a device drafter.*engine.generate_ids"):
+        decoder.generate(announced_prompt(tokenizer, 5, seed=0), HostOracle(graphdef, params, vocab), max_new_tokens=4)
 
 
 @pytest.mark.parametrize("block_size,seed", [(5, 0), (12, 1), (20, 2)])
@@ -153,7 +168,7 @@ def test_random_drafter_is_lossless(tokenizer, target, block_size, seed):
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, block_size, seed=10 + seed)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
-    out = decoder.generate(prompt, RandomDrafter(vocab, seed), max_new_tokens=NEW)
+    out = decoder.generate(prompt, RandomDrafter(vocab), max_new_tokens=NEW, seed=seed)
     assert out == target_only(graphdef, params, vocab, prompt)
     assert decoder.stats.committed == block_size + (decoder.stats.committed > block_size)
     assert sum(decoder.stats.histogram.values()) == decoder.stats.passes >= 1
@@ -182,7 +197,7 @@ class Fixed:
 def test_a_bad_proposal_is_refused_by_name(tokenizer, target):
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, 5, seed=0)
-    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    decoder = HostDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
     with pytest.raises(ValueError, match="asked for 1 to 5 tokens"):
         decoder.generate(prompt, Fixed([1] * 6), max_new_tokens=NEW)
     with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {vocab}\\)"):
@@ -313,7 +328,7 @@ def test_sampled_speculative_decoding_runs_and_keeps_ids_in_the_vocabulary(token
     prompt = announced_prompt(tokenizer, 12, seed=3)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab,
                                  sampling=Sampling(temperature=1.0))
-    out = decoder.generate(prompt, RandomDrafter(vocab, 0), max_new_tokens=NEW, seed=4)
+    out = decoder.generate(prompt, RandomDrafter(vocab), max_new_tokens=NEW, seed=4)
     assert len(out) == NEW and all(0 <= t < vocab for t in out)
     assert decoder.stats.committed >= 12
 
@@ -466,10 +481,10 @@ def test_a_vision_prompt_must_end_with_a_text_token_at_its_largest_position(toke
     prompt = image_prompt(tokenizer, cfg, 8, seed=3)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
     with pytest.raises(ValueError, match="needs its positions"):
-        decoder.generate(prompt["ids"], None, max_new_tokens=4, vision_inputs=prompt["vision"])
+        decoder.generate(prompt["ids"], RandomDrafter(vocab), max_new_tokens=4, vision_inputs=prompt["vision"])
     early = {**prompt, "positions": prompt["positions"][::-1].copy()}
     with pytest.raises(ValueError, match="must end with a text token"):
-        decoder.generate(early, None, max_new_tokens=4)
+        decoder.generate(early, RandomDrafter(vocab), max_new_tokens=4)
 
 
 def test_first_argmax_is_argmax_with_ties_to_the_lowest_id():

@@ -18,11 +18,11 @@ from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import end_of_turn_id
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
-from valen_jax import checkpoint
 from valen_jax.decoding import generate_ids
 from valen_jax.decoding.speculative import RandomDrafter, SpeculativeDecoder
-from valen_jax.evaluation import speculative
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.training import checkpoint
+from valen_jax.vflash import evaluation as speculative
 
 SMOKE = ROOT / "data/smoke/vflash"
 MAX_NEW = 20  # more than the smallest announced block (14): blocks and the tokens after one both run
@@ -57,7 +57,7 @@ def test_a_random_drafter_is_lossless_on_every_smoke_record(target, data, fmt, r
         reference = generate_ids(target.params, target.graphdef, [answer.prompt], max_new_tokens=MAX_NEW,
                                  stop_ids=(eot,), vocab=vocab)[0]
         decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
-        out = decoder.generate(dict(answer.prompt), RandomDrafter(vocab, seed=answer.index),
+        out = decoder.generate(dict(answer.prompt), RandomDrafter(vocab),
                                max_new_tokens=MAX_NEW, seed=answer.index)
         assert [int(t) for t in out] == [int(t) for t in np.asarray(reference)], f"record {answer.index} ({answer.entry})"
         drafted += decoder.stats.passes

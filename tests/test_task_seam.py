@@ -21,13 +21,14 @@ import pytest
 from flax import nnx
 
 from configs import chat
-from valen_jax import checkpoint, train
-from valen_jax.config_schema import ConfigError
+from valen_jax import train
+from valen_jax.config.schema import ConfigError
 from valen_jax.models.build import model_config
-from valen_jax.optim import build_optimizer
-from valen_jax.step import TrainLayout, compile_step
 from valen_jax.tasks import modes
 from valen_jax.tasks.token_lm import token_assembly
+from valen_jax.training import checkpoint
+from valen_jax.training.optim import build_optimizer
+from valen_jax.training.step import TrainLayout, compile_step
 from valen_jax.training.task import Task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
-from valen_jax import checkpoint, evaluate
+from valen_jax import evaluate
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.evaluation import registry, text_only, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
@@ -31,6 +31,7 @@ from valen_jax.evaluation.text_only import (
     collapse_media,
     prompt_key,
 )
+from valen_jax.training import checkpoint
 
 VFLASH = ROOT / "data/smoke/vflash"
 PAD, VIDEO, EOT = 900, 901, 2

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.train_runs import ROOT, env_with_devices
-from valen_jax import losses
-from valen_jax.losses import default_chunk_length, head_token_losses, token_losses
+from valen_jax.training import losses
+from valen_jax.training.losses import default_chunk_length, head_token_losses, token_losses
 
 SUMS = ("ce", "z", "weight", "correct")
 
@@ -120,8 +120,8 @@ SHARDED = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from valen_jax import sharding
-from valen_jax.losses import head_token_losses
+from valen_jax.models import sharding
+from valen_jax.training.losses import head_token_losses
 
 mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
 rng = np.random.default_rng(0)

@@ -35,7 +35,7 @@ def test_default_config_on_8_devices_checkpoints_meta_and_evaluates(tmp_path):
     check = subprocess.run(
         [sys.executable, "-c", (
             "import json, sys\n"
-            "from valen_jax import checkpoint\n"
+            "from valen_jax.training import checkpoint\n"
             "from valen_jax.evaluate import evaluate_workdir\n"
             f"mgr = checkpoint.manager({str(workdir)!r}, read_only=True)\n"
             "meta = checkpoint.restore_meta(mgr, mgr.latest_step())\n"

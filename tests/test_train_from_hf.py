@@ -55,7 +55,7 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
     assert "initialising from" in result.stderr and "added token rows" in result.stderr
     logged = metrics(workdir)
     assert [m["step"] for m in logged] == [1, 2] and all(m["loss"] == m["loss"] for m in logged)
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 2)
     assert meta["model"]["dim"] == 64 and meta["model"]["attention_bias"] and meta["model"]["scan_layers"]
     assert meta["model"]["vocab_size"] >= base_vocab + 1028

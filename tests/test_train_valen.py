@@ -25,7 +25,7 @@ def test_valen_trains_and_the_branch_loss_falls(tmp_path, mode, reduction):
     assert last < 0.7 * first, (first, last)
     assert logged[-1]["labeled_questions"] > 0
 
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), 24)
     assert meta["model"]["score_head"] and meta["config"]["data"]["valen_mode"] == mode
     # Valen runs write the media log as token runs do (seed 000): the smoke set's image and video records.

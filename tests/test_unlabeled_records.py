@@ -49,7 +49,7 @@ def test_evaluation_never_reads_the_media_of_a_record_without_labels(valen_workd
 
 def test_training_counts_and_reports_the_records_it_drops_for_having_no_labels(tmp_path):
     from tests.train_runs import run_train
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
 
     # Text records (no assets), one of them twice more without any label.
     records = [json.loads(line) for line in (ROOT / "data/smoke/valen/text.jsonl").read_text().splitlines()]

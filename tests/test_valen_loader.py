@@ -12,7 +12,7 @@ from configs import valen as valen_config
 from data_pipeline.conversion import convert
 from data_pipeline.tokenizer import load_tokenizer
 from tests.train_runs import ROOT
-from valen_jax.config_schema import ConfigError
+from valen_jax.config.schema import ConfigError
 from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.sources import ShardSet, decode

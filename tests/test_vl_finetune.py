@@ -68,7 +68,7 @@ def test_the_run_starts_from_the_vl_checkpoint_and_keeps_its_processor(run):
     logged = metrics(workdir)
     assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
     assert all(math.isfinite(m["loss"]) for m in logged)
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     meta = checkpoint.restore_meta(checkpoint.manager(workdir, read_only=True), STEPS)
     model = meta["model"]
     hf_config = json.loads((base / "config.json").read_text())
@@ -127,8 +127,8 @@ def _state_dict(directory):
 
 def test_the_export_states_the_runs_processor_settings(run, exported):
     """Another run started from the export (init_from) reads the media_kwargs this one trained with."""
-    from valen_jax import checkpoint
     from valen_jax.data.vision_processor import processor_media_kwargs
+    from valen_jax.training import checkpoint
 
     meta = checkpoint.restore_meta(checkpoint.manager(run[2], read_only=True), STEPS)
     stated = {key: value for key, (value, _) in processor_media_kwargs(exported).items()}
@@ -188,7 +188,7 @@ def test_exported_model_gives_our_logits_in_transformers(run, exported):
     import jax.numpy as jnp
     from flax import nnx
 
-    from valen_jax.step import vision_inputs
+    from valen_jax.training.step import vision_inputs
 
     workdir = run[2]
     restored, row, grids = _training_row(workdir)

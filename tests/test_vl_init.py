@@ -19,10 +19,14 @@ pytest.importorskip("torch")
 from data_pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.train_runs import ROOT  # noqa: E402
 from tests.vl_checkpoints import FAMILIES  # noqa: E402
-from valen_jax import optim, sharding  # noqa: E402
-from valen_jax.config_schema import ConfigError, validate_config  # noqa: E402
-from valen_jax.models import build, hf  # noqa: E402
+from valen_jax.config.schema import ConfigError, validate_config  # noqa: E402
+from valen_jax.models import (  # noqa: E402
+    build,
+    hf,
+    sharding,  # noqa: E402
+)
 from valen_jax.models.transformer import abstract_model  # noqa: E402
+from valen_jax.training import optim
 
 
 def _config(directory, tokenizer=None, variant="hf"):

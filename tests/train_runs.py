@@ -40,7 +40,7 @@ def final_params(workdir: Path):
     import jax
     import numpy as np
 
-    from valen_jax import checkpoint
+    from valen_jax.training import checkpoint
     mgr = checkpoint.manager(workdir, read_only=True)
     step = checkpoint.select_step(mgr, workdir)
     # The saved shapes and dtypes, read back onto one device (the runs may have used several).

@@ -34,10 +34,10 @@ from ml_collections import config_flags
 
 from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.tokenizer import TokenizerError
-from valen_jax import cli_logging
+from valen_jax.cli import log_setup as cli_logging
 from valen_jax.data.assemble import AssemblyError
 from valen_jax.errors import ConfigError
-from valen_jax.sharding import ShardingError
+from valen_jax.models.sharding import ShardingError
 from valen_jax.tasks import aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")

@@ -23,7 +23,7 @@ format. Every example of the data is evaluated unless `--max-examples`. The repo
 - a vflash (drafter) workdir: its target's VFlash report (`ar`, exactly the target workdir's), the same
   generation metrics from speculative decoding with the drafter, `identical` (must be 1.0) and per
   recipe entry tau (bonus token included), per-position acceptance, the histogram of accepted draft
-  tokens and ms/token inside blocks target-only vs speculative (`valen_jax.evaluation.speculative`);
+  tokens and ms/token inside blocks target-only vs speculative (`valen_jax.vflash.evaluation`);
 - chat, vakforge: assistant-token loss/accuracy, tool-call exact match, answer exact/normalised match
   (seed 003) and, for vakforge, entity accuracy by type, overall and by locale and source
   (`valen_jax.evaluation.metrics.chat`, `.answer_match`, `.entities`); answers come from KV-cache
@@ -43,8 +43,8 @@ import sys
 from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import cli_logging
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.evaluation.report import evaluate_params, evaluate_workdir, run, summary, write_report  # noqa: F401
 

@@ -31,8 +31,8 @@ from flax import nnx
 
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
-from valen_jax import checkpoint, cli_logging
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.vision_processor import (
     IMAGE_PROCESSOR_FILE,
     RESCALE_FACTOR,
@@ -43,6 +43,7 @@ from valen_jax.errors import UserError
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig
+from valen_jax.training import checkpoint
 
 log = logging.getLogger("valen_jax.export")
 

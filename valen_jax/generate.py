@@ -36,14 +36,16 @@ from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import checkpoint, cli_logging, distributed
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import distributed
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
+from valen_jax.training import checkpoint
 
 
 def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = None, fmt: str | None = None, *,

@@ -37,13 +37,15 @@ import jax
 from data_pipeline.cli_flags import add_flag
 from data_pipeline.cli_paths import exit_on_bad_paths
 from data_pipeline.format_registry import FORMATS
-from valen_jax import checkpoint, cli_logging, distributed
-from valen_jax.cli_errors import error_boundary
+from valen_jax.cli import distributed
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.references import resolve_cli_data
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.valen import predict_valen
+from valen_jax.training import checkpoint
 
 GENERATION = "generation"  # what predict_workdir names as its mode for generated (non-Valen) answers
 

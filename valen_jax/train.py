@@ -35,8 +35,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from data_pipeline.cli_paths import check_path
-from valen_jax import cli_logging, distributed
-from valen_jax.cli_errors import error_boundary, parse_config_flags
+from valen_jax.cli import distributed
+from valen_jax.cli import log_setup as cli_logging
+from valen_jax.cli.boundary import error_boundary, parse_config_flags
 from valen_jax.errors import UsageError
 from valen_jax.tasks.modes import check_mode, open_task
 from valen_jax.training import loop
@@ -78,7 +79,7 @@ def _user_paths() -> list[str]:
 
 def main(argv) -> None:
     cli_logging.configure(timestamps=True)
-    # The one error boundary (valen_jax.cli_errors): a user's mistake is one line `ERROR_KIND: message`
+    # The one error boundary (valen_jax.cli.boundary): a user's mistake is one line `ERROR_KIND: message`
     # (exit 2 for the command line, 1 for data and state), a traceback means a bug. An OS error counts
     # as the user's when it is about a path of the command line or the config.
     with error_boundary("valen_jax.train", paths=_user_paths()):

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from valen_jax import sharding
 from valen_jax.decoding.sampling import Sampling, sample
-from valen_jax.sharding import constrain
+from valen_jax.models import sharding
+from valen_jax.models.sharding import constrain
 
 GREEDY = Sampling()  # the default: argmax, no randomness
 

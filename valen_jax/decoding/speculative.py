@@ -23,21 +23,18 @@ Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks,
 INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
 per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
 
-Two paths, one row (prompt) per call, the same rules and statistics:
-- fast (a device drafter: `CachedDrafter` / `TrainedDrafter`, `ScriptedDrafter`, `RandomDrafter`,
-  `OracleDrafter`): each announced block is ONE compiled `lax.while_loop` (draft → verify → accept →
-  advance both caches → write the committed tokens), no host round trip inside a block
-  (`block_loop`). The trained drafter's context keys/values are cached once per token from the
-  target's own prefill / decode / verify passes (`Transformer.prefill(collect=)`), so a pass costs one
-  small drafter forward over B + 1 slots (`draft_rules`). Targets with a vision tower and M-RoPE
-  positions are decoded with the prompt's image (`generate(prompt, ..., vision_inputs=)` or an engine
-  prompt dict); generated tokens continue after the prompt's largest position, as the engine does;
-- host (any other object with `propose(context, block, key)`): a Python loop around jitted prefill /
-  decode_step / extend passes, for drafters written in Python (tests, experiments).
+One row (prompt) per call, a device drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`,
+`OracleDrafter`): each announced block is ONE compiled `lax.while_loop` (draft → verify → accept →
+advance both caches → write the committed tokens), no host round trip inside a block (`block_loop`).
+The trained drafter's context keys/values are cached once per token from the target's own prefill /
+decode / verify passes (`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over
+B + 1 slots (`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the
+prompt's image (`generate(prompt, ..., vision_inputs=)` or an engine prompt dict); generated tokens
+continue after the prompt's largest position, as the engine does. This is the only library path; a
+Python loop around jitted prefill / decode_step / extend passes, for drafters written in Python, lives
+in the tests (`tests/speculative_host.py`) as the differential oracle of this one.
 
-Fast path:
-
-    drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)   # or TrainedDrafter(...)
+    drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=[eot])
     out = decoder.generate({"ids": ids, "positions": positions, "vision": vision}, drafter, max_new_tokens=256)
     decoder.stats.tau, decoder.timing.block_seconds / decoder.timing.block_tokens   # s/token in blocks
@@ -45,9 +42,7 @@ Fast path:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -57,29 +52,12 @@ from flax import nnx
 from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding.block_loop import FastRow, Timing
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
-from valen_jax.decoding.engine import GREEDY, bucket
-from valen_jax.decoding.sampling import Sampling, mask_vocab, sample
+from valen_jax.decoding.engine import GREEDY, generate_ids
+from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.verification import accept_pass, target_probs, verify_sampled
-from valen_jax.models import drafter as block_drafter
-from valen_jax.models import kv_cache
 
-__all__ = ["BlockStats", "CachedDrafter", "OracleDrafter", "Proposal", "RandomDrafter",
-           "ScriptedDrafter", "SpeculativeDecoder", "Timing", "TrainedDrafter", "accept_pass", "target_probs",
-           "verify_sampled"]
-
-# -- drafters -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Proposal:
-    tokens: np.ndarray  # int32 [d]
-    q: np.ndarray | None = None  # f32 [d, V]: the drafter's distribution at each slot; None: deterministic
-
-
-class Drafter(Protocol):
-    def propose(self, context: np.ndarray, block: int, key: jax.Array) -> Proposal:
-        """1 to `block` tokens to follow `context` (every committed id of the row: prompt and output)."""
-        ...
-
+__all__ = ["BlockStats", "CachedDrafter", "OracleDrafter", "RandomDrafter", "ScriptedDrafter",
+           "SpeculativeDecoder", "Timing", "accept_pass", "target_probs", "verify_sampled"]
 
 # -- statistics -----------------------------------------------------------------------------------
 
@@ -111,34 +89,6 @@ class BlockStats:
 
 # -- the decoder ----------------------------------------------------------------------------------
 
-@functools.cache
-def _passes(graphdef, cache_length: int):
-    def prefill(params, tokens, positions, lengths, vision=None):
-        return nnx.merge(graphdef, params).prefill(tokens, positions, lengths, cache_length, vision)
-
-    def step(params, token, position, cache, cursor):
-        return nnx.merge(graphdef, params).decode_step(token, position, cache, cursor)
-
-    def verify(params, tokens, positions, cache, cursor):
-        return nnx.merge(graphdef, params).extend(tokens, positions, cache, cursor)
-
-    return jax.jit(prefill), jax.jit(step), jax.jit(verify)
-
-
-@dataclass
-class _Row:
-    ids: list[int]  # prompt + committed output
-    prompt: int
-    cache: kv_cache.KVCache
-    cursor: int  # the slot of ids[-1], committed but not yet in the cache
-    position: int  # its position
-    passes: int = 0  # target passes so far (the random stream's counter)
-
-    @property
-    def output(self) -> list[int]:
-        return self.ids[self.prompt:]
-
-
 class SpeculativeDecoder:
     """Greedy (`Sampling()`) or sampled decoding of one prompt at a time with speculative blocks."""
 
@@ -151,28 +101,23 @@ class SpeculativeDecoder:
         self.stats = BlockStats()
         self.timing = Timing()
 
-    def generate(self, prompt, drafter: Drafter | None, *, max_new_tokens: int, seed: int = 0,
-                 positions=None, vision_inputs=None) -> list[int]:
+    def generate(self, prompt, drafter, *, max_new_tokens: int, seed: int = 0, positions=None,
+                 vision_inputs=None) -> list[int]:
         """The generated ids of `prompt`, the stop token kept, as `engine.generate_ids` returns them.
 
         prompt: int ids, or an engine prompt dict {"ids", "positions", optional "vision"}. positions:
         [n] or, with M-RoPE, [n, 3] (default 0..n-1); vision_inputs: the dict `engine.generate_ids` takes
         as prompt["vision"] (patches, patch_positions, patch_segments), for a target with a vision tower.
-        drafter=None: target-only decoding through the host loop. A device drafter (`CachedDrafter`,
-        `TrainedDrafter`, `ScriptedDrafter`, `RandomDrafter`, and `OracleDrafter`, which scripts the
-        target's greedy output) takes the fast path (`block_loop`); any other object with `propose`
-        the host loop."""
+        drafter: a device drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, or `OracleDrafter`,
+        which scripts the target's greedy output); target-only decoding is `engine.generate_ids`."""
         ids, positions, vision = self._prompt(prompt, positions, vision_inputs)
         if hasattr(drafter, "for_prompt"):
             drafter = drafter.for_prompt(ids, positions, vision, max_new_tokens)
-        if getattr(drafter, "rule", None) is not None:
-            return self._generate_fast(ids, positions, vision, drafter, max_new_tokens, seed)
-        if vision is None and positions is None:
-            row = self.start(ids, max_new_tokens)
-        else:
-            row = self.start(ids, max_new_tokens, positions=positions, vision=vision)
-        return self._decode(row, lambda size, key: self.block(row, drafter, size, key, max_new_tokens),
-                            lambda key: self.step(row, key), drafter is not None, max_new_tokens, seed)
+        if getattr(drafter, "rule", None) is None:
+            raise TypeError(f"a {type(drafter).__name__} is not a device drafter (one with a `rule`: CachedDrafter, "
+                            "ScriptedDrafter, RandomDrafter, OracleDrafter); target-only decoding is "
+                            "engine.generate_ids")
+        return self._generate_fast(ids, positions, vision, drafter, max_new_tokens, seed)
 
     def _generate_fast(self, ids, positions, vision, drafter, max_new_tokens: int, seed: int) -> list[int]:
         self._check_drafter(drafter)
@@ -185,8 +130,8 @@ class SpeculativeDecoder:
                             True, max_new_tokens, seed)
 
     def _decode(self, row, block, step, drafting: bool, max_new_tokens: int, seed: int) -> list[int]:
-        """The loop over announcements shared by both paths: `block(size, key)` commits a block and
-        returns its overflow, `step(key)` one target token."""
+        """The loop over announcements (shared with the tests' host-loop oracle, tests/speculative_host.py):
+        `block(size, key)` commits a block and returns its overflow, `step(key)` one target token."""
         key = jax.random.key(seed)
         announced = self.calls.announced(row.ids) if self.calls else None
         while len(row.output) < max_new_tokens and not self._stopped(row):
@@ -243,98 +188,7 @@ class SpeculativeDecoder:
     def _stopped(self, row) -> bool:
         return bool(row.output) and row.output[-1] in self.stop_ids
 
-    def start(self, prompt, max_new_tokens: int, positions=None, vision=None) -> _Row:
-        """Prefill all but the prompt's last token; that one is the first `last` a pass feeds. Host loop."""
-        ids = [int(i) for i in np.asarray(prompt)]
-        if len(ids) < 2:
-            raise ValueError(f"prompt of {len(ids)} tokens: speculative decoding needs at least 2")
-        positions = np.arange(len(ids), dtype=np.int32) if positions is None else np.asarray(positions, np.int32)
-        cache_length = bucket(len(ids) + max_new_tokens + 1)
-        prefill, _, _ = _passes(self.graphdef, cache_length)
-        head = jnp.asarray(ids[:-1], jnp.int32)[None]
-        batched = None if vision is None else tuple(jnp.asarray(vision[k])[None] for k in
-                                                    ("patches", "patch_positions", "patch_segments"))
-        _, cache = prefill(self.params, head, jnp.asarray(positions[:-1])[None], jnp.asarray([len(ids) - 1], jnp.int32),
-                           batched)
-        last = int(positions[-1].reshape(-1)[0])
-        return _Row(ids, len(ids), cache, len(ids) - 1, last)
-
-    def _choose(self, logits, key):
-        return int(sample(logits, key[None], self.sampling, self.vocab)[0])
-
-    def step(self, row: _Row, key) -> None:
-        """One target token: decode_step on the row's last token."""
-        _, step, _ = _passes(self.graphdef, row.cache.length)
-        logits, row.cache = step(self.params, jnp.asarray([row.ids[-1]], jnp.int32),
-                                 jnp.asarray([row.position], jnp.int32), row.cache, jnp.asarray([row.cursor], jnp.int32))
-        row.ids.append(self._choose(logits, jax.random.fold_in(key, row.passes)))
-        row.passes += 1
-        row.cursor += 1
-        row.position += 1
-
-    def block(self, row: _Row, drafter: Drafter, size: int, key, max_new_tokens: int) -> int:
-        """Commit the next `size` tokens (fewer at a stop or the budget) by draft + verify passes. The
-        last pass's bonus token may lie one past the block (it is the target's next token all the same):
-        returns how many tokens did (0 or 1)."""
-        _, _, verify = _passes(self.graphdef, row.cache.length)
-        remaining = size
-        while remaining > 0 and len(row.output) < max_new_tokens and not self._stopped(row):
-            d = min(remaining, max_new_tokens - len(row.output))
-            pass_key = jax.random.fold_in(key, row.passes)
-            proposal = drafter.propose(np.asarray(row.ids, np.int32), d, jax.random.fold_in(pass_key, 1))
-            draft = np.asarray(proposal.tokens, np.int32)
-            if draft.ndim != 1 or not 1 <= len(draft) <= d:
-                raise ValueError(f"drafter proposed tokens of shape {draft.shape}; asked for 1 to {d} tokens")
-            if draft.min() < 0 or draft.max() >= self.vocab:
-                raise ValueError(f"drafter proposed ids {draft.tolist()}: outside the vocabulary [0, {self.vocab})")
-            d = len(draft)  # a drafter with a shorter block proposes what it can; the next pass drafts on
-            # One compiled pass per padded length: slots past the draft hold -1 tokens (id 0 embedded) that
-            # greedy never accepts (no argmax is -1) and sampling masks; their cache writes lie above the
-            # committed length, cropped like a rejected tail. Exact length where padding would not fit.
-            width = max(8, 1 << d.bit_length())  # >= d + 1
-            if row.cursor + width > row.cache.length:
-                width = d + 1
-            padded = np.full(width - 1, -1, np.int32)
-            padded[:d] = draft
-            tokens = jnp.asarray(np.concatenate([[row.ids[-1]], np.maximum(padded, 0)]), jnp.int32)[None]
-            positions = (row.position + jnp.arange(width, dtype=jnp.int32))[None]
-            logits, row.cache = verify(self.params, tokens, positions, row.cache, jnp.asarray([row.cursor], jnp.int32))
-            accepted, nxt = self._verify(logits[0], padded, d, proposal.q, jax.random.fold_in(pass_key, 2))
-            new = [*draft[:accepted].tolist(), nxt]
-            row.passes += 1
-            # Crop: the committed tokens' keys stay; the cursor moves to the new last token's slot.
-            row.cursor += accepted + 1
-            row.position += accepted + 1
-            committed = 0
-            for token in new:
-                if len(row.output) >= max_new_tokens or self._stopped(row):
-                    break
-                row.ids.append(int(token))
-                committed += 1
-            self.stats.record(d, accepted, committed)
-            remaining -= accepted + 1
-        return max(-remaining, 0)
-
-    def _verify(self, logits, padded, drafted: int, q, key) -> tuple[int, int]:
-        """(accepted, next token) from the verify pass's logits [W, V] over a draft padded with -1 to W - 1:
-        the block loop's own rule (`accept_pass`), so both paths accept alike."""
-        q_rows = None  # a deterministic drafter: accept_pass takes q as the point mass on its proposal
-        if not self.sampling.greedy and q is not None:
-            width, vocab = logits.shape
-            q = np.asarray(q, np.float32)
-            if q.shape != (drafted, q.shape[1]) or q.shape[1] > vocab:
-                raise ValueError(f"drafter q of shape {q.shape}; want [{drafted}, <= {vocab}]")
-            q_rows = np.zeros((width - 1, vocab), np.float32)
-            q_rows[:drafted, :q.shape[1]] = q
-        accepted, nxt = _accept(logits, jnp.maximum(jnp.asarray(padded), 0), q_rows, key, jnp.int32(drafted),
-                                self.sampling, self.vocab)
-        return int(accepted), int(nxt)
-
-
-_accept = jax.jit(accept_pass, static_argnums=(5, 6))
-
-
-# -- drafters for tests and baselines -------------------------------------------------------------
+# -- device drafters -------------------------------------------------------------
 
 class ScriptedDrafter:
     """A device drafter proposing a given continuation (the output ids it expects, from index 0) at the
@@ -346,17 +200,14 @@ class ScriptedDrafter:
 
 
 class OracleDrafter:
-    """Proposes the target's own greedy continuation. Host loop (`propose`): `engine.generate_ids` on the
-    context at every pass. Fast path (`for_prompt`): the greedy output of the prompt, computed once, as a
-    `ScriptedDrafter` (drafting costs a slice: the speed-up ceiling). Under sampling the fast oracle
-    still scripts the greedy output of the prompt (a drafter, so output stays the target's own)."""
+    """Proposes the target's own greedy continuation: the greedy output of the prompt, computed once
+    (`for_prompt`), as a `ScriptedDrafter` (drafting costs a slice: the speed-up ceiling). Under sampling
+    it still scripts the greedy output of the prompt (a drafter, so output stays the target's own)."""
 
     def __init__(self, graphdef, params, vocab: int, block_size: int | None = None):
         self.graphdef, self.params, self.vocab, self.block_size = graphdef, params, vocab, block_size
 
     def for_prompt(self, ids, positions, vision, max_new_tokens: int) -> ScriptedDrafter:
-        from valen_jax.decoding.engine import generate_ids
-
         prompt = {"ids": np.asarray(ids, np.int32),
                   "positions": np.arange(len(ids), dtype=np.int32) if positions is None else positions}
         if vision is not None:
@@ -365,25 +216,14 @@ class OracleDrafter:
                            vocab=self.vocab)
         return ScriptedDrafter(out[0], self.block_size)
 
-    def propose(self, context, block, key) -> Proposal:
-        from valen_jax.decoding.engine import generate_ids
-
-        prompt = {"ids": np.asarray(context, np.int32), "positions": np.arange(len(context), dtype=np.int32)}
-        out = generate_ids(self.params, self.graphdef, [prompt], max_new_tokens=block, stop_ids=(), vocab=self.vocab)
-        return Proposal(np.asarray(out[0], np.int32))
-
 
 class RandomDrafter:
-    """Uniform random tokens in [0, vocab), q uniform: the worst honest drafter. Host loop: numpy's
-    stream from `seed`; fast path: drawn on the device from each pass's key (the decoding seed)."""
+    """Uniform random tokens in [0, vocab), q uniform: the worst honest drafter, drawn on the device from
+    each pass's key (the decoding seed)."""
 
-    def __init__(self, vocab: int, seed: int = 0):
-        self.vocab, self.rng = vocab, np.random.default_rng(seed)
-        self.rule, self.params = UniformRule(int(vocab)), ()
-
-    def propose(self, context, block, key) -> Proposal:
-        return Proposal(self.rng.integers(0, self.vocab, block).astype(np.int32),
-                        np.full((block, self.vocab), 1.0 / self.vocab, np.float32))
+    def __init__(self, vocab: int):
+        self.vocab = int(vocab)
+        self.rule, self.params = UniformRule(self.vocab), ()
 
 
 class CachedDrafter:
@@ -395,33 +235,3 @@ class CachedDrafter:
         cfg = nnx.merge(drafter_graphdef, drafter_params).cfg
         self.rule = TrainedRule(drafter_graphdef, tuple(cfg.target_layers), cfg.block_size, int(vocab))
         self.params, self.block_size, self.dim, self.vocab = drafter_params, cfg.block_size, cfg.dim, int(vocab)
-
-
-class TrainedDrafter(CachedDrafter):
-    """`CachedDrafter`, also usable by the host loop (`propose`), where the target's fused features are
-    recomputed over the whole context on every proposal (text-only contexts, 1-D positions): that
-    path measures acceptance, not speed."""
-
-    def __init__(self, drafter_graphdef, drafter_params, target_graphdef, target_params, vocab: int):
-        super().__init__(drafter_graphdef, drafter_params, vocab)
-        self.host_params = (drafter_params, target_params)
-
-        def run(params, tokens, length):
-            drafter, target = nnx.merge(drafter_graphdef, params[0]), nnx.merge(target_graphdef, params[1])
-            # Right-padded to a bucket (one compile per bucket, not per context length); padding is
-            # segment 0, which no block sees.
-            slots = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            batch = {"tokens": tokens, "positions": slots, "segment_ids": (slots < length).astype(jnp.int32)}
-            # The anchor is the last committed token; the drafter reads target features before it.
-            hidden = block_drafter.draft_hidden(drafter, target, batch, jnp.reshape(length - 1, (1, 1)))
-            logits = jnp.einsum("basd,dv->basv", hidden, target.head_matrix(), preferred_element_type=jnp.float32)
-            return jnp.argmax(mask_vocab(logits[0, 0], vocab), axis=-1).astype(jnp.int32)
-
-        self._run = jax.jit(run)
-
-    def propose(self, context, block, key) -> Proposal:
-        # Greedy drafting: deterministic given the context, so under sampling q is the point mass on it.
-        padded = np.zeros(bucket(len(context)), np.int32)
-        padded[:len(context)] = context
-        tokens = self._run(self.host_params, jnp.asarray(padded)[None], jnp.int32(len(context)))
-        return Proposal(np.asarray(tokens)[:min(block, self.block_size)])

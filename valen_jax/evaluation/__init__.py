@@ -6,7 +6,7 @@
     valen, vflash, chat   one evaluator per record family: evaluate(restored, examples, options), summary(report)
     registry  the table of those evaluators, keyed by the format registry's family
     options   what a caller chooses about one evaluation (a leaf: evaluators and registry read it)
-    speculative  a vflash workdir: its drafter and frozen target, target-only vs speculative decoding
+    (a vflash workdir, drafter and frozen target: `valen_jax.vflash.evaluation`)
     periodic  evaluation every `config.eval.every` steps, through the same code
     metrics   the formulas each family's evaluator sums
 

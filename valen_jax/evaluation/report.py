@@ -12,11 +12,12 @@ from pathlib import Path
 import jax
 
 from data_pipeline.format_registry import FORMATS
-from valen_jax import checkpoint
 from valen_jax.errors import EvaluationError, UsageError
-from valen_jax.evaluation import image_reliance, registry, speculative
+from valen_jax.evaluation import image_reliance, registry
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.workdir import Restored
+from valen_jax.training import checkpoint
+from valen_jax.vflash import evaluation as speculative
 
 
 def run(restored: Restored, data, fmt: str, options: dict | None, *, mode: str | None = None,

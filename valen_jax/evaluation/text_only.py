@@ -31,10 +31,10 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.shards import Example, ShardError
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import checkpoint
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.evaluation import prompts, tokens
 from valen_jax.evaluation.workdir import Restored
+from valen_jax.training import checkpoint
 
 # Training records read for the baseline: enough for the answer counts of any prompt that repeats, and a
 # bounded read (the Examples carry their media bytes) on a training set of millions.

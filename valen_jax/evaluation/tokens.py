@@ -19,13 +19,13 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline.shards import Example
-from valen_jax import sharding
 from valen_jax.data.assemble import RowSpec, assemble, vision_arrays
 from valen_jax.decoding import generate_ids
 from valen_jax.evaluation import hosts
 from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
-from valen_jax.losses import token_losses
-from valen_jax.step import vision_inputs
+from valen_jax.models import sharding
+from valen_jax.training.losses import token_losses
+from valen_jax.training.step import vision_inputs
 
 
 @functools.cache

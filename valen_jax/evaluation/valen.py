@@ -33,7 +33,6 @@ from flax import nnx
 
 from data_pipeline import examples as contract  # the Example fields (one declaration)
 from data_pipeline.shards import Example
-from valen_jax import sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
 from valen_jax.errors import UsageError
@@ -41,8 +40,9 @@ from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
 from valen_jax.evaluation.workdir import Restored, host_local, local_batch_size, stack
+from valen_jax.models import sharding
 from valen_jax.models.heads import branch_log_probs
-from valen_jax.step import vision_inputs
+from valen_jax.training.step import vision_inputs
 
 if TYPE_CHECKING:
     from valen_jax.evaluation.options import Options

@@ -17,12 +17,13 @@ from jax.sharding import Mesh
 
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.shards import Example
-from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.errors import EvaluationError, UsageError
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
+from valen_jax.training import checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -217,7 +217,7 @@ def _over_mesh(local, mesh, q, k, v, segment_ids, branch_ids):
     over "tensor" when both head counts divide by it (else every tensor shard computes all heads)."""
     from jax.sharding import PartitionSpec
 
-    from valen_jax.sharding import DEFAULT_RULES
+    from valen_jax.models.sharding import DEFAULT_RULES
 
     def present(axes):
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

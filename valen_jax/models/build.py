@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from data_pipeline import vocabulary
 from data_pipeline.tokenizer import token_id
-from valen_jax.config_schema import ARCHITECTURE_KEYS, defaults
+from valen_jax.config.schema import ARCHITECTURE_KEYS, defaults
 from valen_jax.errors import ConfigError
 from valen_jax.models import hf, hf_vl
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab

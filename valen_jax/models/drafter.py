@@ -21,7 +21,7 @@ the token it has just emitted). DFlash puts the anchor in slot 0 too and predict
 each mask slot; we give the block B + 1 slots so a pass proposes B tokens. The drafter has its own
 1-D rotary positions (an M-RoPE target's text coordinates, axis 0).
 
-Training (`valen_jax.step.make_drafter_train_step`) runs many blocks per row at once: `anchors`
+Training (`valen_jax.vflash.objective.make_drafter_train_step`) runs many blocks per row at once: `anchors`
 [rows, A] positions; each block sees the whole row's context through its mask. Decoding
 (`valen_jax.decoding.speculative`) caches each layer's projected context keys/values once per token
 (`context_cache`, `write_context`) and drafts one block against them (`draft_cached`): the same math.

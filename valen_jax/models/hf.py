@@ -19,8 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from valen_jax import sharding
-from valen_jax.models import hf_text, hf_vl
+from valen_jax.models import hf_text, hf_vl, sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.hf_common import HFImportError, added_token_pieces, dtype_name, extend_rows, resolve
 from valen_jax.models.hf_text import FAMILIES, config_from_hf, config_to_hf, decoder_tensors, load_params

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from valen_jax.sharding import constrain
+from valen_jax.models.sharding import constrain
 
 # Shards like training's activations: rows over ("data", "fsdp"), key/value heads over "tensor".
 CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")

@@ -1,6 +1,6 @@
 """Building blocks shared by the decoder and the vision encoder.
 
-Every parameter carries `logical_axes` metadata; `valen_jax.sharding` maps the names to
+Every parameter carries `logical_axes` metadata; `valen_jax.models.sharding` maps the names to
 mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in `dtype`.
 """
 
@@ -16,7 +16,7 @@ from flax import nnx
 from valen_jax.models import kv_cache
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
-from valen_jax.sharding import constrain
+from valen_jax.models.sharding import constrain
 
 _INIT_STD = 0.02
 

@@ -12,8 +12,8 @@ from valen_jax.models.heads import ScoreHead
 from valen_jax.models.layers import Block, RMSNorm, param
 from valen_jax.models.qwen_vision import QwenVisionEncoder
 from valen_jax.models.remat import checkpoint_policy
+from valen_jax.models.sharding import constrain
 from valen_jax.models.vision import VisionEncoder
-from valen_jax.sharding import constrain
 
 
 def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:

@@ -28,14 +28,14 @@ import time
 import jax
 
 from data_pipeline.tokenizer import load_tokenizer
-from valen_jax import sharding
-from valen_jax.config_schema import check_batch_split, validate_config
+from valen_jax.config.schema import check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.packing import PackingSpec
 from valen_jax.data.pipeline import TokenAssembly
 from valen_jax.data.valen_rows import ValenAssembly
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.errors import ConfigError
+from valen_jax.models import sharding
 from valen_jax.models.build import model_config
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask

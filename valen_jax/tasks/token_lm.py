@@ -21,9 +21,9 @@ from valen_jax.data.sources import mixture_of, sampling_indices
 from valen_jax.evaluation.periodic import PeriodicEval
 from valen_jax.evaluation.report import evaluate_params, write_report
 from valen_jax.evaluation.workdir import Restored
-from valen_jax.metrics import model_flops_per_step
 from valen_jax.models.build import initial_params
-from valen_jax.step import StepOptions, TrainLayout, compile_step, make_train_step
+from valen_jax.training.metrics import model_flops_per_step
+from valen_jax.training.step import StepOptions, TrainLayout, compile_step, make_train_step
 from valen_jax.training.task import Evaluation, Task
 
 

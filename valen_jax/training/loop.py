@@ -24,8 +24,7 @@ from tqdm import tqdm
 
 import valen_jax
 from data_pipeline.tokenizer import load_tokenizer
-from valen_jax import checkpoint, sharding, workdir_lock
-from valen_jax.config_schema import check_batch_split, validate_config
+from valen_jax.config.schema import check_batch_split, validate_config
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.prepared_checks import check_prepared_run
@@ -33,9 +32,11 @@ from valen_jax.data.references import resolve_config_data
 from valen_jax.data.separation import check_separation
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.vision_processor import media_kwargs_of
-from valen_jax.metrics import MetricsLog, peak_flops_per_device
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
-from valen_jax.progress import FinishedSteps
+from valen_jax.training import checkpoint, workdir_lock
+from valen_jax.training.metrics import MetricsLog, peak_flops_per_device
+from valen_jax.training.progress import FinishedSteps
 from valen_jax.training.startup import StartUp, start_up
 from valen_jax.training.task import Setup, Task
 

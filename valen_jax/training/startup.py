@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from valen_jax import checkpoint, workdir_lock
+from valen_jax.training import checkpoint, workdir_lock
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def layout(self):
-        """The TrainLayout (valen_jax.step) of this mode's train state on the setup's mesh."""
+        """The TrainLayout (valen_jax.training.step) of this mode's train state on the setup's mesh."""
 
     def row_spec(self, spec):
         """The RowSpec this mode's training rows are built with (evaluation keeps `spec`)."""

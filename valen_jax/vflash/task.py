@@ -19,17 +19,19 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline.shards import Example
-from valen_jax import checkpoint, sharding
 from valen_jax.data.assemble import draft_block_of
 from valen_jax.data.sources import mixture_of
 from valen_jax.data.valen_rows import is_valen
 from valen_jax.errors import ConfigError, NothingToTrain
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
 from valen_jax.models.transformer import abstract_model
-from valen_jax.step import DrafterOptions, TrainLayout, compile_step, make_drafter_train_step
 from valen_jax.tasks.token_lm import token_assembly
+from valen_jax.training import checkpoint
+from valen_jax.training.step import TrainLayout, compile_step
 from valen_jax.training.task import Setup, Task
+from valen_jax.vflash.objective import DrafterOptions, make_drafter_train_step
 
 log = logging.getLogger(__name__)
 

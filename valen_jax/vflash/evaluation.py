@@ -45,16 +45,17 @@ from data_pipeline import examples as contract
 from data_pipeline.primitives import AtomicCalls
 from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax import checkpoint, sharding
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder
 from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.metrics.speculative import TAU_CONVENTION, BlockSums
 from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.workdir import Restored, local_batch_size
 from valen_jax.models import drafter as block_drafter
+from valen_jax.models import sharding
+from valen_jax.training import checkpoint
+from valen_jax.vflash.metrics import TAU_CONVENTION, BlockSums
 
 log = logging.getLogger(__name__)
 

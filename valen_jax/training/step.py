@@ -11,22 +11,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from valen_jax import sharding
-from valen_jax.losses import (
-    acceptance_length,
-    branch_cross_entropy,
-    combine,
-    drafter_losses,
-    drafter_targets,
-    head_token_losses,
-    position_weights,
-    reduce_question_losses,
-)
+from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.drafter import DrafterConfig, abstract_drafter, draft_hidden
+from valen_jax.models.drafter import DrafterConfig, abstract_drafter
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.models.transformer import abstract_model
-from valen_jax.optim import build_optimizer, frozen_mask
+from valen_jax.training.losses import (
+    branch_cross_entropy,
+    combine,
+    head_token_losses,
+    reduce_question_losses,
+)
+from valen_jax.training.optim import build_optimizer, frozen_mask
 
 
 def vision_inputs(batch):
@@ -63,7 +59,7 @@ class StepOptions:
                    loss_reduction=str(config.loss.loss_reduction))
 
 
-def _micro_batches(batch: dict, count: int) -> dict:
+def micro_batches(batch: dict, count: int) -> dict:
     """[B, ...] → [count, B/count, ...]: micro-batch i takes rows i, i+count, ...
 
     Strided rather than contiguous rows: each device's contiguous block of the batch-sharded
@@ -131,7 +127,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                 grads, sums = grad_fn(params, micro)
                 return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
-            micros = _micro_batches(batch, accum)
+            micros = micro_batches(batch, accum)
             sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros))
             zeros = (jax.tree.map(jnp.zeros_like, params),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
@@ -149,85 +145,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         if "branch_correct" in sums:
             metrics.update(accuracy=sums["branch_correct"] / jnp.maximum(sums["branch_questions"], 1.0),
                            labeled_questions=sums["branch_questions"])
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-    return train_step
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    """What shapes the drafter objective (config.model.drafter, config.loss, config.train)."""
-
-    block_size: int = 16
-    anchors_per_row: int = 64
-    position_decay: float = 7.0
-    weight: float = 1.0  # config.loss.weights.drafter
-    grad_accum_steps: int = 1
-    seed: int = 0
-
-    @classmethod
-    def from_config(cls, config) -> DrafterOptions:
-        drafter = config.model.drafter
-        return cls(block_size=int(drafter.block_size), anchors_per_row=int(drafter.anchors_per_row), position_decay=float(drafter.position_decay),
-                   weight=float(config.loss.weights["drafter"]), grad_accum_steps=int(config.train.grad_accum_steps),
-                   seed=int(config.train.seed))
-
-
-def make_drafter_train_step(graphdef, target_graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                            options: DrafterOptions) -> Callable:
-    """train_step(state, batch, target_params) → (state, metrics) for `vflash` mode.
-
-    `state` holds the drafter alone; the target's parameters come in as an argument, so they are never
-    in the optimizer, never donated and never written (bitwise unchanged). The anchors are drawn from the
-    whole batch before any micro-batch split (a function of the batch, the seed and the step only), so
-    accumulation equals one big batch, as for the token objective.
-    """
-    accum = int(options.grad_accum_steps)
-
-    def sums_of(params, target_params, micro):
-        drafter = nnx.merge(graphdef, params)
-        target = nnx.merge(target_graphdef, target_params)
-        hidden = draft_hidden(drafter, target, micro, micro["draft_anchors"])
-        return drafter_losses(hidden, jax.lax.stop_gradient(target.head_matrix()), micro["draft_targets"],
-                              micro["draft_weights"], options.position_decay)
-
-    def train_step(state, batch, target_params):
-        key = jax.random.fold_in(jax.random.key(options.seed), state["step"])
-        size = options.block_size
-        anchors, targets, weights = drafter_targets(batch["draft_block"], batch["targets"], batch["target_weights"],
-                                                    options.anchors_per_row, size, key)
-        batch = {**batch, "draft_anchors": anchors, "draft_targets": targets, "draft_weights": weights}
-        decays = position_weights(size, options.position_decay)
-        # Fixed by the batch alone (never by the parameters): an all-zero-weight batch gives loss 0, not NaN.
-        denominator = jnp.maximum(jnp.sum(jnp.sum(weights, axis=(0, 1)) * decays), 1e-9)
-
-        def micro_loss(params, micro):
-            sums = sums_of(params, target_params, micro)
-            return options.weight * sums["ce"] / denominator, sums
-
-        grad_fn = jax.grad(micro_loss, has_aux=True)
-        if accum == 1:
-            grads, sums = grad_fn(state["params"], batch)
-        else:
-            def body(carry, micro):
-                grads, sums = grad_fn(state["params"], micro)
-                return jax.tree.map(jnp.add, carry, (grads, sums)), None
-
-            micros = _micro_batches(batch, accum)
-            shapes = jax.eval_shape(sums_of, state["params"], target_params, jax.tree.map(lambda x: x[0], micros))
-            zeros = (jax.tree.map(jnp.zeros_like, state["params"]),
-                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-            (grads, sums), _ = jax.lax.scan(body, zeros, micros)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        loss = sums["ce"] / denominator
-        accuracy = sums["correct"] / jnp.maximum(sums["count"], 1.0)
-        metrics = {"loss": options.weight * loss, "loss_drafter": loss, "grad_norm": optax.tree.norm(grads),
-                   "learning_rate": schedule(state["step"]),
-                   "accuracy": jnp.sum(sums["correct"]) / jnp.maximum(jnp.sum(sums["count"]), 1.0),
-                   "drafter_acceptance_length": acceptance_length(sums["correct"], sums["count"]),
-                   "drafter_anchors": jnp.sum(weights[:, :, 0] > 0).astype(jnp.float32),
-                   **{f"drafter_accuracy_{k + 1}": accuracy[k] for k in range(size)}}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return train_step

@@ -14,8 +14,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from valen_jax.config_schema import LOSS_REDUCTIONS  # declared with the config it checks
-from valen_jax.sharding import constrain, logical_to_spec
+from valen_jax.config.schema import LOSS_REDUCTIONS  # declared with the config it checks
+from valen_jax.models.sharding import constrain, logical_to_spec
 
 
 def token_cross_entropy(logits, targets, weights, z_loss: float = 0.0):
@@ -206,78 +206,6 @@ def _tiled_losses(hidden, head, targets, weights, chunk):
 
 
 _tiled_losses.defvjp(_tiled_forward, _tiled_backward)
-
-
-def position_weights(block_size: int, decay: float):
-    """f32 [block_size]: w_k = exp(-(k-1)/decay) for block position k = 1…B (DFlash's decay, γ = 7 for B = 16).
-
-    A drafted block is accepted up to its first miss, so position k only counts when positions 1…k-1
-    were right: early positions carry most of the acceptance length and get most of the weight.
-    """
-    return jnp.exp(-jnp.arange(block_size, dtype=jnp.float32) / float(decay))
-
-
-def drafter_targets(draft_block, targets, target_weights, anchors_per_row: int, block_size: int, key):
-    """The blocks a drafter step trains on: (anchors [B, A], block targets [B, A, K], block weights [B, A, K]).
-
-    draft_block int [B, T]: k ≥ 1 where `targets[t]` is the k-th token of a primitive block announced by an
-    `atomic_decoding` call (the batch field `draft_block`), 0 elsewhere. An anchor is a row index p with
-    draft_block[p] ≥ 1: the drafter sees tokens[p] (the last committed token) and predicts targets[p],
-    targets[p+1], … (block position k = 1…K). Every block's first anchor (the token before its first
-    token, draft_block = 1) is taken first, then anchors inside blocks (where drafting restarts after a
-    partial acceptance) at random from `key`, A = `anchors_per_row` (capped at T) in all; unfilled anchors
-    weigh 0. Block position k of anchor p weighs `target_weights[p+k-1]` (0 on coordinates that
-    atom_loss_masks removes) while p+k-1 stays inside the anchor's block, else 0.
-    """
-    batch, length = draft_block.shape
-    count = min(int(anchors_per_row), length)
-    draft_block = draft_block.astype(jnp.int32)
-    noise = jax.random.uniform(key, (batch, length))
-    score = jnp.where(draft_block == 1, 2.0 + noise, 1.0 + noise)
-    score = jnp.where(draft_block >= 1, score, -1.0)
-    chosen, anchors = jax.lax.top_k(score, count)
-    offsets = jnp.arange(block_size, dtype=jnp.int32)
-    where = anchors[..., None] + offsets  # [B, A, K]
-    inside = where < length
-    where = jnp.minimum(where, length - 1)
-
-    def gather(x):
-        return jnp.take_along_axis(x, where.reshape(batch, -1), axis=1).reshape(where.shape)
-
-    start = jnp.take_along_axis(draft_block, anchors, axis=1)
-    same_block = inside & (gather(draft_block) == start[..., None] + offsets) & (chosen[..., None] > 0)
-    weights = jnp.where(same_block, gather(target_weights.astype(jnp.float32)), 0.0)
-    return anchors.astype(jnp.int32), gather(targets), weights
-
-
-def drafter_losses(hidden, head, block_targets, block_weights, decay: float) -> dict[str, jax.Array]:
-    """Sums of the drafter objective: hidden [B, A, K, D] (the drafter's mask slots), head [D, V] (the
-    target's), block targets/weights [B, A, K] (`drafter_targets`).
-
-    `ce`: Σ w_k · weight · cross-entropy; `weight`: Σ w_k · weight (the denominator, fixed by the batch);
-    `correct` and `count` [K]: per block position, argmax hits and supervised positions (unweighted by
-    w_k), from which `acceptance_length` reads. Each position's logits go through the token-tiled
-    `head_token_losses`, so no [B·A·K, V] logits are ever held.
-    """
-    size = hidden.shape[2]
-    decays = position_weights(size, decay)
-    parts = [head_token_losses(hidden[:, :, k], head, block_targets[:, :, k], block_weights[:, :, k])
-             for k in range(size)]
-    ce = sum(decays[k] * part["ce"] for k, part in enumerate(parts))
-    weight = sum(decays[k] * part["weight"] for k, part in enumerate(parts))
-    return {"ce": ce, "weight": weight, "correct": jnp.stack([part["correct"] for part in parts]),
-            "count": jnp.stack([part["weight"] for part in parts])}
-
-
-def acceptance_length(correct, count):
-    """Expected drafted tokens accepted per block, τ = Σ_k Π_{j≤k} acc_j with acc_j = correct_j / count_j.
-
-    The batch's per-position accuracies taken as independent acceptance probabilities; the bonus token
-    the target adds after every verification is not counted (tokens per target pass = τ + 1). A
-    position with nothing supervised counts as a miss.
-    """
-    accuracy = jnp.where(count > 0, correct / jnp.maximum(count, 1e-9), 0.0)
-    return jnp.sum(jnp.cumprod(accuracy))
 
 
 def branch_cross_entropy(log_probs, labels, labeled):

@@ -40,14 +40,14 @@ from data_pipeline.registry.references import RegistryError
 from data_pipeline.render.common import RenderError
 from data_pipeline.shards import ShardError
 from data_pipeline.tokenizer import TokenizerError
-from valen_jax import checkpoint, workdir_lock
 from valen_jax.data.assemble import AssemblyError
 from valen_jax.data.media import MediaError
 from valen_jax.data.vision_processor import ProcessorError
 from valen_jax.errors import UsageError, UserError
 from valen_jax.models.hf_common import HFImportError
 from valen_jax.models.safetensors_io import SafetensorsError
-from valen_jax.sharding import ShardingError
+from valen_jax.models.sharding import ShardingError
+from valen_jax.training import checkpoint, workdir_lock
 from valen_jax.training.loop import NonFiniteLoss
 
 log = logging.getLogger(__name__)

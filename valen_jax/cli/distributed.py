@@ -17,7 +17,7 @@ import os
 
 import jax
 
-log = logging.getLogger("valen_jax.distributed")
+log = logging.getLogger("valen_jax.cli.distributed")
 
 ENV_COORDINATOR = "VALEN_COORDINATOR"
 ENV_NUM_PROCESSES = "VALEN_NUM_PROCESSES"

@@ -19,7 +19,7 @@ import jax
 import optax
 
 # The schema owns the config's vocabulary and its start-up checks (one declaration each).
-from valen_jax.config_schema import DECAYS, check_param_groups
+from valen_jax.config.schema import DECAYS, check_param_groups
 from valen_jax.errors import ParamGroupError  # its home; still importable from here
 
 TRAINED = "trained"  # label of parameters in no group
