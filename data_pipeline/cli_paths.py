@@ -21,6 +21,20 @@ class PathError(ValueError):
     """A path holding a control character (NUL, newline, ...)."""
 
 
+def control_character(text: str) -> str | None:
+    """The first control character (NUL, newline, ...) in `text`, or None: what makes a path unusable
+    (NUL) or unprintable on one line (the rest). Media paths inside data files are held to it too
+    (data_pipeline.formats.media_paths)."""
+    found = _CONTROL.search(text)
+    return found.group() if found else None
+
+
+def escaped(text: str) -> str:
+    """`text` with each control character written as its escape (`\\n`, `\\x00`), the rest as it is: a path,
+    a zip member name or a message from a data file printed so that one problem stays one line."""
+    return _CONTROL.sub(lambda found: repr(found.group())[1:-1], text)
+
+
 def check_path(what: str, value: Any) -> None:
     """Raise PathError naming `what` when `value` (a str or PathLike; None is skipped) holds a control character."""
     if value is None:
@@ -28,9 +42,9 @@ def check_path(what: str, value: Any) -> None:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
         return
-    found = _CONTROL.search(text)
+    found = control_character(text)
     if found:
-        raise PathError(f"{what}: {text!r} holds the control character {found.group()!r}; "
+        raise PathError(f"{what}: {text!r} holds the control character {found!r}; "
                         "paths with NUL, newlines or other control characters are refused")
 
 

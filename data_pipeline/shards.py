@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
+from data_pipeline.formats.limits import TooLarge, read_file_capped
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # group_size:1 keeps every record independently addressable, which Grain's random access needs.
@@ -142,7 +144,12 @@ class Manifest:
         path = Path(shard_dir) / MANIFEST_NAME
         if not path.is_file():
             raise ShardError(f"{path}: no manifest; convert the data with python -m data_pipeline.convert")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        try:  # a shard folder is the user's: its manifest is bounded like any whole-file read
+            data = json.loads(read_file_capped(path).decode("utf-8"))
+        except (ValueError, TooLarge) as error:  # JSON, UTF-8 or size
+            raise ShardError(f"{str(path)!r}: not a readable manifest ({error})") from None
+        if not isinstance(data, dict):
+            raise ShardError(f"{str(path)!r}: not a manifest (a JSON object)")
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ShardError(f"{path}: schema_version {data.get('schema_version')!r}, this code reads {SCHEMA_VERSION}")
         return cls(data)

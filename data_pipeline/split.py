@@ -9,9 +9,11 @@ What stays together (one group never spans two splits):
 - valen: records of one `group_id` (seed 000: "the same source material and its variants share one
   group ID"), and records sharing a media file;
 - vakforge: a conversation, and every conversation of a speaker (`meta.speakers.agent`/`.user`, one
-  namespace; seed 002: "no speaker ... appears in more than one split"); writes `splits.json` (the
-  seed and the conversation ids per split), which the vakforge reader then checks; the manifest is
-  not copied (its audio paths are relative to its folder), so put splits.json next to it;
+  namespace; seed 002: "no speaker ... appears in more than one split"); a conversation stating
+  `meta.split` keeps it, its speaker group with it. This is `python -m data_pipeline.vakforge split`
+  (data_pipeline/vakforge/split.py), which writes `splits.json` (the seed and the conversation ids per
+  split), checked by the vakforge reader; the manifest is not copied (its audio paths are relative to
+  its folder), so put splits.json next to it;
 - chat, vflash: each row, joined with every row naming the same image or video by content
   (SHA-256 of the file; union-find over rows sharing one), so no image lands in two splits.
 
@@ -26,105 +28,19 @@ recipes are refused: split the annotation files (`--format=vflash`) or the rows 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import sys
-import tempfile
-from collections import defaultdict
 from pathlib import Path
-
-import numpy as np
 
 from data_pipeline.cli_flags import add_flag
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError
+from data_pipeline.split_groups import SplitError, assign, group_rows, parse_fractions
+from data_pipeline.vakforge.split import split_manifest
+
+__all__ = ["SPLITTABLE", "SplitError", "assign", "group_rows", "main", "parse_fractions", "split"]
 
 SPLITTABLE = ("valen", "vakforge", "chat", "vflash")
-# JSON keys whose string values name a media file (vflash `image`/`video`, chat parts' `path` of an
-# `image`/`video` part, Valen `image_url`/`video_url` `url`).
-_MEDIA_KEYS = ("image", "images", "video", "videos")
-
-
-class SplitError(ValueError):
-    """Bad arguments or data the split cannot honour; the message names the flag or file:line."""
-
-
-def parse_fractions(text: str) -> dict[str, float]:
-    """`train=0.8,eval=0.2` → {"train": 0.8, "eval": 0.2}: distinct names, each in (0, 1], summing to 1."""
-    fractions: dict[str, float] = {}
-    for part in text.split(","):
-        name, sep, value = part.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise SplitError(f"--fractions={text!r}: {part!r} is not NAME=FRACTION")
-        if not name.replace("_", "").replace("-", "").isalnum():
-            raise SplitError(f"--fractions: split name {name!r} must be letters, digits, '_' or '-'")
-        if name in fractions:
-            raise SplitError(f"--fractions: split {name!r} is named twice")
-        try:
-            fraction = float(value)
-        except ValueError:
-            raise SplitError(f"--fractions: {name}={value!r} is not a number") from None
-        if not (math.isfinite(fraction) and 0 < fraction <= 1):
-            raise SplitError(f"--fractions: {name}={value} must be in (0, 1]")
-        fractions[name] = fraction
-    if abs(sum(fractions.values()) - 1) > 1e-6:
-        raise SplitError(f"--fractions={text!r} sums to {sum(fractions.values()):.6g}, not 1")
-    return fractions
-
-
-class _UnionFind:
-    def __init__(self, size: int):
-        self.parent = list(range(size))
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
-
-    def union(self, a: int, b: int) -> None:
-        a, b = self.find(a), self.find(b)
-        if a != b:
-            self.parent[max(a, b)] = min(a, b)  # the smaller line leads: groups keep their first line
-
-
-def _media_paths(value, out: list[str], key: str | None = None) -> None:
-    """Every string naming a media file in a record, however nested. An LMDB item is written
-    `lmdb:FILE#KEY` (its own content is one entry of a shared file, not the whole file)."""
-    if isinstance(value, dict):
-        if key in _MEDIA_KEYS:  # a VFlash media object: {file|video: PATH, …} or {lmdb_file, lmdb_key}
-            for field in ("file", "video"):
-                if isinstance(value.get(field), str):
-                    out.append(value[field])
-            if isinstance(value.get("lmdb_file"), str):
-                out.append(f"lmdb:{value['lmdb_file']}#{value.get('lmdb_key')}")
-            return
-        kind = value.get("type")
-        for k, v in value.items():
-            if k == "path" and kind in ("image", "video") and isinstance(v, str):
-                out.append(v)
-            elif k == "url" and key in ("image_url", "video_url") and isinstance(v, str):
-                out.append(v)
-            else:
-                _media_paths(v, out, k)
-    elif isinstance(value, list):
-        for v in value:
-            _media_paths(v, out, key)
-    elif isinstance(value, str) and key in _MEDIA_KEYS:
-        out.append(value)
-
-
-def _media_digest(folder: Path, name: str, where: str, cache: dict[Path, str]) -> str:
-    path = Path(name) if Path(name).is_absolute() else folder / name
-    if path not in cache:
-        try:
-            cache[path] = hashlib.sha256(path.read_bytes()).hexdigest()
-        except OSError as error:
-            raise SplitError(f"{where}: media {name!r}: {error.strerror or error}") from None
-    return cache[path]
-
 
 def _read_lines(path: Path) -> list[tuple[int, str, dict]]:
     """(1-based line, raw text, record) of each non-blank line; the format's validator ran before."""
@@ -134,86 +50,6 @@ def _read_lines(path: Path) -> list[tuple[int, str, dict]]:
             if text.strip():
                 rows.append((number, text if text.endswith("\n") else text + "\n", json.loads(text)))
     return rows
-
-
-def group_rows(fmt: str, path: Path, rows: list[tuple[int, str, dict]]) -> tuple[list[int], int]:
-    """(group index of each row, rows that name media by relative path). Rows sharing a group key
-    (Valen group_id, vakforge speaker) or a media file's content are one group."""
-    uf = _UnionFind(len(rows))
-    first_of: dict[str, int] = {}
-    digests: dict[Path, str] = {}
-    relative = 0
-
-    def join(key: str, i: int) -> None:
-        if key in first_of:
-            uf.union(first_of[key], i)
-        else:
-            first_of[key] = i
-
-    for i, (number, _, record) in enumerate(rows):
-        where = f"{path}:{number}"
-        if fmt == "valen":
-            join(f"group:{record['group_id']}", i)
-        if fmt == "vakforge":
-            join(f"conversation:{record['id']}", i)
-            speakers = (record.get("meta") or {}).get("speakers") or {}
-            for role in ("agent", "user"):
-                if speakers.get(role):  # one namespace: a person is the same in either role
-                    join(f"speaker:{speakers[role]}", i)
-            continue  # audio is per conversation; the conversation is the unit already
-        names: list[str] = []
-        _media_paths(record, names)
-        relative += any(not Path(n).is_absolute() for n in names)
-        for name in names:
-            join(name if name.startswith("lmdb:") else f"media:{_media_digest(path.parent, name, where, digests)}", i)
-    roots = [uf.find(i) for i in range(len(rows))]
-    index = {root: k for k, root in enumerate(dict.fromkeys(roots))}
-    return [index[r] for r in roots], relative
-
-
-def assign(group_sizes: list[int], fractions: dict[str, float], seed: int,
-           fixed: dict[int, str] | None = None) -> list[str]:
-    """The split of each group: groups in a seeded random order, each given to the split furthest below
-    its share of the rows dealt so far (ties: the order of --fractions). `fixed` groups (index -> split)
-    keep their split and count first, so the others fill around them."""
-    fixed = fixed or {}
-    order = np.random.default_rng(seed).permutation(len(group_sizes))
-    names = list(fractions)
-    counts = dict.fromkeys(names, 0)
-    chosen = [""] * len(group_sizes)
-    dealt = 0
-    for g, name in fixed.items():
-        chosen[g] = name
-        counts[name] += group_sizes[g]
-        dealt += group_sizes[g]
-    for g in (g for g in order if g not in fixed):
-        size = group_sizes[g]
-        after = dealt + size
-        name = max(names, key=lambda n: (fractions[n] * after - counts[n], -names.index(n)))
-        chosen[g] = name
-        counts[name] += size
-        dealt = after
-    return chosen
-
-
-def _validate(fmt: str, path: Path) -> None:
-    spec = FORMATS[fmt]
-    if fmt != "vakforge":
-        spec.validate(path, check_media=False)
-        return
-    # Vakforge's reader checks a splits.json; the one this split replaces is not read: all in one split.
-    from data_pipeline.formats.vakforge import read_vakforge
-    # (A conversation's own meta.split, when it states one, must agree: that split holds it here.)
-    provisional: dict[str, list[str]] = defaultdict(list)
-    for line in path.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line) if line.strip() else None
-        if isinstance(record, dict) and isinstance(record.get("id"), str):
-            stated = (record.get("meta") or {}).get("split") if isinstance(record.get("meta"), dict) else None
-            provisional[stated if isinstance(stated, str) else "all"].append(record["id"])
-    with tempfile.TemporaryDirectory() as tmp:
-        splits = Path(tmp) / "splits.json"
-        splits.write_text(json.dumps({"seed": 0, "splits": provisional}))
-        read_vakforge(path, check_media=False, splits_path=splits)
 
 
 def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, float], seed: int,
@@ -226,7 +62,11 @@ def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, flo
                          "annotation files with --format=vflash; prepared rows: split before preparing)")
     if not input_path.is_file():
         raise SplitError(f"--input={input_path}: no such file")
-    _validate(fmt, input_path)
+    if fmt == "vakforge":
+        # One vakforge split (issue 27): `vakforge split`'s, which keeps a conversation's stated meta.split
+        # (and its speaker group with it) where the reader requires splits.json to agree with it.
+        return _vakforge(input_path, output_dir, fractions, seed)
+    FORMATS[fmt].validate(input_path, check_media=False)
     rows = _read_lines(input_path)
     groups, relative = group_rows(fmt, input_path, rows)
     sizes = [0] * (max(groups) + 1 if groups else 0)
@@ -240,25 +80,10 @@ def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, flo
     if empty:
         raise SplitError(f"{input_path}: splits {', '.join(empty)} got no group ({len(sizes)} groups, sizes "
                          f"{sorted(sizes, reverse=True)[:5]}…); change --fractions or --seed")
-    output_dir.mkdir(parents=True, exist_ok=True)
     summary = {"input": str(input_path), "format": fmt, "seed": seed, "rows": len(rows), "groups": len(sizes),
                "splits": {name: {"rows": 0, "groups": chosen.count(name)} for name in fractions}, "files": []}
     for g in groups:
         summary["splits"][chosen[g]]["rows"] += 1
-    if fmt == "vakforge":
-        ids = {name: [rows[i][2]["id"] for i in range(len(rows)) if chosen[groups[i]] == name] for name in fractions}
-        target = output_dir / "splits.json"
-        written = target.with_name(target.name + ".tmp")
-        written.write_text(json.dumps({"seed": seed, "splits": ids}, indent=2) + "\n", encoding="utf-8")
-        try:  # the reader's own check (speaker leaks, meta.split agreement) before the file is in place
-            from data_pipeline.formats.vakforge import read_vakforge
-            read_vakforge(input_path, check_media=False, splits_path=written)
-        except FormatError:
-            written.unlink()
-            raise
-        written.replace(target)
-        summary["files"].append(str(target))
-        return summary
     if relative and output_dir.resolve() != input_path.parent.resolve():
         raise SplitError(f"{input_path}: {relative} rows name media relative to {input_path.parent}; write the "
                          f"splits there (--output-dir={input_path.parent}, with --prefix to keep names apart)")
@@ -266,11 +91,21 @@ def split(fmt: str, input_path: Path, output_dir: Path, fractions: dict[str, flo
     for target in targets.values():
         if target.resolve() == input_path.resolve():
             raise SplitError(f"{target}: would overwrite --input; choose another --output-dir or --prefix")
+    output_dir.mkdir(parents=True, exist_ok=True)  # after every check: a refused split leaves no folder
     for name, target in targets.items():
         target.write_text("".join(text for i, (_, text, _) in enumerate(rows) if chosen[groups[i]] == name),
                           encoding="utf-8")
         summary["files"].append(str(target))
     return summary
+
+
+def _vakforge(manifest: Path, output_dir: Path, fractions: dict[str, float], seed: int) -> dict:
+    """`vakforge split` of `manifest` into OUTPUT_DIR/splits.json, summarised as `split` summarises."""
+    done = split_manifest(manifest, fractions, seed, output_dir)
+    return {"input": done["manifest"], "format": "vakforge", "seed": seed, "rows": done["conversations"],
+            "groups": done["groups"], "files": [done["file"]],
+            "splits": {name: {"rows": counts["conversations"], "groups": counts["groups"]}
+                       for name, counts in done["splits"].items()}}
 
 
 def build_parser() -> argparse.ArgumentParser:

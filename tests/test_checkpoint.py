@@ -301,3 +301,15 @@ def test_no_source_file_reaches_into_orbax_private_names():
                 if any(pattern.search(line) for pattern in PRIVATE_ORBAX):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "private Orbax names (use the public API):\n" + "\n".join(found)
+
+
+def test_a_read_only_manager_logs_no_read_only_warning(tmp_path, caplog):
+    """evaluate/predict/generate open the workdir read-only on every run; Orbax's 'Given directory is read
+    only' warning said nothing about the directory (issue 27). Other absl records still pass."""
+    (tmp_path / "checkpoints").mkdir()
+    with caplog.at_level(logging.INFO):
+        checkpoint.manager(tmp_path, read_only=True).close()
+        logging.getLogger("absl").warning("Given directory is read only=%s", "after")  # the filter is gone
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert messages == ["Given directory is read only=after"], messages
+    assert not logging.getLogger("absl").filters

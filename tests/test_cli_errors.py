@@ -105,18 +105,37 @@ NEEDS_TRAINING = {"trained", "truncated_state", "deleted_state", "garbled_meta"}
 
 
 def _data_files(tmp: Path) -> dict[str, str]:
-    """Broken data files a row may name: {key: path}."""
+    """Broken data files a row may name: {key: path}. `nul_vflash` / `nul_chat`: a record whose media path
+    holds a NUL byte (once "ValueError: embedded null byte"); `zero_zip`: a prepared zip that is /dev/zero
+    (once read until MemoryError)."""
     lines = (ROOT / VFLASH_EVAL).read_text().splitlines(keepends=True)
     (tmp / "empty.jsonl").write_text("")
     (tmp / "truncated.jsonl").write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    vflash = json.loads(lines[0])
+    vflash["image"] = "images/a\x00b.png"
+    (tmp / "nul_vflash.jsonl").write_text(json.dumps(vflash) + "\n")
+    chat = json.loads((ROOT / CHAT_DATA).read_text().splitlines()[0])
+    chat["messages"] = [{"role": "user", "content": [{"type": "image", "path": "a\x00b.png"},
+                                                     {"type": "text", "text": "hi"}]},
+                        {"role": "assistant", "content": "x"}]
+    (tmp / "nul_chat.jsonl").write_text(json.dumps(chat) + "\n")
+    if not (tmp / "train.zip").is_symlink():
+        (tmp / "train.zip").symlink_to("/dev/zero")
     return {"missing": str(tmp / "missing.jsonl"), "empty": str(tmp / "empty.jsonl"),
-            "truncated": str(tmp / "truncated.jsonl")}
+            "truncated": str(tmp / "truncated.jsonl"), "nul_vflash": str(tmp / "nul_vflash.jsonl"),
+            "nul_chat": str(tmp / "nul_chat.jsonl"), "zero_zip": str(tmp / "train.zip")}
+
+
+# The flag a command is given its workdir by: `--workdir` unless named here (None: the command has none;
+# its row's workdir is an absent folder, which must stay absent).
+WORKDIR_FLAGS = {"data_pipeline.split": "--output-dir", "data_pipeline.validate": None}
 
 
 def row(cli: str, workdir: str, args: str, code: int, names: str, fast: bool = False):
-    """One mistake: `python -m valen_jax.CLI` with `args` (`{wd}`: the row's workdir, `{tmp}`: its temp dir,
-    `{missing}` / `{empty}` / `{truncated}`: broken data files) on a workdir of kind `workdir`; exits `code`,
-    its last stderr line holding `names` (formatted like `args`)."""
+    """One mistake: `python -m valen_jax.CLI` (a `data_pipeline.X` CLI by its full name) with `args` (`{wd}`:
+    the row's workdir, `{tmp}`: its temp dir, `{target}`: the trained tiny workdir, `{missing}` / `{empty}` /
+    `{truncated}` / `{nul_vflash}` / `{nul_chat}` / `{zero_zip}`: broken data files) on a workdir of kind
+    `workdir`; exits `code`, its last stderr line holding `names` (formatted like `args`)."""
     marks = () if fast else (pytest.mark.slow,)
     return pytest.param(cli, workdir, args, code, names, marks=marks, id=f"{cli}-{names}-{workdir}"[:90])
 
@@ -187,18 +206,53 @@ ROWS = [
     row("export", "trained", "--step=99 --output={tmp}/exported", 1, "step 99"),
     row("export", "trained", "--output={tmp}/exported", 1, "family 'valen'"),
     row("export", "deleted_state", "--output={tmp}/exported", 1, "checkpoint 4"),
+    # Refusals after the workdir was created and locked and the data converted (issue 27): what start-up
+    # wrote is removed, so an absent workdir stays absent and an empty one empty.
+    row("train", "absent", f"{TINY} --config.data.train={{missing}}", 1, "{missing}", fast=True),
+    row("train", "empty", f"{TINY} --config.data.train=/etc/passwd", 1, "/etc/passwd"),
+    row("train", "absent", f"{TINY} --config.mesh.data=8", 1, "8 devices"),
+    # Nothing to train: a drafter on points only (seed 004: points announce no block), with the counts found.
+    row("train", "absent", "--config=configs/vflash.py:tiny,drafter --config.model.target_from={target} "
+        "--config.data.train=data/smoke/vflash/points.jsonl --config.data.format=vflash", 1,
+        "28 records, 0 primitive blocks"),
+    # A NUL in a media path; /dev/zero as a prepared zip.
+    row("train", "absent", f"{TINY} --config.data.train={{nul_vflash}} --config.data.format=vflash", 1,
+        "holds the control character '\\x00'"),
+    row("train", "absent", "--config=configs/prepared.py:tiny --config.data.train={zero_zip}", 1,
+        "is a device; a data file must be a regular file"),
+    row("evaluate", "trained", "--data={nul_vflash} --format=vflash --output={tmp}/r.json", 1,
+        "holds the control character '\\x00'"),
+    row("evaluate", "trained", "--data={nul_chat} --format=chat --output={tmp}/r.json", 1,
+        "holds the control character '\\x00'"),
+    # regenerate with every record skipped: the reasons counted on its line (the tiny target finishes no box).
+    row("regenerate", "trained", "--data=data/smoke/vflash/boxes.jsonl --max-new-tokens=8 --output={tmp}/regen", 1,
+        "every record was skipped, nothing to write (20 skips: 20 unfinished"),
+    # The data CLIs: the split refusals leave no output folder; validate's problems are one line each.
+    row("data_pipeline.split", "absent", "--format=vakforge --input=data/smoke/vakforge/vakforge.jsonl "
+        "--fractions=train=0.5,eval=0.5 --seed=1", 1, "meta.split: 'dev' is not one of --fractions", fast=True),
+    row("data_pipeline.split", "absent", "--format=valen --input={missing} --fractions=train=0.5,eval=0.5 --seed=1",
+        1, "{missing}", fast=True),
+    row("data_pipeline.split", "absent", "--format=chat --input=data/smoke/chat/train.jsonl "
+        "--fractions=train=0.5,eval=0.5 --seed=1", 1, "name media relative to", fast=True),
+    row("data_pipeline.validate", "absent", "--format=vflash {nul_vflash}", 1, "holds the control character '\\x00'",
+        fast=True),
+    row("data_pipeline.validate", "absent", "--format=prepared {zero_zip}", 1,
+        "is a device; a data file must be a regular file", fast=True),
 ]
 
 
 @pytest.mark.parametrize("cli, workdir_kind, args, code, names", ROWS)
 def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
         request, tmp_path, tmp_path_factory, cli, workdir_kind, args, code, names):
-    trained = smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny") if workdir_kind in NEEDS_TRAINING else None
+    needs = workdir_kind in NEEDS_TRAINING or "{target}" in args
+    trained = smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny") if needs else None
     workdir = WORKDIRS[workdir_kind](tmp_path, trained)
-    values = {"wd": str(workdir), "tmp": str(tmp_path), **_data_files(tmp_path)}
-    argv = [f"--workdir={workdir}", *(arg.format(**values) for arg in args.split())]
+    values = {"wd": str(workdir), "tmp": str(tmp_path), "target": str(trained), **_data_files(tmp_path)}
+    module = cli if "." in cli else f"valen_jax.{cli}"
+    flag = WORKDIR_FLAGS.get(module, "--workdir")
+    argv = [*([f"{flag}={workdir}"] if flag else []), *(arg.format(**values) for arg in args.split())]
     before = tree_digest(workdir)
-    result = subprocess.run([sys.executable, "-m", f"valen_jax.{cli}", *argv], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT,
                             env={**env_with_devices(1), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                             timeout=300)
     lines = result.stderr.strip().splitlines()
@@ -207,6 +261,8 @@ def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
     assert result.returncode == code, shown
     assert lines and names.format(**values) in lines[-1], shown
     assert tree_digest(workdir) == before, shown
+    # Warnings only for real conditions: Orbax's notice on every read-only open was none (issue 27).
+    assert "Given directory is read only" not in result.stderr, shown
 
 
 # The boundary itself, in process.

@@ -427,14 +427,23 @@ def test_a_member_stream_is_cut_at_the_limit(good_zip, tmp_path, monkeypatch):
     with pytest.raises(limits.TooLarge, match="larger than the limit of 1000 bytes"):
         limits.copy_capped(endless, 1000, lambda chunk: None)
     assert endless.given == 1001
-    # A directory's prepared.json that never ends (here /dev/zero) is cut the same way.
+    # A directory's prepared.json that never ends (here /dev/zero) is refused before it is opened.
     folder = tmp_path / "unpacked"
     zipfile.ZipFile(good_zip).extractall(folder)
     (folder / "prepared.json").unlink()
     (folder / "prepared.json").symlink_to("/dev/zero")
     problems = problems_of(read_prepared, folder)
     assert [p.path for p in problems] == [f"{folder}/prepared.json"]
-    assert "larger than the limit of 1000 bytes" in problems[0].message
+    assert "is a device; a data file must be a regular file" in problems[0].message
+
+
+def test_dev_zero_as_a_prepared_zip_is_refused_before_it_is_read(tmp_path):
+    """Issue 27: zipfile "seeks" /dev/zero's end and reads it until MemoryError; it is no regular file."""
+    link = tmp_path / "train.zip"
+    link.symlink_to("/dev/zero")
+    for path in (Path("/dev/zero"), link):
+        assert [str(p) for p in problems_of(read_prepared, path)] == [
+            f"{path}:0: file: is a device; a data file must be a regular file"]
 
 
 # -- checks a run makes -----------------------------------------------------------------------------

@@ -258,11 +258,17 @@ def test_whole_file_json_documents_stop_at_the_limit(tmp_path, monkeypatch):
 
     monkeypatch.setattr(limits, "MAX_EXTRACTED_BYTES", 1000)
     recipe = tmp_path / "recipe.json"
-    recipe.symlink_to("/dev/zero")  # endless: read to the limit, not to the end
+    recipe.symlink_to("/dev/zero")  # endless: refused before it is opened (issue 27), not read to the limit
     with pytest.raises(FormatError) as info:
         read_recipe(recipe)
     assert [str(p) for p in info.value.problems] == [
-        f"{recipe}:0: file: cannot read: the file is larger than the limit of 1000 bytes"]
+        f"{recipe}:0: file: cannot read: is a device; a data file must be a regular file"]
+    big = tmp_path / "big.json"
+    big.write_text("{" + " " * 1998 + "}")  # a regular file over the limit: its size said, nothing read
+    with pytest.raises(FormatError) as info:
+        read_recipe(big)
+    assert [str(p) for p in info.value.problems] == [
+        f"{big}:0: file: cannot read: the file is 2000 bytes, larger than the limit of 1000 bytes"]
 
 
 # -- item 3: media outside the dataset folder --------------------------------------------------------

@@ -7,12 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from data_pipeline import split as splitter
-from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.vakforge import read_vakforge
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +174,29 @@ def test_vakforge_conversations_stating_another_split_are_refused_and_nothing_wr
     folder = tmp_path / "vk"
     shutil.copytree(SMOKE / "vakforge", folder)
     before = (folder / "splits.json").read_bytes()
-    with pytest.raises(FormatError, match="meta.split"):
+    with pytest.raises(splitter.SplitError, match=r"vakforge.jsonl:3: id=conv_en_gb_0003: meta.split: 'dev' is not "
+                                                  r"one of --fractions \(train, eval\)"):
         splitter.split("vakforge", folder / "vakforge.jsonl", folder, {"train": 0.5, "eval": 0.5}, 1)
     assert (folder / "splits.json").read_bytes() == before
     assert not (folder / "splits.json.tmp").exists()
+    with pytest.raises(splitter.SplitError):  # a refused split into a new folder leaves no folder
+        splitter.split("vakforge", folder / "vakforge.jsonl", tmp_path / "new" / "out", {"train": 0.5, "eval": 0.5}, 1)
+    assert not (tmp_path / "new").exists()
+
+
+def test_vakforge_split_of_the_smoke_manifest_honours_meta_split_as_vakforge_split_does(tmp_path):
+    """Issue 27: `--format=vakforge` on the smoke manifest (every conversation states meta.split) failed with
+    "meta.split: 'train' but .../splits.json.tmp assigns it to 'eval'"; it now keeps each stated split."""
+    from data_pipeline.vakforge.split import split_manifest
+
+    manifest = SMOKE / "vakforge" / "vakforge.jsonl"
+    fractions = {"train": 0.6, "dev": 0.2, "test": 0.2}
+    result = subprocess.run([sys.executable, "-m", "data_pipeline.split", "--format=vakforge", f"--input={manifest}",
+                             f"--output-dir={tmp_path / 'generic'}", "--fractions=train=0.6,dev=0.2,test=0.2",
+                             "--seed=20260916"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    generic = json.loads((tmp_path / "generic" / "splits.json").read_text())
+    stated = {r["id"]: r["meta"]["split"] for r in _jsonl(manifest)}
+    assert {cid: name for name, ids in generic["splits"].items() for cid in ids} == stated
+    split_manifest(manifest, fractions, 20260916, tmp_path / "own")
+    assert (tmp_path / "own" / "splits.json").read_bytes() == (tmp_path / "generic" / "splits.json").read_bytes()

@@ -35,3 +35,8 @@ class UsageError(UserError, ValueError):
 class EvaluationError(UserError, ValueError):
     """Data or a workdir that cannot be evaluated, predicted or generated as asked (no examples, a family
     with no evaluation, a checkpoint without the head the data needs); a command exits 1 for it."""
+
+
+class NothingToTrain(UserError, ValueError):
+    """Training data that gives the run's objective nothing to learn (no token with a loss weight, no
+    primitive block for a drafter): refused at start-up with the counts found, never trained as loss 0."""

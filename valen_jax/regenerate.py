@@ -24,7 +24,7 @@ from valen_jax.cli import log_setup as cli_logging
 from valen_jax.cli.boundary import error_boundary
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation import answers
-from valen_jax.vflash.regenerate import Regenerator, refuse_other_data, regenerate
+from valen_jax.vflash.regenerate import NothingRegenerated, Regenerator, refuse_other_data, regenerate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +75,10 @@ def _regenerate(args: argparse.Namespace, sampling: Sampling) -> int:
         regen = Regenerator(args.workdir, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             sampling=sampling, seed=args.seed)
         report = regenerate(regen, Path(args.data), Path(args.output), samples=args.samples, fmt=args.format)
+    except NothingRegenerated as error:
+        print("\n".join(error.report.lines()))  # every skip with its record, then the boundary's one line
+        sys.stdout.flush()
+        raise
     except answers.NotGenerated as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from data_pipeline.cli_paths import escaped
+
 # Field name of problems that concern a whole file (missing, empty, undecodable JSON document).
 FILE_FIELD = "file"
 # Field name of problems that concern a whole JSONL line (not JSON, not an object).
@@ -43,7 +45,9 @@ class Problem:
                     object.__setattr__(self, name, value.encode("utf-8", "backslashreplace").decode("utf-8"))
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.field}: {self.message}"
+        # Escaped: a path, member name or field taken from a data file may hold a newline, which would
+        # print one problem as two lines (or forge a second problem line).
+        return escaped(f"{self.path}:{self.line}: {self.field}: {self.message}")
 
     def to_json(self) -> dict[str, str | int]:
         return asdict(self)

@@ -11,6 +11,8 @@ The limits are module constants so tests can lower them instead of writing gigab
 from __future__ import annotations
 
 import errno
+import os
+import stat
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,9 @@ from typing import BinaryIO
 # Seed 003: "The limit also applies to the total size of the files in a ZIP after extraction", 256 MiB
 # unless the deployment sets another. A prepared directory's prepared.json is held to it too.
 MAX_EXTRACTED_BYTES = 256 * 1024 * 1024
+# One media file (an image, a video, an audio recording) is read whole: its bytes travel inside one shard
+# record (DESIGN, "Media travels inside shards"), and a record is held in memory whole by every reader.
+MAX_MEDIA_BYTES = 1024 * 1024 * 1024
 _CHUNK = 1 << 20
 
 
@@ -33,6 +38,27 @@ class TooLarge(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class NotARegularFile(OSError):
+    """A path a data file was expected at names a device, a FIFO, a socket or a directory (/dev/zero
+    never ends, a FIFO blocks the reader): refused before it is opened. An OSError (EINVAL), so every
+    reader's `except OSError` reports it as it reports an unreadable file."""
+
+    def __init__(self, path: str | os.PathLike, what: str):
+        super().__init__(errno.EINVAL, f"{what}; a data file must be a regular file", os.fspath(path))
+
+    def __str__(self) -> str:
+        return f"{os.fspath(self.filename)!r}: {self.strerror}"
+
+
+def check_regular_file(path: str | os.PathLike) -> None:
+    """NotARegularFile unless `path` (symlinks followed) is a regular file; a missing one is FileNotFoundError."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise NotARegularFile(path, what if what.startswith("not") else f"is {what}")
 
 
 def copy_capped(src: BinaryIO, limit: int, write: Callable[[bytes], object], what: str = "the data") -> int:
@@ -56,9 +82,14 @@ def read_capped(src: BinaryIO, limit: int, what: str = "the data") -> bytes:
 
 
 def read_file_capped(path: Path, limit: int | None = None) -> bytes:
-    """A whole file's bytes, refused (TooLarge) past `limit` (default MAX_EXTRACTED_BYTES) without reading on."""
+    """A whole file's bytes, refused (TooLarge) past `limit` (default MAX_EXTRACTED_BYTES) without reading on;
+    a device, FIFO or directory is refused before it is opened (NotARegularFile)."""
+    check_regular_file(path)
+    limit = MAX_EXTRACTED_BYTES if limit is None else limit
+    if os.stat(path).st_size > limit:  # said before reading; the capped read still holds a file that grows
+        raise TooLarge(f"the file is {os.stat(path).st_size} bytes, larger than the limit of {limit} bytes")
     with open(path, "rb") as handle:
-        return read_capped(handle, MAX_EXTRACTED_BYTES if limit is None else limit, "the file")
+        return read_capped(handle, limit, "the file")
 
 
 class ZipBudget:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
+from data_pipeline.cli_paths import control_character
 from data_pipeline.formats.errors import describe
 
 OPTION_FLAG = "--allow-absolute-media"
@@ -48,8 +49,14 @@ class DatasetFolder:
     def refusal(self, written: str, path: str | None = None) -> str | None:
         """Why `written` may not be read (absolute, or leaving the folder by `..` or a symlink), or None.
 
-        `path`: `self.path(written)` when the caller has it already.
+        `path`: `self.path(written)` when the caller has it already. A control character is refused first,
+        whatever `allow_outside` says: a NUL names no file (the OS refuses it, Python raises "embedded null
+        byte" from whatever opens it), and a newline would print one problem as two lines.
         """
+        control = control_character(written)
+        if control is not None:
+            return (f"{written!r} holds the control character {control!r}; media paths with NUL, newlines or "
+                    "other control characters are refused")
         if self.allow_outside:
             return None
         if is_absolute(written):

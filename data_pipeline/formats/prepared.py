@@ -29,7 +29,13 @@ from pathlib import Path
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem, describe, member, quote
 from data_pipeline.formats.jsonl import loads_strict
-from data_pipeline.formats.limits import TooLarge, ZipBudget, read_file_capped
+from data_pipeline.formats.limits import (
+    NotARegularFile,
+    TooLarge,
+    ZipBudget,
+    check_regular_file,
+    read_file_capped,
+)
 from data_pipeline.formats.prepared_rows import STATS_KEYS, FileStats, scan_rows
 from data_pipeline.shards import sha256_file as file_sha256
 
@@ -304,9 +310,12 @@ class _Container:
         if self.path.is_dir():
             return self
         try:
+            check_regular_file(self.path)  # /dev/zero "seeks" to its end and reads for ever (issue 27)
             self.zip = zipfile.ZipFile(self.path)
         except FileNotFoundError:
             raise FormatError([Problem(self.origin, 0, FILE_FIELD, "no such file")]) from None
+        except NotARegularFile as err:
+            raise FormatError([Problem(self.origin, 0, FILE_FIELD, err.strerror)]) from None
         except (zipfile.BadZipFile, OSError) as err:
             raise FormatError([Problem(self.origin, 0, FILE_FIELD, f"not a zip file: {err}")]) from None
         try:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from data_pipeline.formats.errors import FILE_FIELD, FormatError, Problem
-from data_pipeline.formats.limits import TooLarge, ZipBudget, read_file_capped
+from data_pipeline.formats.limits import TooLarge, ZipBudget, check_regular_file, read_file_capped
 from data_pipeline.formats.prepared import (
     DESCRIPTOR_NAME,
     PreparedDescriptor,
@@ -89,6 +89,7 @@ def _member_bytes(path: Path, name: str) -> bytes:
     try:
         if path.is_dir():
             return read_file_capped(path / name)
+        check_regular_file(path)  # a device "zip" would be read for ever
         with zipfile.ZipFile(path) as archive:
             return ZipBudget(archive).read(name)
     except (OSError, KeyError, zipfile.BadZipFile, TooLarge) as err:

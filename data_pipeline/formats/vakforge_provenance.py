@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from pydantic import ValidationError
 
+from data_pipeline.cli_paths import control_character
 from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.vakforge_pii import LocalePack
 from data_pipeline.formats.vakforge_schema import RedactionLog, VakforgeConversation
@@ -40,6 +41,10 @@ def dataset_path_problem(value: str) -> str | None:
     Seed 002, "audio.path": a manifest is data, often generated or handed over, and must not be
     able to name a file outside the dataset.
     """
+    control = control_character(value)
+    if control is not None:  # a NUL names no file; a newline would print one problem as two lines
+        return (f"{value!r} holds the control character {control!r}; paths with NUL, newlines or other "
+                "control characters are refused")
     if "://" in value:
         return "is a URL; it must be a path relative to the manifest's folder"
     if "\\" in value:

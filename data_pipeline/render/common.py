@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from data_pipeline.chat_templates import TURN_START, template_family
+from data_pipeline.formats.limits import MAX_MEDIA_BYTES, TooLarge, read_file_capped
 from data_pipeline.tokenizer import end_of_turn_id
 
 
@@ -329,5 +330,8 @@ def read_media(path: Path, kind: str, frame_index: int | None, resize: tuple[int
                written: str) -> MediaBlob:
     """The bytes of `path`; the header records `written`, the path as the record wrote it (relative to
     the dataset folder), never the machine's absolute path (issue 19: shards travel)."""
-    data = path.read_bytes()
+    try:  # read whole (its bytes go into the shard record), so bounded first: a regular file, a stated size
+        data = read_file_capped(path, MAX_MEDIA_BYTES)
+    except TooLarge as error:
+        raise TooLarge(f"media {written!r}: {error} (one media file is read whole into its shard record)") from None
     return MediaBlob(data, hashlib.sha256(data).hexdigest(), kind, written, frame_index, resize)

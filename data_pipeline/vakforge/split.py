@@ -32,7 +32,7 @@ from data_pipeline.cli_flags import add_flag
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.formats.vakforge import read_vakforge
 from data_pipeline.formats.vakforge_splits import SPLITS_FILE
-from data_pipeline.split import SplitError, assign, group_rows, parse_fractions
+from data_pipeline.split_groups import SplitError, assign, group_rows, parse_fractions
 
 DEFAULT_FRACTIONS = "train=0.8,dev=0.1,test=0.1"
 _UNSTATED = "unassigned"  # the provisional split of groups stating none, while the manifest is validated
@@ -68,16 +68,18 @@ def split_manifest(manifest: Path, fractions: dict[str, float], seed: int, outpu
     ids = {name: [rows[i][2]["id"] for i in range(len(rows)) if chosen[groups[i]] == name] for name in fractions}
     target = (output_dir or manifest.parent) / SPLITS_FILE
     replaced = target.exists()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    written = target.with_name(target.name + ".tmp")
-    # One id per line, as the smoke set's splits.json: reviewable diffs, and the reader names lines.
-    written.write_text(json.dumps({"seed": seed, "splits": ids}, indent=2) + "\n", encoding="utf-8")
-    try:  # the reader's own check: complete, one split per conversation, no speaker leak, meta.split agrees
-        read_vakforge(manifest, check_media=False, splits_path=written)
-    except FormatError:
-        written.unlink()
-        raise
-    written.replace(target)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Checked in a temporary folder first (a refusal names no file the user cannot see or edit, and
+        # leaves no output folder), then copied beside the final name and renamed into place.
+        checked = Path(tmp) / SPLITS_FILE
+        # One id per line, as the smoke set's splits.json: reviewable diffs, and the reader names lines.
+        checked.write_text(json.dumps({"seed": seed, "splits": ids}, indent=2) + "\n", encoding="utf-8")
+        # The reader's own check: complete, one split per conversation, no speaker leak, meta.split agrees.
+        read_vakforge(manifest, check_media=False, splits_path=checked)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        written = target.with_name(target.name + ".tmp")
+        written.write_bytes(checked.read_bytes())
+        written.replace(target)
     unnamed = sum(1 for _, _, r in rows if not r["meta"]["speakers"])
     return {
         "manifest": str(manifest), "seed": seed, "conversations": len(rows), "groups": len(sizes),

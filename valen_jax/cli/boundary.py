@@ -35,7 +35,7 @@ from pathlib import Path
 
 from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.formats.errors import FormatError
-from data_pipeline.formats.limits import TooLarge
+from data_pipeline.formats.limits import NotARegularFile, TooLarge
 from data_pipeline.registry.references import RegistryError
 from data_pipeline.render.common import RenderError
 from data_pipeline.shards import ShardError
@@ -58,7 +58,7 @@ DATA_EXIT = 1  # data, a workdir, a checkpoint, a file: the state the command wa
 # The user errors that cannot derive from UserError (their layer is below `valen_jax.errors`, or they
 # predate it). CorruptCheckpoint is a CheckpointError.
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    UserError, PathError, TokenizerError, ShardError, FormatError, TooLarge, RenderError, RegistryError,
+    UserError, PathError, TokenizerError, ShardError, FormatError, TooLarge, NotARegularFile, RenderError, RegistryError,
     AssemblyError, MediaError, ProcessorError, HFImportError, SafetensorsError, ShardingError,
     checkpoint.CheckpointError, workdir_lock.WorkdirBusy, NonFiniteLoss)
 # OS errors that are the user's when they concern a path the user gave.

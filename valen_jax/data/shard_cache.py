@@ -14,7 +14,6 @@ from jax.experimental import multihost_utils
 from data_pipeline import conversion as converter
 from data_pipeline.shards import Manifest, ShardError, sha256_file
 from valen_jax.data.sources import ShardSet
-from valen_jax.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +32,18 @@ def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path:
     The cache key covers the input's bytes, the tokenizer fingerprint and the converter
     `options` (e.g. vakforge's `split`), so edited data, another tokenizer or another split
     converts anew instead of silently reusing stale shards. A shard directory made with another
-    tokenizer is refused (ShardError naming both fingerprints).
+    tokenizer is refused (ShardError naming both fingerprints). A shard directory is used as it was
+    converted (issue 27): its manifest's own options are logged, and config `options` that say
+    otherwise are one warning line, not a refusal, since `python -m data_pipeline.convert` is the
+    documented way to make shards and a config's defaults (chat's `assistant_turns`, vakforge's
+    `split`) cannot know the options a user converted with.
     """
     source = Path(source)
     options = dict(options or {})
     if source.is_dir():
-        if options:
-            raise ConfigError(f"{source}: converter options {options} given for a directory of ready shards")
-        return ShardSet.open(source, fingerprint)
+        shard_set = ShardSet.open(source, fingerprint)
+        report_options(shard_set.manifest, options, source)
+        return shard_set
     target = cache_dir / f"{source.stem}-{_input_key(fmt, source, fingerprint, options)}"
     # Processes sharing a workdir must not convert into the same folder at once: process 0
     # converts, the others wait at a barrier, then everyone opens the same shards.
@@ -50,6 +53,23 @@ def ensure_shards(fmt: str, source: str | Path, cache_dir: Path, tokenizer_path:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"shards ready: {target.name}")
     return ShardSet.open(target, fingerprint)
+
+
+def report_options(manifest: Manifest, options: Mapping[str, Any], source: Path) -> None:
+    """Log the converter options a shard directory was made with; warn (one line) where `options`, the
+    config's, give another value for an option the manifest records (one the manifest does not record,
+    such as vakforge's `split` on shards made from one split file, is named too)."""
+    made_with = dict(manifest.data.get("options", {}))
+    log.info("%r: ready shards, converted with options %s", str(source), made_with)
+    differ = {key: value for key, value in options.items() if made_with.get(key, _ABSENT) != value}
+    if differ:
+        shown = ", ".join(f"{key}={value!r} (shards: {made_with.get(key, 'not recorded')!r})"
+                          for key, value in sorted(differ.items()))
+        log.warning("%r: ready shards are used as converted; the config's converter options differ: %s",
+                    str(source), shown)
+
+
+_ABSENT = object()
 
 
 def _cached(target: Path, source: Path, fingerprint: dict[str, str]) -> bool:

@@ -22,7 +22,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.sources import Sources, decode, mixture_of
 from valen_jax.data.valen_rows import QuestionSpec, RowNeeds, has_labels, row_needs
-from valen_jax.errors import ConfigError
+from valen_jax.errors import ConfigError, NothingToTrain
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ def check_training_set(sources: Sources, spec: RowSpec, qspec: QuestionSpec, ove
             where = contract.where(example)
             report.add(where, row_needs(example, spec, qspec), spec, qspec)
     message = report.message(spec, qspec)
+    if qspec.training and report.records == 0:
+        raise NothingToTrain(f"{message}. Nothing to train: no record has a labeled question (seed 000: a "
+                             "question without targets is never trained on)")
     if report.unfit and overlong == "error":
         raise ConfigError(f"{message}. Raise those limits, or set data.overlong=skip to drop these records")
     if qspec.training and len(report.unfit) == report.records:

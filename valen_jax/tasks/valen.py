@@ -17,6 +17,12 @@ class ValenTask(ModelTask):
 
     unlabeled: int | None = None
 
+    def check_trainable(self) -> None:
+        # The objective is the labeled questions, not the token weights the base check counts: they are
+        # counted when every record is laid out (`assembly`: valen_fit.check_training_set refuses a set
+        # without one, NothingToTrain, before anything is compiled).
+        return None
+
     def assembly(self, spec):
         assembly = ValenAssembly.from_config(self.config, training=True)
         # Every record against the row limits once: one report, not one stop per limit.

@@ -139,6 +139,8 @@ def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         enable_async_checkpointing=not read_only,
+        # Read-only: the options Orbax would otherwise reset itself, with a warning for each (issue 27).
+        save_interval_steps=0 if read_only else 1,
         create=not read_only,
         read_only=read_only,
         # A tmp directory is a save cut short by a crash: never a checkpoint, only clutter.
@@ -158,7 +160,23 @@ def manager(workdir: str | Path, max_to_keep: int | None = None, read_only: bool
     registry.add("state", ocp.args.PyTreeRestore, state_handler)
     registry.add("data", grain.checkpoint.CheckpointSave)
     registry.add("data", grain.checkpoint.CheckpointRestore)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
+    if not read_only:
+        return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
+    # Orbax logs "Given directory is read only=DIR" at WARNING for every read_only manager: that is what
+    # evaluate/predict/generate/export ask for on every run, not a condition of the directory, and it
+    # read like a fault (issue 27). read_only stays (it refuses any save or deletion); only that one
+    # record is dropped, only while the manager is built.
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_drop_read_only_notice)
+    try:
+        return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, handler_registry=registry)
+    finally:
+        absl_logger.removeFilter(_drop_read_only_notice)
+
+
+def _drop_read_only_notice(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for Orbax's read-only notice alone."""
+    return record.msg != "Given directory is read only=%s"
 
 
 def select_step(mgr: ocp.CheckpointManager, workdir: str | Path, step: int | None = None) -> int:

@@ -37,6 +37,7 @@ from valen_jax.models.config import ModelConfig
 from valen_jax.training import checkpoint, workdir_lock
 from valen_jax.training.metrics import MetricsLog, peak_flops_per_device
 from valen_jax.training.progress import FinishedSteps
+from valen_jax.training.startup import StartUp, start_up
 from valen_jax.training.task import Setup, Task
 
 log = logging.getLogger("valen_jax.train")
@@ -121,10 +122,13 @@ def run(config, workdir: str | Path, open_task: OpenTask) -> dict:
     # before any device is claimed; an unknown one is refused here.
     references = resolve_config_data(config, workdir)
     check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
-    workdir.mkdir(parents=True, exist_ok=True)
-    # Before anything is written there: a second trainer on this workdir is refused (issue 19).
-    with workdir_lock.exclusive(workdir):
-        return _train(config, workdir, references, open_task)
+    # A refused start-up (nothing to train, a mesh, a compile, a resume of another setup) leaves the workdir
+    # as it was: what it wrote before the refusal is removed (valen_jax.training.startup).
+    with start_up(workdir) as note:
+        workdir.mkdir(parents=True, exist_ok=True)
+        # Before anything is written there: a second trainer on this workdir is refused (issue 19).
+        with workdir_lock.exclusive(workdir), note.undone_on_error():
+            return _train(config, workdir, references, open_task, note)
 
 
 def compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig, train_manifest, task: Task):
@@ -148,7 +152,7 @@ def compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig
     return check
 
 
-def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) -> dict:
+def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, note: StartUp) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     mesh = sharding.make_mesh(config.mesh)
@@ -164,6 +168,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) 
                                train_name=str(config.data.train), eval_name=str(config.data.eval))
     task = open_task(Setup(config, workdir, tokenizer, fingerprint, mesh), train_set)
     model_cfg = task.model_cfg
+    task.check_trainable()  # counted on the shards, before anything is compiled or checkpointed
     # Seed 000: unset media_kwargs come from the base model's processor files (smoke defaults from scratch).
     media_kwargs, media_sources = media_kwargs_of(config, model_cfg.vision)
     task.check_media(media_kwargs)
@@ -222,6 +227,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask) 
     evaluation = task.evaluation(layout, spec)
 
     step = int(state["step"])
+    note.started()  # from here the workdir holds this run's results: metrics, checkpoints, reports
     metrics_log = MetricsLog(workdir, start_step=step)
     preempted = Preempted()
     first_step = step

@@ -8,6 +8,7 @@ Task for everything else, always in this order:
 
     task = open_task(setup, train_set)     # a mode's opener, looked up by config.train.mode
     task.model_cfg                         # the architecture the rows are built for
+    task.check_trainable()                 # refuse data that gives this mode nothing to learn
     task.check_media(media_kwargs)         # e.g. a drafter's images processed as its target saw them
     layout = task.layout()                 # the train state's shapes and shardings, optimizer included
     spec = task.row_spec(spec)             # the rows this mode trains on
@@ -33,6 +34,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+from valen_jax.data.sources import mixture_of
+from valen_jax.errors import NothingToTrain
 from valen_jax.models.config import ModelConfig
 
 
@@ -64,6 +67,16 @@ class Task(abc.ABC):
 
     def __init__(self, setup: Setup, model_cfg: ModelConfig, train_set):
         self.setup, self.config, self.model_cfg, self.train_set = setup, setup.config, model_cfg, train_set
+
+    def check_trainable(self) -> None:
+        """Refuse (NothingToTrain, naming the counts found) training data without a token this mode learns
+        from. By default: the shards' supervised tokens (a loss weight > 0), counted by the converter."""
+        counts = [shard_set.manifest.data["counts"] for shard_set, _ in mixture_of(self.train_set)]
+        if sum(int(c["supervised_tokens"]) for c in counts) == 0:
+            raise NothingToTrain(
+                f"config.data.train={str(self.config.data.train)!r}: nothing to train (train.mode="
+                f"{self.config.train.mode}): {sum(int(c['records']) for c in counts)} records, "
+                f"{sum(int(c['tokens']) for c in counts)} tokens, 0 supervised tokens (no token has a loss weight)")
 
     def check_media(self, media_kwargs: dict) -> None:
         """Refuse `media_kwargs` this mode cannot train with (ConfigError); most accept any."""

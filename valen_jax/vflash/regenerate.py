@@ -53,6 +53,7 @@ import jax
 
 from data_pipeline.formats.errors import FormatError, ProblemLog
 from data_pipeline.formats.jsonl import iter_jsonl_objects
+from data_pipeline.formats.limits import read_file_capped
 from data_pipeline.formats.recipe import read_recipe
 from data_pipeline.formats.vflash import VFlashRecord, read_vflash
 from data_pipeline.render.common import RenderError
@@ -61,6 +62,7 @@ from data_pipeline.shards import Example
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
+from valen_jax.errors import UserError
 from valen_jax.evaluation import answers, prompts, tokens
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.run import restore_model
@@ -129,6 +131,18 @@ class Report:
         return out
 
 
+class NothingRegenerated(UserError):
+    """Every record was skipped. Its one line counts the skips by reason; `report` has them all (issue 27:
+    "nothing to write (96 skips)" said neither why nor which)."""
+
+    def __init__(self, data: Path, report: Report):
+        reasons = "; ".join(f"{count} {reason}" for reason, count in
+                            Counter(s.reason for s in report.skips).most_common())
+        super().__init__(f"{str(data)!r}: every record was skipped, nothing to write ({len(report.skips)} skips: "
+                         f"{reasons})")
+        self.report = report
+
+
 class Regenerator:
     """The target of one workdir and what it needs to render records and decode their answers."""
 
@@ -190,9 +204,10 @@ def refuse_other_data(data: Path) -> None:
 
 def source_entries(data: Path, fmt: str) -> list[tuple[Entry, list[Path]]]:
     if fmt == "recipe":
-        written = json.loads(data.read_text())
+        recipe = read_recipe(data)  # first: it refuses a file that is no bounded, valid recipe
+        written = json.loads(read_file_capped(data).decode("utf-8-sig"))
         return [(Entry(e.name, dict(written[e.name]), e.root, e.dense_scale), list(e.annotation))
-                for e in read_recipe(data)]
+                for e in recipe]
     refuse_other_data(data)
     folder = data.parent.resolve()
     return [(Entry(data.stem, {"repeat_time": 1.0}, folder, None), [data.resolve()])]
@@ -320,6 +335,10 @@ def regenerate(regen: Regenerator, data: Path, output: Path, *, samples: int = 0
             for k in range(max((r.answers for r in rows), default=0)):
                 regenerate_round(regen, rows, k, Path(scratch), skips)
                 log.info("answer %d regenerated: %d rows, %d skipped so far", k, len(rows), len(skips))
+        if not any(r.skipped is None for r in rows):
+            # Every record skipped: the reasons are the whole answer, so they are reported as on success.
+            raise NothingRegenerated(data, Report(output, len(rows) // (samples + 1), 0, skips, masks,
+                                                  [e.name for e in entries]))
         empty = write_dataset(staging, entries, regen, data, samples, skips)
         os.rename(staging, output)
     except BaseException:
@@ -353,8 +372,8 @@ def write_dataset(folder: Path, entries: list[Entry], regen: Regenerator, data: 
         if options.get("length") is not None:
             options["length"] = len(kept)
         recipe[entry.name] = options
-    if not recipe:
-        raise SystemExit(f"{data}: every record was skipped; nothing to write ({len(skips)} skips)")
+    if not recipe:  # regenerate refuses this case before (NothingRegenerated)
+        raise AssertionError(f"{data}: no entry kept a record")
     (folder / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
     target = regen.target
     (folder / "regenerate.json").write_text(json.dumps({

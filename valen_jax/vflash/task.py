@@ -15,8 +15,13 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+
+from data_pipeline.shards import Example
+from valen_jax.data.assemble import draft_block_of
+from valen_jax.data.sources import mixture_of
 from valen_jax.data.valen_rows import is_valen
-from valen_jax.errors import ConfigError
+from valen_jax.errors import ConfigError, NothingToTrain
 from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
 from valen_jax.run import ModelRun, check_target, holds_drafter, restore_model, target_record
 from valen_jax.tasks.token_lm import token_assembly
@@ -55,6 +60,28 @@ def restore_target(config, fingerprint: dict, mesh) -> ModelRun:
     return target
 
 
+def trainable_blocks(train_set) -> dict[str, int]:
+    """Counts of what a drafter can learn from: records read, primitive blocks an `atomic_decoding` call
+    announces in them, and those blocks with a token of loss weight > 0 (`atom_loss_masks` may zero them
+    all). Stops at the first weighted block: one is enough to train, and a set of millions of records is
+    then not read through; a set without one is read whole, so its refusal states every count."""
+    found = {"records": 0, "blocks": 0, "weighted_blocks": 0}
+    for shard_set, _ in mixture_of(train_set):
+        source = shard_set.source()
+        for index in range(len(source)):
+            example = Example.from_bytes(source[index])
+            found["records"] += 1
+            blocks = draft_block_of(example)
+            starts = np.flatnonzero(blocks == 1)
+            found["blocks"] += len(starts)
+            weights = example.arrays["target_weights"]
+            ends = [*starts[1:], len(blocks)] if len(starts) else []
+            if any(float(np.sum(weights[a:b][blocks[a:b] > 0])) > 0 for a, b in zip(starts, ends, strict=True)):
+                found["weighted_blocks"] += 1
+                return found
+    return found
+
+
 class DrafterTask(Task):
     """The block drafter's objective (seed 004) against a frozen target; config.model's own dims are not read."""
 
@@ -77,6 +104,18 @@ class DrafterTask(Task):
             self.drafter_cfg = DrafterConfig.of(self.config.model.drafter, target.model_cfg)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+    def check_trainable(self) -> None:
+        # Seed 004: the drafter learns the blocks of primitives announced by atomic_decoding; points and
+        # boxes announce none. Without a block every anchor weighs 0 and the run "trains" at loss 0.0000
+        # with a gradient norm of 0 (issue 27).
+        found = trainable_blocks(self.train_set)
+        if not found["weighted_blocks"]:
+            raise NothingToTrain(
+                f"config.data.train={str(self.config.data.train)!r}: nothing to train for the drafter "
+                f"(train.mode=vflash): {found['records']} records, {found['blocks']} primitive blocks announced "
+                f"by atomic_decoding, 0 with a token of loss weight; it learns the blocks of trajectories "
+                "(robot, driving, dense motion), which points and boxes do not have")
 
     def check_media(self, media_kwargs: dict) -> None:
         if json.loads(json.dumps(media_kwargs)) != self.target.media_kwargs:  # as JSON: tuples are lists there
