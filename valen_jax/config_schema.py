@@ -108,7 +108,10 @@ def _model() -> dict[str, Any]:
 
 def _vision() -> dict[str, Any]:
     return {"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2, "dim": 96, "num_layers": 2, "num_heads": 4,
-            "mlp_dim": 256}
+            "mlp_dim": 256,
+            # Fixed 2-D sin/cos embeddings of each patch's place added to the patch embeddings
+            # (valen_jax.models.vision.grid_position_embeddings); see VisionConfig.absolute_positions.
+            "absolute_positions": False}
 
 
 def _train() -> dict[str, Any]:
@@ -154,6 +157,14 @@ def _loss() -> dict[str, Any]:
         "z_loss": 0.0,
         # Valen's loss_reduction (seed 000): "state_mean" averages questions within a state, then states.
         "loss_reduction": "state_mean",
+        # Soft targets for the coordinate tokens <0>..<1000> (valen_jax.losses.coordinate_targets): a target
+        # <v> is scored against a Gaussian of this width (in token units) over the neighbouring values
+        # instead of one-hot; 0 = one-hot. One-hot cross-entropy treats <499> as as wrong as <0> for <500>
+        # and trains each of the 1001 coordinate rows of the head only from the records with that exact
+        # value, so a from-scratch model never learns a point's place (issue 25). The width anneals
+        # geometrically from this value to `coordinate_sigma_final` over train.steps (None: constant).
+        "coordinate_sigma": 0.0,
+        "coordinate_sigma_final": config_dict.placeholder(float),
     }
 
 
@@ -360,6 +371,15 @@ def _validate_loss(loss: ml_collections.ConfigDict) -> None:
     if loss.loss_reduction not in LOSS_REDUCTIONS:
         raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
                           f"{', '.join(LOSS_REDUCTIONS)} (seed 000)")
+    if not _finite("loss.coordinate_sigma", loss.coordinate_sigma) >= 0:
+        raise ConfigError(f"config.loss.coordinate_sigma must be ≥ 0 (0: one-hot coordinate targets), "
+                          f"got {loss.coordinate_sigma!r}")
+    if loss.coordinate_sigma_final is not None:
+        final = _finite("loss.coordinate_sigma_final", loss.coordinate_sigma_final)
+        if not (final > 0 and float(loss.coordinate_sigma) > 0):
+            raise ConfigError(f"config.loss.coordinate_sigma_final={loss.coordinate_sigma_final!r}: the width's "
+                              f"geometric anneal needs both it and config.loss.coordinate_sigma "
+                              f"({loss.coordinate_sigma!r}) > 0 (unset it for a constant width)")
 
 
 def _validate_mode(config: ml_collections.ConfigDict) -> None:
