@@ -95,3 +95,16 @@ def test_coordinate_sigma_schedule_is_geometric_and_held_after_the_run():
                           coordinate_sigma_steps=100)
     assert [round(float(options.sigma_at(s)), 4) for s in (0, 50, 100, 200)] == [40.0, 20.0, 10.0, 10.0]
     assert float(StepOptions(coordinate_ids=(1,), coordinate_sigma=5.0).sigma_at(77)) == 5.0
+
+
+def test_coordinate_embeddings_are_a_fresh_model_option():
+    config = _config("vflash", "tiny")
+    config.model.coordinate_embeddings = "sinusoid"
+    with pytest.raises(ConfigError, match="choose one of random, fourier"):
+        validate_config(config)
+    config = _config("vflash", "hf")
+    validate_config(config)
+    assert config.model.coordinate_embeddings == "random"
+    config.model.init_from, config.model.coordinate_embeddings = "org/model", "fourier"
+    with pytest.raises(ConfigError, match="the checkpoint's rows are kept"):
+        validate_config(config)

@@ -46,3 +46,21 @@ def test_on_a_uniform_image_tokens_differ_only_with_absolute_positions():
 def test_absolute_positions_are_refused_for_an_imported_tower():
     with pytest.raises(ValueError, match="option of the valen tower"):
         dataclasses.replace(CFG, family="qwen2_vl", absolute_positions=True)
+
+
+def test_fourier_coordinate_rows_make_neighbouring_values_alike():
+    from valen_jax.models.build import fourier_coordinate_rows
+
+    table = jnp.zeros((1100, 32), jnp.float32) + 7.0
+    ids = np.arange(50, 1051)
+    out = np.asarray(fourier_coordinate_rows(table, ids, seed=0))
+    assert (out[:50] == 7.0).all() and (out[1051:] == 7.0).all()  # other rows untouched
+    rows = out[ids]
+    np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 0.02 * np.sqrt(32), rtol=1e-4)
+    # row_u · row_v depends on u − v alone: a² Σ_k cos(πk(u − v)/1000), k = 1..8
+    gram = rows @ rows.T
+    a2 = (0.02 ** 2) * 32 / 8
+    for u, v in ((0, 0), (10, 30), (500, 520), (0, 1000)):
+        expected = a2 * np.sum(np.cos(np.pi * np.arange(1, 9) * (u - v) / 1000))
+        assert gram[u, v] == pytest.approx(expected, abs=1e-6)
+    assert gram[500, 505] > 0.9 * gram[500, 500] and gram[500, 800] < 0.2 * gram[500, 500]
