@@ -87,6 +87,7 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str, name: str) ->
             for key in config.model.vision:
                 config.model.vision[key] = ml_collections.config_dict.placeholder(type(config.model.vision[key]))
         config.model.init_from = ml_collections.config_dict.placeholder(str)
+        config.model.coordinate_embeddings = "random"  # the checkpoint's rows are kept
         config.model.dtype = "bfloat16"
         config.model.remat = "full"
         config.model.scan_layers = True

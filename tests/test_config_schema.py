@@ -67,3 +67,44 @@ def test_groups_from_the_schema_need_their_undefaulted_keys_and_are_independent(
     first, second = defaults("train"), defaults("train")
     first.peak_flops = 1e12
     assert second.peak_flops is None
+
+
+@pytest.mark.parametrize(("sigma", "final", "match"), [
+    (-1.0, None, "coordinate_sigma must be ≥ 0"),
+    (float("nan"), None, "coordinate_sigma must be a finite number"),
+    (0.0, 3.0, "needs both it and config.loss.coordinate_sigma"),
+    (30.0, 0.0, "needs both it and config.loss.coordinate_sigma"),
+])
+def test_a_coordinate_sigma_that_cannot_be_annealed_is_refused(sigma, final, match):
+    config = _config("vflash", "tiny")
+    config.loss.coordinate_sigma = sigma
+    config.loss.coordinate_sigma_final = final
+    with pytest.raises(ConfigError, match=match):
+        validate_config(config)
+
+
+def test_coordinate_sigma_schedule_is_geometric_and_held_after_the_run():
+    from valen_jax.training.step import StepOptions
+
+    config = _config("vflash", "tiny")
+    config.loss.coordinate_sigma, config.loss.coordinate_sigma_final, config.train.steps = 40.0, 10.0, 100
+    validate_config(config)
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        StepOptions.from_config(config)
+    options = StepOptions(coordinate_ids=(1, 2), coordinate_sigma=40.0, coordinate_sigma_final=10.0,
+                          coordinate_sigma_steps=100)
+    assert [round(float(options.sigma_at(s)), 4) for s in (0, 50, 100, 200)] == [40.0, 20.0, 10.0, 10.0]
+    assert float(StepOptions(coordinate_ids=(1,), coordinate_sigma=5.0).sigma_at(77)) == 5.0
+
+
+def test_coordinate_embeddings_are_a_fresh_model_option():
+    config = _config("vflash", "tiny")
+    config.model.coordinate_embeddings = "sinusoid"
+    with pytest.raises(ConfigError, match="choose one of random, fourier"):
+        validate_config(config)
+    config = _config("vflash", "hf")
+    validate_config(config)
+    assert config.model.coordinate_embeddings == "random"
+    config.model.init_from, config.model.coordinate_embeddings = "org/model", "fourier"
+    with pytest.raises(ConfigError, match="the checkpoint's rows are kept"):
+        validate_config(config)

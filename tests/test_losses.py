@@ -12,6 +12,7 @@ import pytest
 from valen_jax.training.losses import (
     branch_cross_entropy,
     combine,
+    coordinate_targets,
     head_token_losses,
     mean_of,
     reduce_question_losses,
@@ -59,6 +60,79 @@ def test_head_token_losses_match_autodiff_through_token_losses(dtype):
         np.testing.assert_allclose(got_sums[name], ref_sums[name], rtol=tol)
     np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(ref_h, np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(got_w, np.float32), np.asarray(ref_w, np.float32), rtol=tol, atol=tol)
+
+
+def _dense_soft_reference(hidden, head, targets, weights, ids, sigma):
+    """The soft coordinate target written out densely: −Σ_u q_u log softmax_u, q a Gaussian over `ids`."""
+    logits = jnp.einsum("btd,dv->btv", hidden, head, preferred_element_type=jnp.float32)
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    vocab = logits.shape[-1]
+    dense_q = np.zeros(targets.shape + (vocab,), np.float32)
+    for index in np.ndindex(targets.shape):
+        t = int(targets[index])
+        if t in list(ids):
+            v = list(ids).index(t)
+            g = np.exp(-0.5 * ((np.arange(len(ids)) - v) / sigma) ** 2)
+            dense_q[index + (np.asarray(ids),)] = g / g.sum()
+        else:
+            dense_q[index + (t,)] = 1.0
+    ce = -jnp.sum(jnp.asarray(dense_q) * log_p, axis=-1)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return {"ce": jnp.sum(ce * weights), "z": jnp.sum(jnp.square(log_z) * weights), "weight": jnp.sum(weights)}
+
+
+@pytest.mark.parametrize("chunk_length", [None, 3])  # one chunk (logits kept) and the scanned chunks + a tail
+@pytest.mark.parametrize("sigma", [0.7, 4.0])
+def test_soft_coordinate_targets_match_a_dense_reference_forward_and_backward(sigma, chunk_length):
+    # Coordinate ids not contiguous and not in vocabulary order: the value is the position in `ids`.
+    rng = np.random.default_rng(5)
+    vocab, dim = 41, 12
+    ids = np.array([30, 31, 32, 5, 6, 7, 8, 40, 9, 10, 11, 12], np.int32)
+    hidden = jnp.asarray(rng.standard_normal((2, 8, dim)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((dim, vocab)) * 0.5, jnp.float32)
+    targets = rng.integers(0, vocab, (2, 8)).astype(np.int32)
+    targets[0, :4] = ids[[0, 3, 7, 11]]  # edge values and inner ones
+    weights = jnp.asarray(rng.random((2, 8)) + 0.1, jnp.float32)
+
+    def objective(losses):
+        def total(h, w):
+            sums = losses(h, w)
+            return sums["ce"] / 3.0 + 0.5 * sums["z"] / 3.0, sums
+        return total
+
+    reference = objective(lambda h, w: _dense_soft_reference(h, w, targets, weights, ids, sigma))
+    got = objective(lambda h, w: head_token_losses(h, w, jnp.asarray(targets), weights, chunk_length,
+                                                   coordinates=(ids, sigma)))
+    (ref_h, ref_w), ref_sums = jax.grad(reference, argnums=(0, 1), has_aux=True)(hidden, head)
+    (got_h, got_w), got_sums = jax.grad(got, argnums=(0, 1), has_aux=True)(hidden, head)
+    for name in ("ce", "z", "weight"):
+        np.testing.assert_allclose(got_sums[name], ref_sums[name], rtol=1e-5)
+    np.testing.assert_allclose(got_h, ref_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_w, ref_w, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_coordinate_targets_at_zero_width_are_the_one_hot_loss():
+    rng = np.random.default_rng(6)
+    hidden = jnp.asarray(rng.standard_normal((1, 6, 8)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((8, 20)), jnp.float32)
+    targets = jnp.asarray([[3, 4, 5, 6, 19, 0]], jnp.int32)
+    weights = jnp.ones((1, 6), jnp.float32)
+    ids = np.arange(3, 13, dtype=np.int32)
+
+    def ce(coordinates):
+        return lambda h: head_token_losses(h, head, targets, weights, coordinates=coordinates)["ce"]
+
+    np.testing.assert_array_equal(ce((ids, 0.0))(hidden), ce(None)(hidden))
+    np.testing.assert_array_equal(jax.grad(ce((ids, 0.0)))(hidden), jax.grad(ce(None))(hidden))
+
+
+def test_coordinate_targets_are_a_normalised_gaussian_over_the_grid_and_zero_elsewhere():
+    ids = jnp.arange(100, 111)
+    is_coordinate, q = coordinate_targets(jnp.asarray([100, 105, 7]), ids, 2.0)
+    assert is_coordinate.tolist() == [True, True, False]
+    np.testing.assert_allclose(q.sum(-1), [1.0, 1.0, 0.0], rtol=1e-6)
+    assert int(jnp.argmax(q[1])) == 5 and float(q[1, 3]) == pytest.approx(float(q[1, 7]))
+    assert float(q[1, 7] / q[1, 5]) == pytest.approx(math.exp(-0.5), rel=1e-5)
 
 
 def test_head_token_losses_count_ties_at_the_maximum_as_hits():

@@ -34,6 +34,7 @@ DTYPES = ("float32", "bfloat16")
 # so the schema checks a config without importing the training layer).
 OBJECTIVES = ("tokens", "branches", "drafter")  # config.loss.weights' keys
 LOSS_REDUCTIONS = ("state_mean", "question_mean")  # config.loss.loss_reduction
+COORDINATE_EMBEDDINGS = ("random", "fourier")  # config.model.coordinate_embeddings
 DECAYS = ("cosine", "linear")  # config.train.decay, after warmup
 PARAM_GROUP_KEYS = {"pattern", "frozen", "lr_multiplier"}  # one of config.train.param_groups
 # The decoder's shape: from `model.init_from`'s config.json when set, from the config otherwise.
@@ -99,6 +100,12 @@ def _model() -> dict[str, Any]:
         "attention": "auto",
         # A `defaults("vision")` group, or None for a text-only model.
         "vision": None,
+        # How a fresh model's embedding rows of the coordinate tokens <0>..<1000> start (tied: also the
+        # head's): "random" like every row, or "fourier": row <v> = Σ_k cos(πkv/1000)·c_k + sin(πkv/1000)·s_k
+        # over dim/4 frequencies and random orthonormal c_k, s_k (valen_jax.models.build.fourier_coordinate_rows),
+        # so neighbouring values start with near logits and a hidden state can point at a place with one
+        # direction (issue 25). Only for a fresh model: an imported checkpoint keeps its own rows.
+        "coordinate_embeddings": "random",
         # train.mode="vflash" (seed 004's --training_mode): the `ar` workdir whose latest checkpoint is the
         # frozen target, and the block drafter trained against it (read only in that mode).
         "target_from": "",
@@ -108,7 +115,10 @@ def _model() -> dict[str, Any]:
 
 def _vision() -> dict[str, Any]:
     return {"patch_size": 8, "merge_size": 2, "temporal_patch_size": 2, "dim": 96, "num_layers": 2, "num_heads": 4,
-            "mlp_dim": 256}
+            "mlp_dim": 256,
+            # Fixed 2-D sin/cos embeddings of each patch's place added to the patch embeddings
+            # (valen_jax.models.vision.grid_position_embeddings); see VisionConfig.absolute_positions.
+            "absolute_positions": False}
 
 
 def _train() -> dict[str, Any]:
@@ -154,6 +164,14 @@ def _loss() -> dict[str, Any]:
         "z_loss": 0.0,
         # Valen's loss_reduction (seed 000): "state_mean" averages questions within a state, then states.
         "loss_reduction": "state_mean",
+        # Soft targets for the coordinate tokens <0>..<1000> (valen_jax.training.losses.coordinate_targets): a target
+        # <v> is scored against a Gaussian of this width (in token units) over the neighbouring values
+        # instead of one-hot; 0 = one-hot. One-hot cross-entropy treats <499> as as wrong as <0> for <500>
+        # and trains each of the 1001 coordinate rows of the head only from the records with that exact
+        # value, so a from-scratch model never learns a point's place (issue 25). The width anneals
+        # geometrically from this value to `coordinate_sigma_final` over train.steps (None: constant).
+        "coordinate_sigma": 0.0,
+        "coordinate_sigma_final": config_dict.placeholder(float),
     }
 
 
@@ -235,6 +253,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_optimisation(config)
     _validate_loss(config.loss)
     _validate_mode(config)
+    if config.model.coordinate_embeddings not in COORDINATE_EMBEDDINGS:
+        raise ConfigError(f"config.model.coordinate_embeddings={config.model.coordinate_embeddings!r}; choose one of "
+                          f"{', '.join(COORDINATE_EMBEDDINGS)}")
     if int(config.eval.every) < 0:
         raise ConfigError(f"config.eval.every must be ≥ 0 (0: no evaluation during training), got {config.eval.every}")
     if config.model.init_from:
@@ -243,6 +264,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             # A local path (a hub name is `org/model`): say it is missing before any other complaint about it.
             raise ConfigError(f"config.model.init_from={init_from!r}: no such directory (a Hugging Face checkpoint "
                               "directory, or a hub name org/model)")
+        if config.model.coordinate_embeddings != "random":
+            raise ConfigError(f"config.model.coordinate_embeddings={config.model.coordinate_embeddings!r} shapes a "
+                              f"fresh model's rows; with config.model.init_from the checkpoint's rows are kept "
+                              f"(set it to 'random', as the :hf variants do)")
         # The checkpoint fixes the architecture; a value here too would be silently ignored.
         clashing = [k for k in ARCHITECTURE_KEYS if config.model[k] is not None]
         if clashing:
@@ -360,6 +385,15 @@ def _validate_loss(loss: ml_collections.ConfigDict) -> None:
     if loss.loss_reduction not in LOSS_REDUCTIONS:
         raise ConfigError(f"config.loss.loss_reduction={loss.loss_reduction!r}; choose one of "
                           f"{', '.join(LOSS_REDUCTIONS)} (seed 000)")
+    if not _finite("loss.coordinate_sigma", loss.coordinate_sigma) >= 0:
+        raise ConfigError(f"config.loss.coordinate_sigma must be ≥ 0 (0: one-hot coordinate targets), "
+                          f"got {loss.coordinate_sigma!r}")
+    if loss.coordinate_sigma_final is not None:
+        final = _finite("loss.coordinate_sigma_final", loss.coordinate_sigma_final)
+        if not (final > 0 and float(loss.coordinate_sigma) > 0):
+            raise ConfigError(f"config.loss.coordinate_sigma_final={loss.coordinate_sigma_final!r}: the width's "
+                              f"geometric anneal needs both it and config.loss.coordinate_sigma "
+                              f"({loss.coordinate_sigma!r}) > 0 (unset it for a constant width)")
 
 
 def _validate_mode(config: ml_collections.ConfigDict) -> None:

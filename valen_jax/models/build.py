@@ -15,12 +15,13 @@ import json
 import logging
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 from transformers import AutoTokenizer
 
 from data_pipeline import vocabulary
-from data_pipeline.tokenizer import token_id
+from data_pipeline.tokenizer import number_token_ids, token_id
 from valen_jax.config.schema import ARCHITECTURE_KEYS, defaults
 from valen_jax.errors import ConfigError
 from valen_jax.models import hf, hf_vl
@@ -137,10 +138,34 @@ def fresh_subtrees(model_cfg: ModelConfig, seed: int, shardings, names: tuple[st
     return jax.jit(create, out_shardings={name: shardings[name] for name in names})()
 
 
+def fourier_coordinate_rows(table, ids, seed: int):
+    """`table` [V, D] with rows `ids` (the coordinate tokens <0>..<N-1> in value order) set to a Fourier code
+    of their value: row <v> = a·Σ_k (cos(πkv/(N-1))·c_k + sin(πkv/(N-1))·s_k), k = 1..D/4, over random
+    orthonormal directions c_k, s_k (half of the D dimensions), with `a` giving the rows the norm of a
+    random row of the table's init (std 0.02). Logits h·row_v are then a Fourier series in v whose
+    coefficients are h's projections: one hidden direction raises a band of neighbouring values (its
+    narrowest period 2(N-1)/(D/4) tokens), where random rows would need every value learnt on its own."""
+    vocab, dim = table.shape
+    count, frequencies = len(ids), dim // 4
+    basis, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(seed), (dim, 2 * frequencies), jnp.float32))
+    angle = jnp.pi * jnp.arange(count, dtype=jnp.float32)[:, None] * jnp.arange(1, frequencies + 1) / (count - 1)
+    code = jnp.concatenate([jnp.cos(angle), jnp.sin(angle)], axis=-1) @ basis.T  # [N, D], row norm √frequencies
+    rows = code * (0.02 * (dim ** 0.5) / (frequencies ** 0.5))
+    return table.at[jnp.asarray(ids)].set(rows.astype(table.dtype))
+
+
 def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
     """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule."""
     if not config.model.init_from:
-        return init_params(model_cfg, config.train.seed, shardings)
+        params = init_params(model_cfg, config.train.seed, shardings)
+        if config.model.get("coordinate_embeddings", "random") == "fourier":
+            ids = number_token_ids(tokenizer)
+            params["embed"] = jax.jit(lambda t: fourier_coordinate_rows(t, ids, int(config.train.seed)),
+                                      out_shardings=shardings["embed"])(params["embed"])
+            if not model_cfg.tie_embeddings:  # the head's columns too, so input and output agree
+                params["lm_head"] = jax.jit(lambda h: fourier_coordinate_rows(h.T, ids, int(config.train.seed)).T,
+                                            out_shardings=shardings["lm_head"])(params["lm_head"])
+        return params
     directory = hf.resolve(config.model.init_from)
     base_tokenizer = AutoTokenizer.from_pretrained(str(config.data.tokenizer))
     pieces = hf.added_token_pieces(base_tokenizer, tokenizer)

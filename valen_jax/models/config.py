@@ -43,6 +43,10 @@ class VisionConfig:
     # blocks merged and added to the decoder's hidden states at the media slots after layers 0, 1, ...
     num_position_embeddings: int = 0
     deepstack_layers: tuple[int, ...] = ()
+    # "valen" only: fixed 2-D sin/cos embeddings of each patch's (row, column) added to its embedding, so
+    # a vision token's features say where it is in the image, not only what it shows (the rotary
+    # positions of the blocks are relative: on a uniform background no token can tell its place).
+    absolute_positions: bool = False
 
     @property
     def patch_dim(self) -> int:
@@ -53,6 +57,10 @@ class VisionConfig:
             raise ValueError(f"vision dim {self.dim} must split into {self.num_heads} heads of even size")
         if self.family not in VISION_FAMILIES:
             raise ValueError(f"vision family {self.family!r}; choose one of {VISION_FAMILIES}")
+        if self.absolute_positions and self.family != "valen":
+            raise ValueError(f"absolute_positions is an option of the valen tower, not of {self.family!r}")
+        if self.absolute_positions and self.dim % 4:
+            raise ValueError(f"absolute_positions: vision dim {self.dim} must be a multiple of 4 (sin, cos × row, column)")
         if self.family != "valen" and (self.dim // self.num_heads) % 4:
             raise ValueError(f"{self.family} vision head size {self.dim // self.num_heads} must be a multiple of 4 (h, w rotary)")
 

@@ -15,6 +15,20 @@ from valen_jax.models.config import VisionConfig, dtype_of
 from valen_jax.models.layers import Block, RMSNorm, param
 
 
+def grid_position_embeddings(rows, columns, dim: int, theta: float = 10000.0):
+    """Fixed 2-D sin/cos embeddings [..., dim] of patch (row, column) positions (MAE's 2-D sincos):
+    the first half of the channels encodes the row, the second the column, each as sin and cos at
+    dim / 4 frequencies from 1 down to 1/theta."""
+    quarter = dim // 4
+    frequencies = theta ** (-jnp.arange(quarter, dtype=jnp.float32) / quarter)
+
+    def one(position):
+        angle = position.astype(jnp.float32)[..., None] * frequencies
+        return [jnp.sin(angle), jnp.cos(angle)]
+
+    return jnp.concatenate(one(rows) + one(columns), axis=-1)
+
+
 class VisionEncoder(nnx.Module):
     def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs,
                  attention: str = "auto"):
@@ -39,6 +53,8 @@ class VisionEncoder(nnx.Module):
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
+        if cfg.absolute_positions:
+            x = x + grid_position_embeddings(positions[..., 1], positions[..., 2], cfg.dim).astype(self.dtype)
         for block in self.blocks:  # patches attend within their own media item (segment ids; padding 0)
             x = block(x, positions, segments)
         x = self.merge_norm(x.reshape(batch, count // group, group * cfg.dim))

@@ -51,7 +51,7 @@ class ModelTask(Task):
         return initial_params(self.config, self.model_cfg, self.setup.tokenizer, layout.param_shardings)
 
     def compile(self, layout, batch_shapes: dict):
-        options = StepOptions.from_config(self.config, layout.frozen)
+        options = StepOptions.from_config(self.config, layout.frozen, self.setup.tokenizer)
         return compile_step(make_train_step(layout.graphdef, layout.tx, layout.schedule, options), layout,
                             batch_shapes)
 

@@ -57,7 +57,26 @@ CHUNK_BYTES = 128 * 2**20
 SINGLE_CHUNK_BYTES = 512 * 2**20
 
 
-def head_token_losses(hidden, head, targets, weights, chunk_length: int | None = None) -> dict[str, jax.Array]:
+def coordinate_targets(targets, coordinate_ids, sigma):
+    """The soft target of every coordinate-token target: (is_coordinate bool [M], q f32 [M, N]).
+
+    targets int [M]; coordinate_ids int [N]: the vocabulary ids of the coordinate tokens `<0>`..`<N-1>`
+    in value order (`data_pipeline.tokenizer.number_token_ids`); sigma: f32 scalar, in token units.
+    Row m whose target is `<v>` gets q[m, u] ∝ exp(-(u - v)² / 2σ²) over the N coordinate tokens
+    (normalised over them, so a value near the edge keeps its whole mass on the grid); other rows get
+    q = 0 (their target stays one-hot). σ below 1e-3 is one-hot exactly (every other weight underflows to 0).
+    """
+    match = targets[:, None] == coordinate_ids[None, :].astype(targets.dtype)
+    is_coordinate = jnp.any(match, axis=-1)
+    value = jnp.argmax(match, axis=-1).astype(jnp.float32)
+    grid = jnp.arange(coordinate_ids.shape[0], dtype=jnp.float32)
+    width = jnp.maximum(jnp.asarray(sigma, jnp.float32), 1e-3)
+    q = jax.nn.softmax(-0.5 * jnp.square((grid[None, :] - value[:, None]) / width), axis=-1)
+    return is_coordinate, jnp.where(is_coordinate[:, None], q, 0.0)
+
+
+def head_token_losses(hidden, head, targets, weights, chunk_length: int | None = None,
+                      coordinates: tuple | None = None) -> dict[str, jax.Array]:
     """`token_losses(hidden @ head, ...)` for training, token-tiled, with a hand-written backward.
 
     hidden: [B, T, D] (compute dtype); head: [D, V] (compute dtype); targets int [B, T];
@@ -74,13 +93,25 @@ def head_token_losses(hidden, head, targets, weights, chunk_length: int | None =
     `correct` counts a hit when the target's logit equals its row's maximum, without a separate
     argmax pass; it differs from `token_losses` only on exact ties (which count as hits here), a
     training-time progress figure; evaluation uses `token_losses`.
+
+    `coordinates=(coordinate_ids int [N], sigma f32 scalar)` (config.loss.coordinate_sigma): a target
+    that is a coordinate token `<v>` is scored against the Gaussian `coordinate_targets` over its
+    neighbouring values instead of one-hot, `ce` = Σ w·(log Z − Σ_u q_u·logit_u), exactly in the forward and
+    the backward (softmax − q). Coordinate tokens are ordered values, but one-hot cross-entropy treats
+    `<499>` as as wrong as `<0>` for a target `<500>`, and each of the 1001 rows of the head is trained
+    only by the few records whose answer is that exact value; the soft target shares every record's
+    gradient with its neighbours, so the head's coordinate rows become a smooth function of the value.
     """
     batch, length, _ = hidden.shape
     if chunk_length is None:
         chunk_length = default_chunk_length(batch, length, head.shape[-1])
     if chunk_length < 1:
         raise ValueError(f"head_token_losses: chunk_length must be ≥ 1, got {chunk_length}")
-    return _tiled_losses(hidden, head, targets, weights.astype(jnp.float32), min(int(chunk_length), length))
+    if coordinates is not None:
+        ids, sigma = coordinates
+        coordinates = (jnp.asarray(ids, jnp.int32), jnp.asarray(sigma, jnp.float32))
+    return _tiled_losses(hidden, head, targets, weights.astype(jnp.float32), coordinates,
+                         min(int(chunk_length), length))
 
 
 def _batch_shards(batch: int) -> int:
@@ -109,27 +140,39 @@ def _chunk_logits(rows, head):
     return constrain(jnp.dot(rows, head, preferred_element_type=jnp.float32), ("batch", "act_vocab"))
 
 
-def _chunk_forward(rows, head, targets, weights):
+def _chunk_forward(rows, head, targets, weights, coordinates=None):
     """One chunk: rows [M, D], targets/weights [M] → (its four sums, log Z [M], logits [M, V] f32)."""
     logits = _chunk_logits(rows, head)
     row_max = jnp.max(logits, axis=-1)
     log_z = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max[:, None]), axis=-1))
     target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     hit = (target_logit >= row_max).astype(jnp.float32)
-    sums = {"ce": jnp.sum((log_z - target_logit) * weights), "z": jnp.sum(jnp.square(log_z) * weights),
+    scored = target_logit
+    if coordinates is not None:  # E_q[logit] for coordinate targets: the soft target's cross-entropy
+        ids, sigma = coordinates
+        is_coordinate, q = coordinate_targets(targets, ids, sigma)
+        scored = jnp.where(is_coordinate, jnp.sum(q * jnp.take(logits, ids, axis=-1), axis=-1), target_logit)
+    sums = {"ce": jnp.sum((log_z - scored) * weights), "z": jnp.sum(jnp.square(log_z) * weights),
             "weight": jnp.sum(weights), "correct": jnp.sum(hit * weights)}
     return sums, log_z, logits
 
 
-def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None):
+def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None, coordinates=None):
     """One chunk's (d_rows [M, D] in the rows' dtype, d_head [D, V] f32); `logits` recomputed unless given."""
     if logits is None:
         logits = _chunk_logits(rows, head)
     # d/dlogits of Σw(log Z − logit_t)·g_ce + Σw·log Z²·g_z  =  softmax·w(g_ce + 2 g_z log Z) − one-hot·w·g_ce
+    # (with a soft coordinate target q: − q·w·g_ce on the coordinate tokens instead of the one-hot)
     scale = weights * (cotangents["ce"] + 2.0 * cotangents["z"] * log_z)
     target_scale = weights * cotangents["ce"]
     is_target = jnp.arange(logits.shape[-1], dtype=targets.dtype)[None, :] == targets[:, None]
+    if coordinates is not None:
+        ids, sigma = coordinates
+        is_coordinate, q = coordinate_targets(targets, ids, sigma)
+        is_target = is_target & ~is_coordinate[:, None]
     d_logits = jnp.exp(logits - log_z[:, None]) * scale[:, None] - jnp.where(is_target, target_scale[:, None], 0.0)
+    if coordinates is not None:
+        d_logits = d_logits.at[:, ids].add(-q * target_scale[:, None])
     d_logits = d_logits.astype(rows.dtype)
     d_rows = jnp.dot(d_logits, head.T, preferred_element_type=jnp.float32).astype(rows.dtype)
     # The [D, M] transpose of the rows is materialised (the barrier stops XLA folding it back
@@ -150,18 +193,18 @@ def _pieces(hidden, targets, weights, start, size):
             take(weights, ()).reshape(-1))
 
 
-def _tiled_forward(hidden, head, targets, weights, chunk):
+def _tiled_forward(hidden, head, targets, weights, coordinates, chunk):
     batch, length, dim = hidden.shape
     if chunk == length:
         # One chunk (a small problem): keep its logits for the backward rather than recompute them.
         rows, flat_targets, flat_weights = hidden.reshape(-1, dim), targets.reshape(-1), weights.reshape(-1)
-        sums, log_z, logits = _chunk_forward(rows, head, flat_targets, flat_weights)
-        return sums, (hidden, head, targets, weights, log_z, logits)
+        sums, log_z, logits = _chunk_forward(rows, head, flat_targets, flat_weights, coordinates)
+        return sums, (hidden, head, targets, weights, coordinates, log_z, logits)
     count, tail = divmod(length, chunk)
 
     def one(carry, index):
         rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, index * chunk, chunk)
-        sums, log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights)
+        sums, log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights, coordinates)
         return jax.tree.map(jnp.add, carry, sums), log_z.reshape(batch, chunk)
 
     zero = {name: jnp.zeros((), jnp.float32) for name in ("ce", "z", "weight", "correct")}
@@ -169,26 +212,28 @@ def _tiled_forward(hidden, head, targets, weights, chunk):
     log_z = jnp.moveaxis(stacked, 0, 1).reshape(batch, count * chunk)
     if tail:
         rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, count * chunk, tail)
-        last, tail_log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights)
+        last, tail_log_z, _ = _chunk_forward(rows, head, chunk_targets, chunk_weights, coordinates)
         sums = jax.tree.map(jnp.add, sums, last)
         log_z = jnp.concatenate([log_z, tail_log_z.reshape(batch, tail)], axis=1)
-    return sums, (hidden, head, targets, weights, log_z, None)
+    return sums, (hidden, head, targets, weights, coordinates, log_z, None)
 
 
 def _tiled_backward(chunk, residuals, cotangents):
-    hidden, head, targets, weights, log_z, logits = residuals
+    hidden, head, targets, weights, coordinates, log_z, logits = residuals
     batch, length, dim = hidden.shape
+    no_coordinates = None if coordinates is None else (None, None)
     if logits is not None:  # the one-chunk form
         d_rows, d_head = _chunk_backward(hidden.reshape(-1, dim), head, targets.reshape(-1), weights.reshape(-1),
-                                         log_z, cotangents, logits)
-        return d_rows.reshape(hidden.shape), d_head.astype(head.dtype), None, None
+                                         log_z, cotangents, logits, coordinates)
+        return d_rows.reshape(hidden.shape), d_head.astype(head.dtype), None, None, no_coordinates
     count, tail = divmod(length, chunk)
 
     def grads(carry, start, size):
         d_hidden, d_head = carry
         rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, start, size)
         chunk_log_z = jax.lax.dynamic_slice(log_z, (0, start), (batch, size)).reshape(-1)
-        d_rows, d_head_part = _chunk_backward(rows, head, chunk_targets, chunk_weights, chunk_log_z, cotangents)
+        d_rows, d_head_part = _chunk_backward(rows, head, chunk_targets, chunk_weights, chunk_log_z, cotangents,
+                                              coordinates=coordinates)
         d_hidden = jax.lax.dynamic_update_slice(d_hidden, d_rows.reshape(batch, size, dim), (0, start, 0))
         return d_hidden, d_head + d_head_part
 
@@ -197,12 +242,12 @@ def _tiled_backward(chunk, residuals, cotangents):
     if tail:
         carry = grads(carry, count * chunk, tail)
     d_hidden, d_head = carry
-    return d_hidden, d_head.astype(head.dtype), None, None
+    return d_hidden, d_head.astype(head.dtype), None, None, no_coordinates
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _tiled_losses(hidden, head, targets, weights, chunk):
-    return _tiled_forward(hidden, head, targets, weights, chunk)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tiled_losses(hidden, head, targets, weights, coordinates, chunk):
+    return _tiled_forward(hidden, head, targets, weights, coordinates, chunk)[0]
 
 
 _tiled_losses.defvjp(_tiled_forward, _tiled_backward)

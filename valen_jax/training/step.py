@@ -51,12 +51,39 @@ class StepOptions:
     grad_accum_steps: int = 1
     frozen: object = None  # pytree of bools like params (True: no gradient), or None
     loss_reduction: str = "state_mean"
+    # Soft coordinate targets (config.loss.coordinate_sigma): the coordinate tokens' ids in value order
+    # (empty: one-hot targets everywhere) and the width's schedule over `coordinate_sigma_steps`.
+    coordinate_ids: tuple[int, ...] = ()
+    coordinate_sigma: float = 0.0
+    coordinate_sigma_final: float | None = None
+    coordinate_sigma_steps: int = 1
 
     @classmethod
-    def from_config(cls, config, frozen=None) -> StepOptions:
+    def from_config(cls, config, frozen=None, tokenizer=None) -> StepOptions:
+        sigma = float(config.loss.get("coordinate_sigma", 0.0))
+        ids = ()
+        if sigma > 0:
+            if tokenizer is None:
+                raise ValueError("config.loss.coordinate_sigma > 0 needs the tokenizer's coordinate tokens")
+            from data_pipeline.tokenizer import number_token_ids
+
+            ids = tuple(number_token_ids(tokenizer))
+        final = config.loss.get("coordinate_sigma_final")
         return cls(loss_weights=dict(config.loss.weights), z_loss=float(config.loss.z_loss),
                    grad_accum_steps=int(config.train.grad_accum_steps), frozen=frozen,
-                   loss_reduction=str(config.loss.loss_reduction))
+                   loss_reduction=str(config.loss.loss_reduction), coordinate_ids=ids, coordinate_sigma=sigma,
+                   coordinate_sigma_final=None if final is None else float(final),
+                   coordinate_sigma_steps=int(config.train.steps))
+
+    def sigma_at(self, step):
+        """The soft coordinate target's width at `step` (f32): geometric from coordinate_sigma to
+        coordinate_sigma_final over coordinate_sigma_steps, then held (wide first: every record teaches
+        the coarse place to many rows at once; narrow at the end: the exact value is what is decoded)."""
+        start = jnp.float32(self.coordinate_sigma)
+        if self.coordinate_sigma_final is None:
+            return start
+        fraction = jnp.clip(jnp.asarray(step, jnp.float32) / max(self.coordinate_sigma_steps, 1), 0.0, 1.0)
+        return start * (self.coordinate_sigma_final / self.coordinate_sigma) ** fraction
 
 
 def micro_batches(batch: dict, count: int) -> dict:
@@ -79,7 +106,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
     weights = dict(options.loss_weights)
     accum = int(options.grad_accum_steps)
 
-    def sums_of(params, batch):
+    coordinate_ids = jnp.asarray(options.coordinate_ids, jnp.int32) if options.coordinate_ids else None
+
+    def sums_of(params, batch, sigma=None):
         if options.frozen is not None:
             # No gradient flows into frozen parameters, so XLA drops their backward pass.
             params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, options.frozen)
@@ -88,7 +117,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                               batch.get("branch_ids"))
         sums = {}
         if weights.get("tokens", 0.0) > 0 or "score_positions" not in batch:
-            sums.update(head_token_losses(hidden, model.head_matrix(), batch["targets"], batch["target_weights"]))
+            coordinates = None if coordinate_ids is None else (coordinate_ids, sigma)
+            sums.update(head_token_losses(hidden, model.head_matrix(), batch["targets"], batch["target_weights"],
+                                          coordinates=coordinates))
         if "score_positions" in batch:
             sums.update(branch_sums(model.score_head(hidden), batch, options.loss_reduction))
         return sums
@@ -106,7 +137,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         total = combine(objectives, weights) + options.z_loss * parts.get("loss_z", 0.0)
         return total, {**{f"loss_{name}": value for name, value in objectives.items()}, **parts}
 
-    def grads_and_sums(params, batch):
+    def grads_and_sums(params, batch, sigma=None):
         # Denominators come from the whole global batch's labels and weights, before any split.
         # An all-zero-weight batch gives loss 0, not NaN.
         denominators = {"tokens": jnp.maximum(jnp.sum(batch["target_weights"]), 1.0)}
@@ -116,7 +147,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             denominators["branches"] = jnp.maximum(states, 1.0)
 
         def micro_loss(p, micro):
-            sums = sums_of(p, micro)
+            sums = sums_of(p, micro, sigma)
             return total_of(sums, denominators)[0], sums
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -128,7 +159,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                 return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
             micros = micro_batches(batch, accum)
-            sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros))
+            sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros), sigma)
             zeros = (jax.tree.map(jnp.zeros_like, params),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
             (grads, sums), _ = jax.lax.scan(body, zeros, micros)
@@ -136,12 +167,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         return grads, total, parts, sums, denominators
 
     def train_step(state, batch):
-        grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch)
+        sigma = options.sigma_at(state["step"]) if coordinate_ids is not None else None
+        grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch, sigma)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
         if "correct" in sums:
             metrics.update(accuracy=sums["correct"] / denominators["tokens"], target_tokens=sums["weight"])
+        if sigma is not None:
+            metrics["coordinate_sigma"] = sigma
         if "branch_correct" in sums:
             metrics.update(accuracy=sums["branch_correct"] / jnp.maximum(sums["branch_questions"], 1.0),
                            labeled_questions=sums["branch_questions"])
