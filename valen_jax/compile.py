@@ -44,6 +44,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v5p-64, v6e-16, v4-8 or v5e:2x2")
 _SLICES = flags.DEFINE_integer("slices", 1, "Number of such slices (multi-slice, over DCN)")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the report as JSON here")
+_PROGRAMS = flags.DEFINE_list("programs", None, "Compile only these (default: all): " + ", ".join(aot.PROGRAMS))
 
 # As train.py: the user's input, said in full by the message, is one line; anything else a traceback.
 USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, aot.LibtpuMissing)
@@ -59,13 +60,18 @@ def main(argv) -> None:
         check_path("--config", config_flags.get_config_filename(flags.FLAGS["config"]))
         if _OUTPUT.value:
             check_path("--output", _OUTPUT.value)
-        report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value))
+        only = tuple(_PROGRAMS.value) if _PROGRAMS.value else None
+        unknown = sorted(set(only or ()) - set(aot.PROGRAMS))
+        if unknown:
+            raise ConfigError(f"--programs: unknown {', '.join(unknown)}; known: {', '.join(aot.PROGRAMS)}")
+        report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value), only)
     except (*USER_ERRORS, aot.DoesNotFit) as error:
         sys.exit(f"{type(error).__name__}: {error}")
     t = report["topology"]
     print(f"{t['name']} ({t['topology_name']}, {t['chips']} x {t['device_kind']}), mesh {report['mesh']}, "
-          f"attention={report['attention']}, {report['model']['params']:,} params, "
-          f"model FLOPs per step {report['model_flops_per_step']:.3e}")
+          f"train.mode={report['mode']}, attention={report['attention']['asked']}->{report['attention']['chosen']}, "
+          f"{report['model']['params']:,} params (one layer {report['model']['layer_param_gib']:.3f} GiB), "
+          f"decode batch {report['decode_batch']}, model FLOPs per step {report['model_flops_per_step']:.3e}")
     for program in report["programs"]:
         print(aot.summary_line(program))
     if _OUTPUT.value:
@@ -74,7 +80,10 @@ def main(argv) -> None:
     try:
         aot.check_fits(report)
     except aot.DoesNotFit as error:
+        print(aot.last_line(report))
+        sys.stdout.flush()
         sys.exit(f"DoesNotFit: {error}")
+    print(aot.last_line(report))
 
 
 if __name__ == "__main__":
