@@ -175,7 +175,12 @@ def analyse(hlo_text: str, top: int = 5) -> HloFigures:
             if opcode in ("dot", "convolution"):
                 flops += 2.0 * math.prod(_dims(instruction.shape)) * _contracted(instruction, shapes) * where.multiplier
             base = opcode.removesuffix("-start")
-            if base in census and not opcode.endswith("-done"):
+            if base in census and not opcode.endswith("-done") and name.startswith("async_collective_fusion"):
+                # XLA:TPU's async collective fusions carry one in-flight collective (its buffer aliased from
+                # operand to output) through several compute fusions, each holding the collective's
+                # instruction: a step of one transfer, not a transfer of the whole buffer. Counted apart.
+                census[base]["async_fusion_steps"] = census[base].get("async_fusion_steps", 0) + where.multiplier
+            elif base in census and not opcode.endswith("-done"):
                 size = array_bytes(instruction.shape)
                 if opcode.endswith("-start") and instruction.shape.startswith("(") and base != "all-reduce":
                     # An async start's result is (operands, outputs[, context]): what arrives is the output.
@@ -231,6 +236,15 @@ def _traffic(instruction: Instruction, shapes: dict[str, str], computations: dic
         overrides = {0: out}
     elif instruction.opcode == "dynamic-update-slice" and len(operands) > 1:
         overrides, output = {0: operands[1]}, operands[1]
+    # In-place outputs (output_to_operand_aliasing, e.g. an async collective's buffer passed along): the
+    # operand and that output are the same memory, neither read nor written by this instruction.
+    aliased = re.search(r"output_to_operand_aliasing=\{(.*?)\}, (?:calls|kind|metadata|custom)", instruction.attributes)
+    if aliased and instruction.shape.startswith("("):
+        elements = _tuple_elements(instruction.shape)
+        for index, operand in re.findall(r"\{(\d+)\}: \((\d+), \{\}\)", aliased.group(1)):
+            if int(index) < len(elements) and int(operand) < len(operands):
+                out -= array_bytes(elements[int(index)])
+                overrides[int(operand)] = 0.0
     reads = sum(overrides.get(i, size) for i, size in enumerate(operands))
     return (out if output is None else output), reads
 
@@ -239,7 +253,7 @@ def _tuple_elements(shape: str) -> list[str]:
     """Top-level elements of a tuple shape `(a, (b, c), d)`."""
     inner, parts, depth, start = shape.strip()[1:-1], [], 0, 0
     for i, ch in enumerate(inner):
-        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(ch, 0)
         if ch == "," and depth == 0:
             parts.append(inner[start:i])
             start = i + 1
