@@ -1,18 +1,22 @@
-"""Compile a config's train step ahead of time for a TPU slice, from any host (no accelerator needed).
+"""Compile a config's programs ahead of time for a TPU slice, from any host (no accelerator needed).
 
     python -m valen_jax.compile --config=configs/vflash.py:tiny --topology=v5e:2x2
-    python -m valen_jax.compile --config=configs/vflash.py --topology=v5e-8 --config.model.attention=splash \
-        --output=report.json
+    python -m valen_jax.compile --config=configs/prepared.py:hf --config.model.init_from=benchmarks/shapes/qwen2.5-7b \
+        --topology=v5p-64 --config.mesh.data=1 --config.mesh.fsdp=-1 --config.data.seq_len=8192 \
+        --config.data.global_batch=32 --programs=train_step --output=report.json
 
-Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. The
-step is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
-(DESIGN: choices by target, not host), and compiled through the task's own `compile` (the one compile
-path). Prints, per program, the memory per chip (argument, output, temp, alias GiB), XLA's FLOPs, the
-collectives in its HLO, whether Pallas (Mosaic) kernels are in it, and the compile time;
-`--output` writes the same as JSON. Exits 1 with one line when a program does not fit the chip's HBM.
-Slice names (`v5e-8`, `v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and HBM per chip:
-`valen_jax/tasks/aot.py`. Compiled so far: the token-LM and Valen train steps (`train.mode=ar`);
-not yet: evaluation, prefill/decode and the VFlash drafter step.
+Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. Every
+program is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
+(DESIGN: choices by target, not host). Programs (`--programs`, default all): the train step of the
+config's mode through the task's own `compile` (token LM, Valen scoring, VL rows with patches, the
+`vflash` drafter step), the evaluation forward, the engine's generation (prefill + decode loop) at the
+evaluation batch, and the speculative block loop's prefill, step and block. Model shapes come from the
+config or from `model.init_from`'s config.json alone (no weights are read). Prints, per program, memory
+per chip (argument, output, temp, alias GiB), XLA's and the loop-aware FLOPs and bytes, the roofline and
+MFU bound, the collectives census and whether Pallas (Mosaic) kernels are in it; `--output` writes the
+same as JSON. The last line: `fits=… mfu_bound=… temp_gib_per_chip=…`. Exits 1 with one line when a
+program does not fit the chip's HBM, naming the shortfall and the largest buffers. Slice names (`v5e-8`,
+`v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and the chip table: `valen_jax/tasks/aot.py`.
 """
 
 from __future__ import annotations
