@@ -141,11 +141,22 @@ def _contracted(instruction: Instruction, shapes: dict[str, str]) -> int:
     if instruction.opcode == "dot":
         found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
         return math.prod(lhs[int(d)] for d in found.group(1).split(",") if d) if found and lhs else 1
-    # convolution: the lhs feature dimension ('f' in dim_labels) times the window.
+    # convolution: the lhs feature dimension ('f' in dim_labels) times the window elements that can meet
+    # an input element. XLA:TPU writes a dot batched over heads as a convolution whose window spans the
+    # heads over a padded input of size 1 (`window={size=14 pad=13_13 rhs_reversal=1}`): each output meets
+    # one window element, so a window dimension counts at most the lhs's own size along it.
     labels = re.search(r"dim_labels=([\w]+)_", instruction.attributes)
     window = re.search(r"window=\{size=([\dx]+)", instruction.attributes)
-    feature = lhs[labels.group(1).index("f")] if labels and lhs and "f" in labels.group(1) else 1
-    return feature * (math.prod(int(x) for x in window.group(1).split("x")) if window else 1)
+    lhs_labels = labels.group(1) if labels else ""
+    feature = lhs[lhs_labels.index("f")] if lhs and "f" in lhs_labels else 1
+    # A grouped convolution contracts each group's features only.
+    groups = re.search(r"feature_group_count=(\d+)", instruction.attributes)
+    feature //= int(groups.group(1)) if groups else 1
+    met = 1
+    for k, size in enumerate(int(x) for x in window.group(1).split("x")) if window else ():
+        spatial = lhs[lhs_labels.index(str(k))] if lhs and str(k) in lhs_labels else size
+        met *= min(size, spatial)
+    return feature * met
 
 
 @dataclass
