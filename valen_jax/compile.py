@@ -39,6 +39,7 @@ from ml_collections import config_flags
 from data_pipeline.cli_paths import PathError, check_path
 from data_pipeline.tokenizer import TokenizerError
 from valen_jax import cli_logging
+from valen_jax.checkpoint import CheckpointError
 from valen_jax.data.assemble import AssemblyError
 from valen_jax.errors import ConfigError
 from valen_jax.sharding import ShardingError
@@ -51,7 +52,8 @@ _OUTPUT = flags.DEFINE_string("output", None, "Write the report as JSON here")
 _PROGRAMS = flags.DEFINE_list("programs", None, "Compile only these (default: all): " + ", ".join(aot.PROGRAMS))
 
 # As train.py: the user's input, said in full by the message, is one line; anything else a traceback.
-USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, aot.LibtpuMissing)
+USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, CheckpointError,
+               aot.LibtpuMissing)
 
 
 def main(argv) -> None:

@@ -33,6 +33,7 @@ import dataclasses
 import importlib.util
 import math
 import time
+from pathlib import Path
 
 import jax
 
@@ -48,6 +49,7 @@ from valen_jax.errors import ConfigError
 from valen_jax.metrics import model_flops_per_step
 from valen_jax.models import attention
 from valen_jax.models.build import model_config
+from valen_jax.models.config import ModelConfig
 from valen_jax.step import TrainLayout
 from valen_jax.tasks import aot_hlo, aot_programs
 from valen_jax.tasks.token_lm import TokenLMTask
@@ -159,7 +161,10 @@ def open_compile_task(config, mesh):
     constructed here directly, from the config's data format, with a `vflash` target whose parameters are
     abstract (the config's model is the target's architecture, as `model.init_from` or the model keys say)."""
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
-    model_cfg = model_config(config, tokenizer)
+    if config.train.mode == "vflash":
+        model_cfg = target_model(config)
+    else:
+        model_cfg = model_config(config, tokenizer)
     media_kwargs, _ = media_kwargs_of(config, model_cfg.vision)
     setup = Setup(config, None, tokenizer, {}, mesh)
     model_layout = TrainLayout.from_config(model_cfg, config.train, mesh)
@@ -177,6 +182,18 @@ def open_compile_task(config, mesh):
     assembly = (ValenAssembly.from_config(config, training=True) if valen
                 else TokenAssembly(PackingSpec.from_config(config)))
     return task, assembly.batch_shapes(spec, int(config.data.global_batch)), model_layout, assembly, eval_spec
+
+
+def target_model(config) -> ModelConfig:
+    """A `vflash` run's target architecture: its `model.target_from` workdir's latest checkpoint meta (JSON,
+    as `vflash.task.restore_target` reads it; no weights)."""
+    workdir = Path(config.model.target_from).resolve()
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        meta = checkpoint.restore_meta(mgr, checkpoint.select_step(mgr, workdir))
+    finally:
+        mgr.close()
+    return ModelConfig.from_json(meta["model"])
 
 
 def _buffers_of(error: str, count: int = 6) -> str:
