@@ -46,7 +46,7 @@ from valen_jax.data.pipeline import TokenAssembly
 from valen_jax.data.valen_rows import ValenAssembly
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.errors import ConfigError
-from valen_jax.metrics import model_flops_per_step
+from valen_jax.metrics import attention_flops_per_step, model_flops_per_step
 from valen_jax.models import attention
 from valen_jax.models.build import model_config
 from valen_jax.models.config import ModelConfig
@@ -208,8 +208,12 @@ def _buffers_of(error: str, count: int = 6) -> str:
 
 
 def program_report(name: str, compiled, seconds: float, target: Slice, model_flops: float | None,
-                   chips: int) -> dict:
-    """Memory per chip, XLA's cost, the loop-aware HLO figures and census, the roofline (module docstring)."""
+                   chips: int, kernel_flops: float = 0.0) -> dict:
+    """Memory per chip, XLA's cost, the loop-aware HLO figures and census, the roofline (module docstring).
+
+    `kernel_flops`: the program's attention FLOPs (all chips), added to the HLO's count when its attention
+    is a Pallas kernel, whose custom call XLA counts as nothing (remat's recompute of it is still left out,
+    so the bound is a little optimistic with remat=full)."""
     memory = compiled.memory_analysis()
     sizes = {key: int(getattr(memory, f"{key}_size_in_bytes")) for key in ("argument", "output", "temp", "alias")}
     # Donated state is both argument and output: alias bytes are counted once (as MaxText sums them).
@@ -219,9 +223,9 @@ def program_report(name: str, compiled, seconds: float, target: Slice, model_flo
     text = compiled.as_text()
     hlo = aot_hlo.analyse(text)
     chip = target.chip
-    # Pallas kernels (splash) are custom calls XLA counts no FLOPs for: the model's own count per chip is a
-    # floor on the compute side.
-    flops = max(hlo.flops, (model_flops or 0.0) / chips)
+    pallas = "tpu_custom_call" in text
+    # The model's own count per chip is a floor on the compute side.
+    flops = max(hlo.flops + (kernel_flops / chips if pallas else 0.0), (model_flops or 0.0) / chips)
     roofline = max(flops / chip.peak_bf16_flops, hlo.bytes_accessed / chip.hbm_bytes_per_second)
     return {
         "program": name,
@@ -243,7 +247,7 @@ def program_report(name: str, compiled, seconds: float, target: Slice, model_flo
         "largest_all_gather_gib": hlo.largest_all_gather_bytes / GIB,
         "largest_values": hlo.largest_values,
         # Pallas kernels lower to Mosaic custom calls on TPU (splash attention among them).
-        "pallas_mosaic": "tpu_custom_call" in text,
+        "pallas_mosaic": pallas,
         "compile_seconds": seconds,
     }
 
@@ -271,12 +275,15 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
     with jax.set_mesh(mesh):
         chosen = attention.resolve(str(config.model.attention), int(config.data.seq_len))
     rows = aot_programs.decode_batch(config, mesh)
-    eval_flops = model_flops_per_step(task.model_cfg, rows, int(config.data.seq_len)) / 3  # forward: a third
-    steps = [("train_step", lambda: task.compile(layout, batch_shapes), float(task.flops_per_step()))]
-    steps += [(name, thunk, eval_flops if name == "eval_forward" else None)
+    seq_len, train_rows = int(config.data.seq_len), int(config.data.global_batch)
+    eval_flops = model_flops_per_step(task.model_cfg, rows, seq_len) / 3  # forward: a third
+    steps = [("train_step", lambda: task.compile(layout, batch_shapes), float(task.flops_per_step()),
+              attention_flops_per_step(task.model_cfg, train_rows, seq_len) if config.train.mode == "ar" else 0.0)]
+    steps += [(name, thunk, eval_flops, attention_flops_per_step(task.model_cfg, rows, seq_len) / 3)
+              if name == "eval_forward" else (name, thunk, None, 0.0)
               for name, thunk in aot_programs.programs(config, task, model_layout, assembly, eval_spec)]
     programs = []
-    for name, thunk, flops in steps:
+    for name, thunk, flops, kernel_flops in steps:
         if only is not None and name not in only and not (name == "spec_prefill" and {"spec_step", "spec_block"} & set(only)):
             continue
         start = time.perf_counter()
@@ -290,7 +297,8 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
             raise DoesNotFit(f"{name} does not fit {target.name} ({devices[0].device_kind}, "
                              f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}; largest allocations: "
                              f"{_buffers_of(str(error)) or 'not listed'}") from None
-        programs.append(program_report(name, compiled, time.perf_counter() - start, target, flops, len(devices)))
+        programs.append(program_report(name, compiled, time.perf_counter() - start, target, flops, len(devices),
+                                       kernel_flops))
     return {
         "topology": {"name": target.name, "topology_name": target.topology_name, "slices": target.slices,
                      "chips": len(devices), "device_kind": devices[0].device_kind,
