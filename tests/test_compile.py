@@ -137,7 +137,9 @@ def test_unknown_slice_names_are_refused(name):
 def test_valen_branch_trees_compile_with_splash(tmp_path):
     # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
     output = tmp_path / "valen.json"
-    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", f"--output={output}")
+    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", "--programs=train_step,spec_step",
+                    f"--output={output}")
     assert done.returncode == 0, done.stderr[-3000:]
-    (program,) = json.loads(output.read_text())["programs"]
-    assert program["pallas_mosaic"] is True and program["fits"] is True
+    train, prefill, step = json.loads(output.read_text())["programs"]  # the step needs the prefill's state
+    assert (train["program"], prefill["program"], step["program"]) == ("train_step", "spec_prefill", "spec_step")
+    assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True

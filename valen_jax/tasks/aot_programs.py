@@ -2,7 +2,7 @@
 the evaluation forward and the decoding programs, each the library's own jitted function (never a copy).
 
 - `eval_forward`: `evaluation.tokens`' teacher-forced row sums (periodic evaluation and `evaluate`'s
-  loss) at the evaluation batch (`eval.batch_size`, rounded up as `evaluation.workdir.local_batch_size`
+  loss; token data only, Valen's branch scoring is not compiled yet) at the evaluation batch (`eval.batch_size`, rounded up as `evaluation.workdir.local_batch_size`
   does to split over the batch-sharded devices);
 - `generate`: `decoding.engine`'s whole generation of one batch at that batch: the prefill, then the
   `while_loop` of decode steps, prompts of `data.seq_len` tokens and `eval.max_new_tokens` new ones
@@ -114,8 +114,10 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
         return compiled(program, params, draft_params, state["row"], one((), jnp.int32), one((), jnp.int32),
                         one((), jnp.int32), one((1,), jnp.int32), one((), jax.random.key(0).dtype))
 
-    return [("eval_forward", eval_forward), ("generate", generate), ("spec_prefill", spec_prefill),
-            ("spec_step", spec_step), ("spec_block", spec_block)]
+    # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
+    forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
+    return forward + [("generate", generate), ("spec_prefill", spec_prefill), ("spec_step", spec_step),
+                      ("spec_block", spec_block)]
 
 
 def _drafter(config, model_cfg, mesh, replicated, new: int):
