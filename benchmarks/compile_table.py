@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -117,8 +118,11 @@ def markdown(results: dict) -> str:
                          f"{r['gib_per_chip']['total']:.1f} ({100 * r['spare_fraction']:.0f}%) | {mfu} | "
                          f"{census(r['collectives'])} |")
         else:
-            lines.append(f"| {MODELS[model]} | {topology} | {length} | {r.get('fits', 'error')} | "
-                         f"{(r['error'] or '')[:160]} | | |")
+            error = r["error"] or ""
+            # The TPU compiler's own refusal names the temporaries it needed and the HBM it had.
+            found = re.search(r"HLO temporaries \((\S+)\) exceeds available HBM \((\S+)\)", error)
+            shown = f"temp {found.group(1)} > {found.group(2)} HBM (compiler)" if found else error[:160]
+            lines.append(f"| {MODELS[model]} | {topology} | {length} | {r.get('fits', 'error')} | {shown} | | |")
     return "\n".join(lines)
 
 

@@ -296,7 +296,7 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
             detail = str(error).strip().splitlines()[0]
             raise DoesNotFit(f"{name} does not fit {target.name} ({devices[0].device_kind}, "
                              f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}; largest allocations: "
-                             f"{_buffers_of(str(error)) or 'not listed'}") from None
+                             f"{_buffers_of(str(error)) or 'none listed by the compiler'}") from None
         programs.append(program_report(name, compiled, time.perf_counter() - start, target, flops, len(devices),
                                        kernel_flops))
     return {
