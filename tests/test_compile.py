@@ -38,22 +38,62 @@ def tiny(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
 
 def test_tiny_compiles_for_v5e_with_splash(tiny):
     done, report = tiny
-    assert report["topology"] == {"name": "v5e:2x2", "topology_name": "v5e:2x2", "slices": 1, "chips": 4,
-                                  "device_kind": report["topology"]["device_kind"]}
+    assert report["topology"]["name"] == "v5e:2x2" and report["topology"]["chips"] == 4
     assert "v5" in report["topology"]["device_kind"].lower()
-    (program,) = report["programs"]
-    assert program["program"] == "train_step"
+    assert report["topology"]["chip"] == {"hbm_bytes": 16 * aot.GIB, "peak_bf16_flops": 197e12,
+                                          "hbm_bytes_per_second": 819e9}
+    assert report["attention"] == {"asked": "auto", "chosen": "splash"}
+    programs = {p["program"]: p for p in report["programs"]}
+    assert list(programs) == list(aot.PROGRAMS)
+    for program in programs.values():
+        memory = program["gib_per_chip"]
+        assert set(memory) == {"argument", "output", "temp", "alias", "total"}
+        assert all(memory[key] > 0 for key in ("argument", "total")), program["program"]
+        assert memory["total"] < program["hbm_gib_per_chip"] == 16 and program["fits"] is True
+        assert program["hlo_bytes_accessed"] > 0 and program["roofline_seconds"] > 0
+        assert set(program["collectives"]) == set(aot.COLLECTIVES)
+    train = programs["train_step"]
     # attention=auto under a TPU mesh is splash: its Pallas kernel lowers to a Mosaic custom call.
-    assert program["pallas_mosaic"] is True
-    memory = program["gib_per_chip"]
-    assert set(memory) == {"argument", "output", "temp", "alias", "total"}
-    assert all(memory[key] > 0 for key in ("argument", "output", "temp", "total"))
-    assert program["hbm_gib_per_chip"] == 16 and program["fits"] is True
-    assert program["flops"] > 0 and program["compile_seconds"] > 0
-    assert set(program["collectives"]) == set(aot.COLLECTIVES)
-    assert sum(program["collectives"].values()) > 0  # data parallel: the gradients are reduced
+    assert train["pallas_mosaic"] is True and train["gib_per_chip"]["temp"] > 0
+    # Data parallel over 4 chips: the gradients are all-reduced, outside any loop (no scan in :tiny).
+    reduced = train["collectives"]["all-reduce"]
+    assert reduced["count"] > 0 and reduced["bytes"] > 0 and reduced["outside_loops"]["count"] == reduced["count"]
+    assert 0 < train["mfu_bound"] <= 1 and train["model_flops"] == report["model_flops_per_step"]
+    # The decode step and the speculative block are compiled too; the block is a while loop on the device.
+    assert programs["spec_step"]["gib_per_chip"]["total"] > 0
+    assert any(loop["trip"] is None for loop in programs["spec_block"]["loops"])
     assert report["batch"]["tokens"] == [8, 192]
     assert "train_step: fits=True" in done.stdout and "pallas_mosaic=True" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("fits=True mfu_bound=0.") and " temp_gib_per_chip=" in last and "attention=splash" in last
+
+
+def test_loop_aware_flops_count_every_layer():
+    """XLA's cost_analysis counts a scanned body once; the HLO figures count it trip-count times."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from valen_jax.tasks import aot_hlo
+
+    mesh = Mesh(aot.topology_devices(aot.parse_slice("v5e:2x2")), ("x",))
+
+    def layers(w, x):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]
+
+    figures = {}
+    for count in (2, 8):
+        w = jax.ShapeDtypeStruct((count, 512, 512), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "x")))
+        x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("x")))
+        compiled = jax.jit(layers).lower(w, x).compile()
+        figures[count] = (compiled.cost_analysis()["flops"], aot_hlo.analyse(compiled.as_text()))
+    per_layer = 2 * 16 * 512 * 512  # 16 rows per chip
+    assert figures[8][1].flops == pytest.approx(8 * per_layer, rel=0.01)
+    assert figures[2][1].flops == pytest.approx(2 * per_layer, rel=0.01)
+    assert figures[8][0] < 2 * per_layer  # what XLA says: one body's worth
+    assert [loop["trip"] for loop in figures[8][1].loops] == [8]
+    gathered = figures[8][1].collectives["all-gather"]  # FSDP-style: one weight gathered per layer
+    assert gathered["inside_loops"]["count"] == 1 and gathered["bytes"] == pytest.approx(8 * 512 * 512 * 2)
 
 
 @pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
@@ -97,7 +137,9 @@ def test_unknown_slice_names_are_refused(name):
 def test_valen_branch_trees_compile_with_splash(tmp_path):
     # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
     output = tmp_path / "valen.json"
-    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", f"--output={output}")
+    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", "--programs=train_step,spec_step",
+                    f"--output={output}")
     assert done.returncode == 0, done.stderr[-3000:]
-    (program,) = json.loads(output.read_text())["programs"]
-    assert program["pallas_mosaic"] is True and program["fits"] is True
+    train, prefill, step = json.loads(output.read_text())["programs"]  # the step needs the prefill's state
+    assert (train["program"], prefill["program"], step["program"]) == ("train_step", "spec_prefill", "spec_step")
+    assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True

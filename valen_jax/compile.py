@@ -1,18 +1,22 @@
-"""Compile a config's train step ahead of time for a TPU slice, from any host (no accelerator needed).
+"""Compile a config's programs ahead of time for a TPU slice, from any host (no accelerator needed).
 
     python -m valen_jax.compile --config=configs/vflash.py:tiny --topology=v5e:2x2
-    python -m valen_jax.compile --config=configs/vflash.py --topology=v5e-8 --config.model.attention=splash \
-        --output=report.json
+    python -m valen_jax.compile --config=configs/prepared.py:hf --config.model.init_from=benchmarks/shapes/qwen2.5-7b \
+        --topology=v5p-64 --config.mesh.data=1 --config.mesh.fsdp=-1 --config.data.seq_len=8192 \
+        --config.data.global_batch=32 --programs=train_step --output=report.json
 
-Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. The
-step is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
-(DESIGN: choices by target, not host), and compiled through the task's own `compile` (the one compile
-path). Prints, per program, the memory per chip (argument, output, temp, alias GiB), XLA's FLOPs, the
-collectives in its HLO, whether Pallas (Mosaic) kernels are in it, and the compile time;
-`--output` writes the same as JSON. Exits 1 with one line when a program does not fit the chip's HBM.
-Slice names (`v5e-8`, `v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and HBM per chip:
-`valen_jax/tasks/aot.py`. Compiled so far: the token-LM and Valen train steps (`train.mode=ar`);
-not yet: evaluation, prefill/decode and the VFlash drafter step.
+Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. Every
+program is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
+(DESIGN: choices by target, not host). Programs (`--programs`, default all): the train step of the
+config's mode through the task's own `compile` (token LM, Valen scoring, VL rows with patches, the
+`vflash` drafter step), the evaluation forward, the engine's generation (prefill + decode loop) at the
+evaluation batch, and the speculative block loop's prefill, step and block. Model shapes come from the
+config or from `model.init_from`'s config.json alone (no weights are read). Prints, per program, memory
+per chip (argument, output, temp, alias GiB), XLA's and the loop-aware FLOPs and bytes, the roofline and
+MFU bound, the collectives census and whether Pallas (Mosaic) kernels are in it; `--output` writes the
+same as JSON. The last line: `fits=… mfu_bound=… temp_gib_per_chip=…`. Exits 1 with one line when a
+program does not fit the chip's HBM, naming the shortfall and the largest buffers. Slice names (`v5e-8`,
+`v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and the chip table: `valen_jax/tasks/aot.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +43,17 @@ from valen_jax.data.assemble import AssemblyError
 from valen_jax.errors import ConfigError
 from valen_jax.models.sharding import ShardingError
 from valen_jax.tasks import aot
+from valen_jax.training.checkpoint import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice: v5e-8, v5p-64, v6e-16, v4-8 or v5e:2x2")
 _SLICES = flags.DEFINE_integer("slices", 1, "Number of such slices (multi-slice, over DCN)")
 _OUTPUT = flags.DEFINE_string("output", None, "Write the report as JSON here")
+_PROGRAMS = flags.DEFINE_list("programs", None, "Compile only these (default: all): " + ", ".join(aot.PROGRAMS))
 
 # As train.py: the user's input, said in full by the message, is one line; anything else a traceback.
-USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, aot.LibtpuMissing)
+USER_ERRORS = (ConfigError, PathError, TokenizerError, AssemblyError, ShardingError, CheckpointError,
+               aot.LibtpuMissing)
 
 
 def main(argv) -> None:
@@ -59,13 +66,18 @@ def main(argv) -> None:
         check_path("--config", config_flags.get_config_filename(flags.FLAGS["config"]))
         if _OUTPUT.value:
             check_path("--output", _OUTPUT.value)
-        report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value))
+        only = tuple(_PROGRAMS.value) if _PROGRAMS.value else None
+        unknown = sorted(set(only or ()) - set(aot.PROGRAMS))
+        if unknown:
+            raise ConfigError(f"--programs: unknown {', '.join(unknown)}; known: {', '.join(aot.PROGRAMS)}")
+        report = aot.compile_for(_CONFIG.value, aot.parse_slice(_TOPOLOGY.value, _SLICES.value), only)
     except (*USER_ERRORS, aot.DoesNotFit) as error:
         sys.exit(f"{type(error).__name__}: {error}")
     t = report["topology"]
     print(f"{t['name']} ({t['topology_name']}, {t['chips']} x {t['device_kind']}), mesh {report['mesh']}, "
-          f"attention={report['attention']}, {report['model']['params']:,} params, "
-          f"model FLOPs per step {report['model_flops_per_step']:.3e}")
+          f"train.mode={report['mode']}, attention={report['attention']['asked']}->{report['attention']['chosen']}, "
+          f"{report['model']['params']:,} params (one layer {report['model']['layer_param_gib']:.3f} GiB), "
+          f"decode batch {report['decode_batch']}, model FLOPs per step {report['model_flops_per_step']:.3e}")
     for program in report["programs"]:
         print(aot.summary_line(program))
     if _OUTPUT.value:
@@ -74,7 +86,10 @@ def main(argv) -> None:
     try:
         aot.check_fits(report)
     except aot.DoesNotFit as error:
+        print(aot.last_line(report))
+        sys.stdout.flush()
         sys.exit(f"DoesNotFit: {error}")
+    print(aot.last_line(report))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,18 @@ and chips for v5e and v6e (one core each). A `gen:AxB[xC]` name is a topology as
     v5p-N      v5p:AxBxC       N/2    2x2x1 chips     95 GiB
     v4-N       v4:AxBxC        N/2    2x2x1 chips     32 GiB
 
-HBM per chip: Cloud TPU system architecture pages (v4: 32 GiB, v5e: 16 GiB, v5p: 95 GiB, v6e
-Trillium: 32 GiB), https://cloud.google.com/tpu/docs/system-architecture-tpu-vm.
+Per chip (the `CHIPS` table): HBM, peak bf16 FLOP/s and HBM bandwidth, from each generation's Cloud TPU
+page (the "system architecture" tables): v4 https://cloud.google.com/tpu/docs/v4 (32 GiB, 275 TFLOP/s,
+1,200 GB/s), v5e https://cloud.google.com/tpu/docs/v5e (16 GiB, 197 TFLOP/s, 819 GB/s), v5p
+https://cloud.google.com/tpu/docs/v5p (95 GiB, 459 TFLOP/s, 2,765 GB/s), v6e Trillium
+https://cloud.google.com/tpu/docs/v6e (32 GiB, 918 TFLOP/s, 1,640 GB/s).
+
+Programs: the train step of the config's mode (`train.mode=ar`: token LM or Valen scoring, VL rows with
+their patches when the model has a tower; `vflash`: the drafter step against an abstract target), then
+the evaluation forward and the decoding programs (`aot_programs`). Per program: memory per chip, XLA's
+FLOPs and bytes, the loop-aware FLOPs and bytes and the collectives census of its HLO (`aot_hlo`), a
+roofline step time max(FLOPs / peak, bytes / bandwidth) and, for the train step, the MFU bound
+(model FLOPs / peak) / roofline time.
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import re
 import time
+from pathlib import Path
 
 import jax
 
@@ -35,15 +45,34 @@ from valen_jax.data.pipeline import TokenAssembly
 from valen_jax.data.valen_rows import ValenAssembly
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.errors import ConfigError
-from valen_jax.models import sharding
+from valen_jax.models import attention, sharding
 from valen_jax.models.build import model_config
+from valen_jax.models.config import ModelConfig
+from valen_jax.tasks import aot_hlo, aot_programs
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask
+from valen_jax.training import checkpoint
+from valen_jax.training.metrics import attention_flops_per_step, model_flops_per_step
+from valen_jax.training.step import TrainLayout
 from valen_jax.training.task import Setup
+from valen_jax.vflash.task import DrafterTask, Target
 
 GIB = 1024 ** 3
-# HBM per chip in bytes, by generation (sources: the module docstring).
-HBM_PER_CHIP = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "v6e": 32 * GIB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    hbm_bytes: int
+    peak_bf16_flops: float  # per second, dense
+    hbm_bytes_per_second: float
+
+
+# Per chip, by generation (sources: the module docstring). A v4/v5p chip is one megacore device.
+CHIPS = {"v4": Chip(32 * GIB, 275e12, 1200e9), "v5e": Chip(16 * GIB, 197e12, 819e9),
+         "v5p": Chip(95 * GIB, 459e12, 2765e9), "v6e": Chip(32 * GIB, 918e12, 1640e9)}
+HBM_PER_CHIP = {generation: chip.hbm_bytes for generation, chip in CHIPS.items()}
+COLLECTIVES = aot_hlo.COLLECTIVES
+PROGRAMS = ("train_step", "eval_forward", "generate", "spec_prefill", "spec_step", "spec_block")
 # Generations whose slice name counts TensorCores (two per chip, one megacore device each).
 _CORES_IN_NAME = {"v4", "v5p"}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -51,9 +80,6 @@ _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "d
 _GRID_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _GRID_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
             256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-# An HLO instruction's opcode (sync or async start), never its `%name` or an `-done`.
-_OPCODE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 class LibtpuMissing(RuntimeError):
@@ -74,8 +100,12 @@ class Slice:
     slices: int = 1
 
     @property
+    def chip(self) -> Chip:
+        return CHIPS[self.generation]
+
+    @property
     def hbm_bytes(self) -> int:
-        return HBM_PER_CHIP[self.generation]
+        return self.chip.hbm_bytes
 
 
 def parse_slice(name: str, slices: int = 1) -> Slice:
@@ -122,36 +152,68 @@ def topology_devices(target: Slice) -> list:
 
 
 def open_compile_task(config, mesh):
-    """The config's model task and its batch shapes, without its training data.
+    """The config's task, its batch shapes, the model's layout (for the programs besides the train step),
+    the assembly and the row spec, all without training data or weights.
 
     `tasks.modes.open_task` needs the converted shards (the token task counts distinct records for
     overlong=skip, the Valen task picks its kind from the shards and checks every record against the
-    row limits); none of that changes a shape, so the task is constructed here directly, from the
-    config's data format, and its assembly likewise (TokenAssembly's and ValenAssembly's batch shapes
-    depend on the row spec and the config alone)."""
-    if config.train.mode != "ar":
-        raise ConfigError(f"config.train.mode={config.train.mode!r}: the ahead-of-time compile covers the model's "
-                          "own train step (train.mode=ar) so far; the VFlash drafter step is not compiled yet")
+    row limits) and, for `vflash`, the target's checkpoint; none of that changes a shape, so the task is
+    constructed here directly, from the config's data format, with a `vflash` target whose parameters are
+    abstract (the config's model is the target's architecture, as `model.init_from` or the model keys say)."""
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
-    model_cfg = model_config(config, tokenizer)
+    if config.train.mode == "vflash":
+        model_cfg = target_model(config)
+    else:
+        model_cfg = model_config(config, tokenizer)
     media_kwargs, _ = media_kwargs_of(config, model_cfg.vision)
+    setup = Setup(config, None, tokenizer, {}, mesh)
+    model_layout = TrainLayout.from_config(model_cfg, config.train, mesh)
+    if config.train.mode == "vflash":
+        params = checkpoint.abstract_with(model_layout.param_shapes, model_layout.param_shardings)
+        target = Target(model_cfg, model_layout.graphdef, params, model_layout.param_shardings, media_kwargs, {})
+        task = DrafterTask(setup, target, None)
+    elif config.train.mode == "ar":
+        task = (ValenTask if config.data.format == "valen" else TokenLMTask)(setup, model_cfg, None)
+    else:
+        raise ConfigError(f"config.train.mode={config.train.mode!r}: the ahead-of-time compile knows ar and vflash")
+    eval_spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
+    spec = task.row_spec(eval_spec)
     valen = config.data.format == "valen"
-    kind = ValenTask if valen else TokenLMTask
-    task = kind(Setup(config, None, tokenizer, {}, mesh), model_cfg, None)
-    spec = task.row_spec(RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs))
     assembly = (ValenAssembly.from_config(config, training=True) if valen
                 else TokenAssembly(PackingSpec.from_config(config)))
-    return task, assembly.batch_shapes(spec, int(config.data.global_batch))
+    return task, assembly.batch_shapes(spec, int(config.data.global_batch)), model_layout, assembly, eval_spec
 
 
-def collective_counts(hlo_text: str) -> dict[str, int]:
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    for opcode in _OPCODE.findall(hlo_text):
-        counts[opcode] += 1
-    return counts
+def target_model(config) -> ModelConfig:
+    """A `vflash` run's target architecture: its `model.target_from` workdir's latest checkpoint meta (JSON,
+    as `vflash.task.restore_target` reads it; no weights)."""
+    workdir = Path(config.model.target_from).resolve()
+    mgr = checkpoint.manager(workdir, read_only=True)
+    try:
+        meta = checkpoint.restore_meta(mgr, checkpoint.select_step(mgr, workdir))
+    finally:
+        mgr.close()
+    return ModelConfig.from_json(meta["model"])
 
 
-def program_report(name: str, compiled, seconds: float, target: Slice) -> dict:
+def _buffers_of(error: str, count: int = 6) -> str:
+    """The TPU compiler's own list of the largest allocations from its out-of-memory report, shortened."""
+    lines = [line.strip() for line in error.splitlines()]
+    picked = []
+    for i, line in enumerate(lines):
+        if line.startswith("Size:"):
+            what = next((x for x in lines[i + 1:i + 4] if x.startswith("Shape:") or x.startswith("Operator:")), "")
+            picked.append(f"{line.removeprefix('Size: ')} {what}")
+    return "; ".join(picked[:count])
+
+
+def program_report(name: str, compiled, seconds: float, target: Slice, model_flops: float | None,
+                   chips: int, kernel_flops: float = 0.0) -> dict:
+    """Memory per chip, XLA's cost, the loop-aware HLO figures and census, the roofline (module docstring).
+
+    `kernel_flops`: the program's attention FLOPs (all chips), added to the HLO's count when its attention
+    is a Pallas kernel, whose custom call XLA counts as nothing (remat's recompute of it is still left out,
+    so the bound is a little optimistic with remat=full)."""
     memory = compiled.memory_analysis()
     sizes = {key: int(getattr(memory, f"{key}_size_in_bytes")) for key in ("argument", "output", "temp", "alias")}
     # Donated state is both argument and output: alias bytes are counted once (as MaxText sums them).
@@ -159,71 +221,141 @@ def program_report(name: str, compiled, seconds: float, target: Slice) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     text = compiled.as_text()
+    hlo = aot_hlo.analyse(text)
+    chip = target.chip
+    pallas = "tpu_custom_call" in text
+    # The model's own count per chip is a floor on the compute side.
+    flops = max(hlo.flops + (kernel_flops / chips if pallas else 0.0), (model_flops or 0.0) / chips)
+    roofline = max(flops / chip.peak_bf16_flops, hlo.bytes_accessed / chip.hbm_bytes_per_second)
     return {
         "program": name,
         "gib_per_chip": {**{key: value / GIB for key, value in sizes.items()}, "total": total / GIB},
         "hbm_gib_per_chip": target.hbm_bytes / GIB,
         "fits": total <= target.hbm_bytes,
-        "flops": float(cost.get("flops", 0.0)),
-        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        "collectives": collective_counts(text),
+        "spare_fraction": 1.0 - total / target.hbm_bytes,
+        "xla_flops": float(cost.get("flops", 0.0)),
+        "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "hlo_flops": hlo.flops,
+        "hlo_bytes_accessed": hlo.bytes_accessed,
+        "loops": hlo.loops,
+        "roofline_seconds": roofline,
+        "bound_by": "compute" if flops / chip.peak_bf16_flops >= hlo.bytes_accessed / chip.hbm_bytes_per_second
+        else "memory",
+        "model_flops": model_flops,
+        "mfu_bound": (model_flops / chips / chip.peak_bf16_flops) / roofline if model_flops and roofline else None,
+        "collectives": hlo.collectives,
+        "largest_all_gather_gib": hlo.largest_all_gather_bytes / GIB,
+        "largest_values": hlo.largest_values,
         # Pallas kernels lower to Mosaic custom calls on TPU (splash attention among them).
-        "pallas_mosaic": "tpu_custom_call" in text,
+        "pallas_mosaic": pallas,
         "compile_seconds": seconds,
     }
 
 
-def compile_for(config, target: Slice) -> dict:
-    """The report of compiling `config`'s train step for `target`: the slice, the mesh, the attention
-    asked for, and per program its memory, cost and collectives (see `program_report`)."""
+def _layer_param_bytes(layout) -> float:
+    """Bytes of one decoder layer's weights (the scanned stack's leaves divided by their layer count)."""
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(layout.param_shapes)[0]:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if "layers" in keys and leaf.ndim >= 2:
+            total += math.prod(leaf.shape[1:]) * leaf.dtype.itemsize
+    return total
+
+
+def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> dict:
+    """The report of compiling `config`'s programs for `target` (`only`: the names to compile, the train
+    step `train_step`; all by default): the slice, the mesh, the attention chosen, and per program its
+    memory, cost, roofline and collectives (see `program_report`)."""
     validate_config(config)
     devices = topology_devices(target)
     mesh = sharding.make_mesh(config.mesh, devices=devices)
     check_batch_split(config, mesh)
-    task, batch_shapes = open_compile_task(config, mesh)
+    task, batch_shapes, model_layout, assembly, eval_spec = open_compile_task(config, mesh)
     layout = task.layout()
-    start = time.perf_counter()
-    try:
-        compiled = task.compile(layout, batch_shapes)
-    except jax.errors.JaxRuntimeError as error:
-        # The TPU compiler itself refuses a program whose buffers exceed the chip's HBM.
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        detail = str(error).strip().splitlines()[0]
-        raise DoesNotFit(f"train_step does not fit {target.name} ({devices[0].device_kind}, "
-                         f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}") from None
-    programs = [program_report("train_step", compiled, time.perf_counter() - start, target)]
+    with jax.set_mesh(mesh):
+        chosen = attention.resolve(str(config.model.attention), int(config.data.seq_len))
+    rows = aot_programs.decode_batch(config, mesh)
+    seq_len, train_rows = int(config.data.seq_len), int(config.data.global_batch)
+    eval_flops = model_flops_per_step(task.model_cfg, rows, seq_len) / 3  # forward: a third
+    steps = [("train_step", lambda: task.compile(layout, batch_shapes), float(task.flops_per_step()),
+              attention_flops_per_step(task.model_cfg, train_rows, seq_len) if config.train.mode == "ar" else 0.0)]
+    steps += [(name, thunk, eval_flops, attention_flops_per_step(task.model_cfg, rows, seq_len) / 3)
+              if name == "eval_forward" else (name, thunk, None, 0.0)
+              for name, thunk in aot_programs.programs(config, task, model_layout, assembly, eval_spec)]
+    programs = []
+    for name, thunk, flops, kernel_flops in steps:
+        if only is not None and name not in only and not (name == "spec_prefill" and {"spec_step", "spec_block"} & set(only)):
+            continue
+        start = time.perf_counter()
+        try:
+            compiled = thunk()
+        except jax.errors.JaxRuntimeError as error:
+            # The TPU compiler itself refuses a program whose buffers exceed the chip's HBM.
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            detail = str(error).strip().splitlines()[0]
+            raise DoesNotFit(f"{name} does not fit {target.name} ({devices[0].device_kind}, "
+                             f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}; largest allocations: "
+                             f"{_buffers_of(str(error)) or 'none listed by the compiler'}") from None
+        programs.append(program_report(name, compiled, time.perf_counter() - start, target, flops, len(devices),
+                                       kernel_flops))
     return {
         "topology": {"name": target.name, "topology_name": target.topology_name, "slices": target.slices,
-                     "chips": len(devices), "device_kind": devices[0].device_kind},
+                     "chips": len(devices), "device_kind": devices[0].device_kind,
+                     "chip": dataclasses.asdict(target.chip)},
         "mesh": dict(mesh.shape),
-        "attention": str(config.model.attention),
+        "mode": str(config.train.mode),
+        "attention": {"asked": str(config.model.attention), "chosen": chosen},
         "model": {"dim": task.model_cfg.dim, "num_layers": task.model_cfg.num_layers,
-                  "vocab_size": task.model_cfg.vocab_size,
-                  "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(layout.param_shapes)))},
+                  "vocab_size": task.model_cfg.vocab_size, "vision": task.model_cfg.vision is not None,
+                  "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(model_layout.param_shapes))),
+                  "layer_param_gib": _layer_param_bytes(model_layout) / GIB},
         "batch": {key: list(value.shape) for key, value in batch_shapes.items()},
-        # XLA's `flops` (per program, per chip) counts a scanned layer loop's body once and a Pallas
-        # kernel as nothing; the model's own count (6·N·tokens + attention, all chips) is the MFU numerator.
+        "decode_batch": rows,
+        # The model's own count (6·N·tokens + attention, all chips) is the MFU numerator.
         "model_flops_per_step": float(task.flops_per_step()),
         "programs": programs,
     }
 
 
 def check_fits(report: dict) -> None:
-    """DoesNotFit naming the first program over the chip's HBM and its shortfall."""
+    """DoesNotFit naming the first program over the chip's HBM, its shortfall and its largest buffers."""
     for program in report["programs"]:
         if not program["fits"]:
-            need, have = program["gib_per_chip"]["total"], program["hbm_gib_per_chip"]
-            raise DoesNotFit(f"{program['program']} needs {need:.2f} GiB per chip on {report['topology']['name']} "
+            g, have = program["gib_per_chip"], program["hbm_gib_per_chip"]
+            largest = ", ".join(f"{v['name']} {v['shape']} {v['gib']:.2f} GiB" for v in program["largest_values"][:3])
+            raise DoesNotFit(f"{program['program']} needs {g['total']:.2f} GiB per chip on {report['topology']['name']} "
                              f"({report['topology']['device_kind']}), which has {have:.0f} GiB HBM per chip: "
-                             f"{need - have:.2f} GiB short (temp {program['gib_per_chip']['temp']:.2f} GiB, "
-                             f"arguments {program['gib_per_chip']['argument']:.2f} GiB)")
+                             f"{g['total'] - have:.2f} GiB short (temp {g['temp']:.2f} GiB, arguments "
+                             f"{g['argument']:.2f} GiB); largest values: {largest}")
+
+
+def census_summary(program: dict) -> str:
+    """`all-gather=12/3.1GiB(in 10)`: per collective present, its count, bytes per step and how many are in loops."""
+    parts = []
+    for name, c in program["collectives"].items():
+        if c["count"]:
+            parts.append(f"{name}={c['count']}/{c['bytes'] / GIB:.2f}GiB(in-loop {c['inside_loops']['count']})")
+    return " ".join(parts) or "none"
 
 
 def summary_line(program: dict) -> str:
     g = program["gib_per_chip"]
-    census = " ".join(f"{key}={value}" for key, value in program["collectives"].items())
+    mfu = f" mfu_bound={program['mfu_bound']:.3f}" if program["mfu_bound"] is not None else ""
     return (f"{program['program']}: fits={program['fits']} total={g['total']:.3f}/{program['hbm_gib_per_chip']:.0f} GiB "
             f"per chip (argument={g['argument']:.3f} output={g['output']:.3f} temp={g['temp']:.3f} "
-            f"alias={g['alias']:.3f}) flops={program['flops']:.3e} {census} "
-            f"pallas_mosaic={program['pallas_mosaic']} compile_s={program['compile_seconds']:.1f}")
+            f"alias={g['alias']:.3f}) xla_flops={program['xla_flops']:.3e} hlo_flops={program['hlo_flops']:.3e} "
+            f"hlo_bytes={program['hlo_bytes_accessed']:.3e} roofline_ms={program['roofline_seconds'] * 1e3:.2f} "
+            f"({program['bound_by']}){mfu} {census_summary(program)} pallas_mosaic={program['pallas_mosaic']} "
+            f"compile_s={program['compile_seconds']:.1f}")
+
+
+def last_line(report: dict) -> str:
+    """The command's last line: every program fits, the train step's MFU bound, the largest temp per chip."""
+    programs = report["programs"]
+    train = next((p for p in programs if p["program"] == "train_step"), None)
+    worst = max(programs, key=lambda p: p["gib_per_chip"]["temp"])
+    mfu = f"{train['mfu_bound']:.3f}" if train and train["mfu_bound"] is not None else "n/a"
+    return (f"fits={all(p['fits'] for p in programs)} mfu_bound={mfu} "
+            f"temp_gib_per_chip={worst['gib_per_chip']['temp']:.3f} ({worst['program']}) "
+            f"attention={report['attention']['chosen']} topology={report['topology']['name']}")

@@ -157,8 +157,9 @@ def _chunk_forward(rows, head, targets, weights, coordinates=None):
     return sums, log_z, logits
 
 
-def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None, coordinates=None):
-    """One chunk's (d_rows [M, D] in the rows' dtype, d_head [D, V] f32); `logits` recomputed unless given."""
+def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None, coordinates=None, shards: int = 1):
+    """One chunk's (d_rows [M, D] in the rows' dtype, d_head [D, V] f32); `logits` recomputed unless given.
+    `shards` > 1: d_head per batch shard, [S, D, V] (rows s·M/S .. (s+1)·M/S - 1 in shard s), unsummed."""
     if logits is None:
         logits = _chunk_logits(rows, head)
     # d/dlogits of Σw(log Z − logit_t)·g_ce + Σw·log Z²·g_z  =  softmax·w(g_ce + 2 g_z log Z) − one-hot·w·g_ce
@@ -178,6 +179,12 @@ def _chunk_backward(rows, head, targets, weights, log_z, cotangents, logits=None
     # The [D, M] transpose of the rows is materialised (the barrier stops XLA folding it back
     # into the dot): a plain [D, M] @ [M, V] product runs ~9% faster on XLA:CPU than the
     # transposed-operand form, for a copy of only D·M values.
+    if shards > 1:
+        # Each shard's rows against its own d_logits: no communication inside the loop.
+        rows_s = _shard_rows(rows.reshape(shards, -1, rows.shape[-1]), shards)
+        d_logits_s = _shard_rows(d_logits.reshape(shards, -1, d_logits.shape[-1]), shards)
+        return d_rows, _shard_rows(jnp.einsum("smd,smv->sdv", rows_s, d_logits_s,
+                                              preferred_element_type=jnp.float32), shards)
     rows_t = jax.lax.optimization_barrier(rows.T)
     return d_rows, jnp.dot(rows_t, d_logits, preferred_element_type=jnp.float32)
 
@@ -227,22 +234,37 @@ def _tiled_backward(chunk, residuals, cotangents):
                                          log_z, cotangents, logits, coordinates)
         return d_rows.reshape(hidden.shape), d_head.astype(head.dtype), None, None, no_coordinates
     count, tail = divmod(length, chunk)
+    # Under a mesh, d_head is accumulated per batch shard ([S, D, V], the S axis sharded like the rows)
+    # and summed over S once after the loop. Accumulated as one [D, V] carry, GSPMD all-reduced every
+    # chunk's partial product (a full f32 [D, V] per chunk: 18 of them a step for Qwen2.5-0.5B at 4 x 4k
+    # tokens, issue 28's census) and re-gathered the head each chunk; summing the shards once lets XLA
+    # reduce-scatter the gradient into the head's own (fsdp) sharding, once a step.
+    shards = _batch_shards(batch)
+    head = constrain(head, (None, "act_vocab"))  # gathered once for every chunk, not once per chunk
 
     def grads(carry, start, size):
         d_hidden, d_head = carry
         rows, chunk_targets, chunk_weights = _pieces(hidden, targets, weights, start, size)
         chunk_log_z = jax.lax.dynamic_slice(log_z, (0, start), (batch, size)).reshape(-1)
         d_rows, d_head_part = _chunk_backward(rows, head, chunk_targets, chunk_weights, chunk_log_z, cotangents,
-                                              coordinates=coordinates)
+                                              coordinates=coordinates, shards=shards)
         d_hidden = jax.lax.dynamic_update_slice(d_hidden, d_rows.reshape(batch, size, dim), (0, start, 0))
         return d_hidden, d_head + d_head_part
 
-    carry = (jnp.zeros(hidden.shape, hidden.dtype), jnp.zeros(head.shape, jnp.float32))
+    per_shard = (shards, *head.shape) if shards > 1 else head.shape
+    carry = (jnp.zeros(hidden.shape, hidden.dtype), _shard_rows(jnp.zeros(per_shard, jnp.float32), shards))
     carry, _ = jax.lax.scan(lambda c, index: (grads(c, index * chunk, chunk), None), carry, jnp.arange(count))
     if tail:
         carry = grads(carry, count * chunk, tail)
     d_hidden, d_head = carry
+    if shards > 1:
+        d_head = constrain(jnp.sum(d_head, axis=0), ("embed", "vocab"))
     return d_hidden, d_head.astype(head.dtype), None, None, no_coordinates
+
+
+def _shard_rows(x, shards: int):
+    """The per-batch-shard axis of a [S, ...] accumulator on the batch's mesh axes (nothing for S = 1)."""
+    return constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if shards > 1 else x
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))

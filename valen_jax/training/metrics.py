@@ -43,9 +43,12 @@ def model_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
     attn = cfg.dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * cfg.dim * cfg.mlp_dim
     matmul_params = cfg.num_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-    tokens = batch * seq
-    attention = cfg.num_layers * 6 * seq * cfg.num_heads * cfg.head_dim * tokens  # QK^T + AV, fwd+bwd, causal half
-    return 6.0 * matmul_params * tokens + attention
+    return 6.0 * matmul_params * batch * seq + attention_flops_per_step(cfg, batch, seq)
+
+
+def attention_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """The score and value products of causal attention in one training step (forward and backward)."""
+    return cfg.num_layers * 6 * seq * cfg.num_heads * cfg.head_dim * batch * seq  # QK^T + AV, fwd+bwd, causal half
 
 
 def measured_matmul_flops(dtype=jnp.float32, size: int | None = None, runs: int | None = None) -> float:

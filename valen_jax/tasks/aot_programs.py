@@ -1,0 +1,133 @@
+"""The programs besides the train step that a run of a config compiles, lowered from abstract inputs:
+the evaluation forward and the decoding programs, each the library's own jitted function (never a copy).
+
+- `eval_forward`: `evaluation.tokens`' teacher-forced row sums (periodic evaluation and `evaluate`'s
+  loss; token data only, Valen's branch scoring is not compiled yet) at the evaluation batch (`eval.batch_size`, rounded up as `evaluation.workdir.local_batch_size`
+  does to split over the batch-sharded devices);
+- `generate`: `decoding.engine`'s whole generation of one batch at that batch: the prefill, then the
+  `while_loop` of decode steps, prompts of `data.seq_len` tokens and `eval.max_new_tokens` new ones
+  (bucketed as the engine buckets them);
+- `spec_prefill`, `spec_step`, `spec_block`: `decoding.block_loop`'s three programs of one row (the
+  speculative path decodes a row per call): the prefill that also builds the drafter's state, one
+  decode step, and the announced block's `while_loop` of draft → verify (`extend` over the block) →
+  accept. The drafter is the config's VFlash drafter (`model.drafter`; its parameters abstract too),
+  else the scripted oracle (`ScriptRule`), whose drafting is a slice.
+
+The parameters are the train state's (their dtype and shardings, as a restored workdir holds them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from valen_jax.decoding import block_loop, engine
+from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule
+from valen_jax.evaluation.tokens import _row_sums_fn
+from valen_jax.evaluation.workdir import local_batch_size
+from valen_jax.models import sharding
+from valen_jax.models.drafter import DrafterConfig, abstract_drafter
+from valen_jax.training.step import TrainLayout
+
+
+def _abstract(shape, dtype, sharding_):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_)
+
+
+def _outputs(compiled):
+    """A compiled program's outputs as abstract inputs of the next program (its shardings kept)."""
+    return jax.tree.map(lambda o, s: _abstract(o.shape, o.dtype, s), compiled.out_info, compiled.output_shardings)
+
+
+def decode_batch(config, mesh) -> int:
+    return local_batch_size(int(config.eval.batch_size), mesh) * jax.process_count()
+
+
+def programs(config, task, layout: TrainLayout, assembly, spec):
+    """(name, thunk) per program: each thunk lowers and compiles it for `layout.mesh` (under the mesh, so
+    target-dependent choices read the slice) and returns the compiled executable. Thunks run in order:
+    the speculative step and block take the prefill's output state."""
+    mesh, model_cfg = layout.mesh, task.model_cfg
+    params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), layout.param_shapes, layout.param_shardings)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rows = decode_batch(config, mesh)
+
+    def batched(shape, dtype):
+        return _abstract(shape, dtype, sharding.batch_sharding(mesh, len(shape)))
+
+    def one(shape, dtype):
+        return _abstract(shape, dtype, replicated)
+
+    def compiled(fn, *args):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args).compile()
+
+    def eval_forward():
+        shapes = assembly.batch_shapes(spec, rows)
+        batch = {k: batched(v.shape, v.dtype) for k, v in shapes.items()}
+        return compiled(_row_sums_fn(layout.graphdef), params, batch)
+
+    seq_len, new = int(config.data.seq_len), int(config.eval.max_new_tokens)
+    mrope = model_cfg.mrope_section is not None
+    vision = model_cfg.vision is not None and int(config.data.max_patches) > 0
+    patches = int(config.data.max_patches)
+
+    def prompt_inputs(make, batch: int, length: int):
+        positions = make((batch, length, 3) if mrope else (batch, length), jnp.int32)
+        media = ((make((batch, patches, model_cfg.vision.patch_dim), jnp.float32),
+                  make((batch, patches, 3), jnp.int32), make((batch, patches), jnp.int32)) if vision else None)
+        return make((batch, length), jnp.int32), positions, make((batch,), jnp.int32), media
+
+    def generate():
+        fn = engine._generate_fn(layout.graphdef, engine.GREEDY, model_cfg.vocab_size,
+                                 engine.bucket(seq_len + new), engine.bucket(new))
+        tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len))
+        return compiled(fn, params, tokens, positions, lengths, batched((rows,), jnp.int32),
+                        batched((rows,), jnp.bool_), media, one((1,), jnp.int32), one((), jnp.uint32),
+                        batched((rows,), jnp.uint32), one((), jnp.int32))
+
+    rule, draft_params = _drafter(config, model_cfg, mesh, replicated, new)
+    cache_length = engine.bucket(seq_len + new + 1)
+    state = {}
+
+    def spec_prefill():
+        program = block_loop._prefill_program(layout.graphdef, rule, cache_length)
+        tokens, positions, lengths, media = prompt_inputs(one, 1, engine.bucket(seq_len - 1))
+        done = compiled(program, params, draft_params, tokens, positions, lengths, media)
+        cache, draft = _outputs(done)
+        state["row"] = block_loop.RowState(cache, draft, one((1,), jnp.int32), one((1,), jnp.int32),
+                                           one((1,), jnp.int32), one((), jnp.int32))
+        return done
+
+    def spec_step():
+        program = block_loop._step_program(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size)
+        return compiled(program, params, draft_params, state["row"], one((), jax.random.key(0).dtype))
+
+    def spec_block():
+        # The widths FastRow.block picks for a block of the drafter's size (or of 16 for the oracle).
+        size = rule.block_size or 16
+        width = rule.block_size or max(8, 1 << (size - 1).bit_length())
+        program = block_loop._block_program(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
+                                            engine.bucket(size + width + 1))
+        return compiled(program, params, draft_params, state["row"], one((), jnp.int32), one((), jnp.int32),
+                        one((), jnp.int32), one((1,), jnp.int32), one((), jax.random.key(0).dtype))
+
+    # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
+    forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
+    return forward + [("generate", generate), ("spec_prefill", spec_prefill), ("spec_step", spec_step),
+                      ("spec_block", spec_block)]
+
+
+def _drafter(config, model_cfg, mesh, replicated, new: int):
+    """The block loop's device drafter: the config's VFlash drafter (abstract parameters, sharded by the
+    rules table as `vflash` training lays them out), else the scripted oracle over `new` tokens."""
+    group = config.model.drafter
+    if group is None:
+        return ScriptRule(), _abstract((new,), jnp.int32, replicated)
+    cfg = DrafterConfig.of(group, model_cfg)
+    graphdef, abstract = abstract_drafter(cfg)
+    shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+    params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), nnx.to_pure_dict(abstract), shardings)
+    return TrainedRule(graphdef, tuple(cfg.target_layers), cfg.block_size, int(model_cfg.vocab_size)), params
