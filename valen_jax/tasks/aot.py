@@ -48,6 +48,7 @@ from valen_jax.errors import ConfigError
 from valen_jax.models import attention, sharding
 from valen_jax.models.build import model_config
 from valen_jax.models.config import ModelConfig
+from valen_jax.run import ModelRun
 from valen_jax.tasks import aot_hlo, aot_programs
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask
@@ -55,7 +56,7 @@ from valen_jax.training import checkpoint
 from valen_jax.training.metrics import attention_flops_per_step, model_flops_per_step
 from valen_jax.training.step import TrainLayout
 from valen_jax.training.task import Setup
-from valen_jax.vflash.task import DrafterTask, Target
+from valen_jax.vflash.task import DrafterTask
 
 GIB = 1024 ** 3
 
@@ -166,17 +167,19 @@ def open_compile_task(config, mesh):
     else:
         model_cfg = model_config(config, tokenizer)
     media_kwargs, _ = media_kwargs_of(config, model_cfg.vision)
+    eval_spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
     setup = Setup(config, None, tokenizer, {}, mesh)
     model_layout = TrainLayout.from_config(model_cfg, config.train, mesh)
     if config.train.mode == "vflash":
+        # The target's run handle with abstract params: its shapes and shardings, no weights read.
         params = checkpoint.abstract_with(model_layout.param_shapes, model_layout.param_shardings)
-        target = Target(model_cfg, model_layout.graphdef, params, model_layout.param_shardings, media_kwargs, {})
+        target = ModelRun(Path(config.model.target_from), None, config, model_cfg, tokenizer, {}, eval_spec, mesh,
+                          model_layout.graphdef, params)
         task = DrafterTask(setup, target, None)
     elif config.train.mode == "ar":
         task = (ValenTask if config.data.format == "valen" else TokenLMTask)(setup, model_cfg, None)
     else:
         raise ConfigError(f"config.train.mode={config.train.mode!r}: the ahead-of-time compile knows ar and vflash")
-    eval_spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)
     spec = task.row_spec(eval_spec)
     valen = config.data.format == "valen"
     assembly = (ValenAssembly.from_config(config, training=True) if valen
