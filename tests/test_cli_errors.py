@@ -59,18 +59,15 @@ def _trained(tmp: Path, trained: Path) -> Path:
     return tmp / "wd"
 
 
-def _state_file(workdir: Path) -> Path:
-    step = max((p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    return max((p for p in (step / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
-               key=lambda p: p.stat().st_size)
+def _latest_step(workdir: Path) -> Path:
+    return max((p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
 
 
 def _truncated_state(tmp: Path, trained: Path) -> Path:
     """Every array file of the latest step's state cut to half: the params are damaged wherever OCDBT put
     them (the largest file alone may hold only optimizer moments, which evaluation never reads)."""
     workdir = _trained(tmp, trained)
-    step = max((p for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    for path in (step / "state").rglob("*"):
+    for path in (_latest_step(workdir) / "state").rglob("*"):
         if path.is_file() and path.parent.name == "d":
             path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     return workdir
@@ -78,14 +75,13 @@ def _truncated_state(tmp: Path, trained: Path) -> Path:
 
 def _deleted_state(tmp: Path, trained: Path) -> Path:
     workdir = _trained(tmp, trained)
-    shutil.rmtree(_state_file(workdir).parents[2])
+    shutil.rmtree(_latest_step(workdir) / "state")
     return workdir
 
 
 def _garbled_meta(tmp: Path, trained: Path) -> Path:
     workdir = _trained(tmp, trained)
-    step = _state_file(workdir).parents[3]
-    (step / "meta" / "metadata").write_text("{garbled")
+    (_latest_step(workdir) / "meta" / "metadata").write_text("{garbled")
     return workdir
 
 

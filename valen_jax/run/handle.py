@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
@@ -50,8 +51,8 @@ class ModelRun:
 
     @property
     def shardings(self):
-        """The params' shardings (a pytree like `params`)."""
-        return nnx.to_pure_dict(sharding.state_shardings(abstract_model(self.model_cfg)[1], self.mesh))
+        """The params' shardings (a pytree like `params`), as they were laid out (arrays or abstract ones)."""
+        return jax.tree.map(lambda leaf: leaf.sharding, self.params)
 
 
 @dataclass
