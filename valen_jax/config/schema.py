@@ -118,7 +118,9 @@ def _vision() -> dict[str, Any]:
             "mlp_dim": 256,
             # Fixed 2-D sin/cos embeddings of each patch's place added to the patch embeddings
             # (valen_jax.models.vision.grid_position_embeddings); see VisionConfig.absolute_positions.
-            "absolute_positions": False}
+            # On for a fresh tower: without them a token on a uniform background cannot tell where it is
+            # (issue 25). A checkpoint's model.json without the key restores as it was trained (off).
+            "absolute_positions": True}
 
 
 def _train() -> dict[str, Any]:
