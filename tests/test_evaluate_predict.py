@@ -252,3 +252,11 @@ def test_training_eval_and_the_end_of_run_report_are_one_path(tmp_path_factory, 
     keys = ("accuracy", "cross_entropy", "brier", "ece") if report["format"] == "valen" else (
         "target_tokens", "loss", "accuracy")
     assert {f"eval_{k}": report[k] for k in keys}.items() <= periodic.items()
+    if report["format"] == "valen":
+        assert "eval_image_loss_gap" not in periodic
+    else:  # the smoke eval records all hold an image of one size: every one is compared
+        assert periodic["eval_loss_with_images"] == pytest.approx(report["loss"], rel=1e-6)
+        # Swapped images are a different input: a loss equal to the bit means nothing was swapped.
+        assert periodic["eval_loss_swapped_images"] != periodic["eval_loss_with_images"]
+        assert periodic["eval_image_loss_gap"] == pytest.approx(
+            periodic["eval_loss_swapped_images"] - periodic["eval_loss_with_images"])

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_pipeline.tokenizer import end_of_turn_id
+from valen_jax.data.assemble import assemble
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.workdir import local_batch_size
@@ -145,6 +146,30 @@ def swap_prompts(prompts: Sequence[dict], plan: SwapPlan) -> list[dict]:
     """The compared prompts (in `plan.donors` order), each with its donor's patches."""
     return [{**prompts[i], "vision": with_patches(prompts[i]["vision"], prompts[donor]["vision"])}
             for i, donor in plan.donors.items()]
+
+
+def teacher_forced_gap(params, graphdef, examples: Sequence, spec: RowSpec, mesh, batch_size: int) -> dict[str, float]:
+    """Teacher-forced loss of the swappable examples with their own images and with their donors' (the swap
+    rule above, over this process's slice; sums added across processes), for evaluation during training:
+    {"loss_with_images", "loss_swapped_images", "image_loss_gap": swapped − with}. A gap near 0 means the
+    supervised tokens are predicted as well from another record's image: the model does not look, which
+    the loss alone never shows. {} when no example anywhere has an image to swap."""
+    rows = [assemble(examples[i], spec) for i in hosts.local_indices(len(examples))]
+    plan = plan_swaps([layout_of(row) for row in rows])
+    if sum(global_counts(len(plan.donors), len(plan.unswappable))) == 0:
+        return {}
+    real = [rows[i] for i in plan.donors]
+    swapped = [with_patches(rows[i], rows[donor]) for i, donor in plan.donors.items()]
+    local_batch = local_batch_size(batch_size, mesh)
+    batches = hosts.batches_for_local(len(real), local_batch)  # swappable rows differ by process
+    sums = [hosts.sum_array(tokens.row_sums(params, graphdef, part, spec, mesh, local_batch, batches).sum(axis=0))
+            for part in (real, swapped)]
+    (real_nll, _, weight), (swapped_nll, _, _) = sums
+    if weight == 0:
+        return {}
+    with_images, swapped_images = real_nll / weight, swapped_nll / weight
+    return {"loss_with_images": with_images, "loss_swapped_images": swapped_images,
+            "image_loss_gap": swapped_images - with_images}
 
 
 def global_counts(compared: int, unswappable: int, gather: hosts.Gather = hosts.process_gather) -> tuple[int, int]:

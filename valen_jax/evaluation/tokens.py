@@ -47,12 +47,16 @@ def _row_sums_fn(graphdef):
 def token_sums(params, graphdef, examples: list[Example], spec: RowSpec, mesh, local_batch: int,
                batches: int) -> np.ndarray:
     """float64 [len(examples), 3]: Σ w·(−ln q(target)), Σ w·[argmax = target], Σ w per example."""
+    return row_sums(params, graphdef, [assemble(e, spec) for e in examples], spec, mesh, local_batch, batches)
+
+
+def row_sums(params, graphdef, rows: list[dict], spec: RowSpec, mesh, local_batch: int, batches: int) -> np.ndarray:
+    """`token_sums` of assembled rows (`assemble.assemble`), e.g. rows whose patches were swapped."""
     fn = _row_sums_fn(graphdef)
     out = []
     for b in range(batches):
-        chunk = examples[b * local_batch:(b + 1) * local_batch]
-        rows = [assemble(e, spec) for e in chunk] or [_empty_row(spec)]
-        batch = sharding.global_batch(stack(rows, local_batch), mesh)
+        chunk = rows[b * local_batch:(b + 1) * local_batch]
+        batch = sharding.global_batch(stack(chunk or [_empty_row(spec)], local_batch), mesh)
         sums = host_local(fn(params, batch), mesh).astype(np.float64)
         out.append(sums[:len(chunk)])
     return np.concatenate(out) if out else np.zeros((0, 3))
