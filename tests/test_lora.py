@@ -62,7 +62,8 @@ def flat(tree) -> dict:
     return {path_of(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("scan,quantize", [(False, "none"), (True, "none"), (True, "nf4")])
+@pytest.mark.parametrize("scan,quantize", [(False, "none"), pytest.param(True, "none", marks=pytest.mark.slow),
+                                           pytest.param(True, "nf4", marks=pytest.mark.slow)])
 def test_a_step_changes_only_the_adapters_and_adam_holds_moments_for_them_alone(scan, quantize):
     cfg = model_cfg(scan=scan, quantize=quantize)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
@@ -104,8 +105,8 @@ def test_a_named_extra_and_the_score_head_train_beside_the_adapters_and_a_typo_i
         TrainLayout.from_config(model_cfg(trainable=("lm_haed",)), train_cfg(), mesh)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_fresh_adapters_leave_the_base_function_unchanged_and_nf4_computes_the_dequantised_base(scan):
+def test_fresh_adapters_leave_the_base_function_unchanged_and_nf4_computes_the_dequantised_base(scan=True):
+    # Unscanned layers: tests/test_lora_parity.py checks fresh adapters against transformers' base.
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     tokens = jnp.asarray(batch()["tokens"])
     positions, segments = jnp.asarray(batch()["positions"]), jnp.ones_like(tokens)

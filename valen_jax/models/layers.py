@@ -40,7 +40,11 @@ def dense(x, w, in_dims: int = 1):
 def linear(module, name: str, x, in_dims: int = 1):
     """x · module.<name> in the module's compute dtype, plus the weight's low-rank adapter when it has one
     (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4)."""
-    y = dense(x, adapters.base_weight(module, name, module.dtype), in_dims)
+    weight = getattr(module, name)
+    if isinstance(weight, adapters.NF4Weight):
+        y = adapters.nf4_dense(weight, x, dense, module.dtype, in_dims)
+    else:
+        y = dense(x, weight[...].astype(module.dtype), in_dims)
     if module.lora_scale is not None:
         update = adapters.delta(module, name, x, dense, module.lora_scale, module.dtype)
         if update is not None:

@@ -97,12 +97,16 @@ class NF4Weight(nnx.Module):
         return nf4.dequantise(self.codes[...], self.absmax[...], self.shape, dtype)
 
 
-def base_weight(module, name: str, dtype):
-    """The base weight `name` of a layer in `dtype`, dequantised when it is held as NF4."""
-    weight = getattr(module, name)
-    if isinstance(weight, NF4Weight):
-        return weight.value(dtype)
-    return weight[...].astype(dtype)
+def nf4_dense(weight: NF4Weight, x, dense, dtype, in_dims: int):
+    """x · (the NF4 weight dequantised in `dtype`). Rematerialised: the backward dequantises again instead of
+    keeping every layer's full-size weight alive from the forward (which would undo QLoRA's saving)."""
+    shape = weight.shape
+
+    @jax.checkpoint
+    def product(codes, absmax, x):
+        return dense(x, nf4.dequantise(codes, absmax, shape, dtype), in_dims)
+
+    return product(weight.codes[...], weight.absmax[...], x)
 
 
 def delta(module, name: str, x, dense, scale: float, dtype):
