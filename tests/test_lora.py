@@ -164,3 +164,19 @@ def test_the_lora_config_round_trips_through_the_checkpoint_meta():
     cfg = model_cfg(scan=True, quantize="nf4", trainable=("lm_head",))
     assert ModelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
     assert ModelConfig.from_json({**dataclasses.asdict(cfg), "lora": None}).lora is None
+
+
+def test_a_frozen_lora_base_may_be_bf16_while_its_adapters_stay_f32_master_weights():
+    config = _config()
+    config.model.param_dtype = "bfloat16"
+    validate_config(config)  # the base is frozen whole: nothing of it is updated in bf16
+    config.model.lora.trainable = ("lm_head",)
+    with pytest.raises(ConfigError, match="param_dtype must be float32 .* unless config.model.lora freezes the base"):
+        validate_config(config)
+    config.model.lora = None
+    with pytest.raises(ConfigError, match="master weights"):
+        validate_config(config)
+    abstract = nnx.to_pure_dict(abstract_model(dataclasses.replace(model_cfg(), param_dtype="bfloat16"))[1])
+    shapes = {path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    assert {shapes[p].dtype for p in shapes if lora.is_adapter(p)} == {np.dtype(np.float32)}
+    assert shapes["layers/0/attn/q"].dtype == jnp.bfloat16

@@ -382,9 +382,13 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
                           f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if config.model.remat not in REMAT_POLICIES:
         raise ConfigError(f"config.model.remat={config.model.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
-    if config.model.param_dtype != "float32":
-        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
-        raise ConfigError("config.model.param_dtype must be float32 (master weights); "
+    lora = config.model.get("lora")
+    frozen_base = lora is not None and not tuple(lora.trainable) and float(config.loss.weights.get("branches", 0)) == 0
+    if config.model.param_dtype != "float32" and not frozen_base:
+        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away. A LoRA base
+        # (every parameter but the adapters, which stay f32) is frozen, so it may be held in bf16.
+        raise ConfigError("config.model.param_dtype must be float32 (master weights) unless config.model.lora "
+                          "freezes the base whole (no lora.trainable, no score head); "
                           "use config.model.dtype=bfloat16 for bf16 compute")
 
 

@@ -62,7 +62,8 @@ def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype) -> None:
             continue
         weight = getattr(module, name)
         shape, axes = weight.shape, weight.get_metadata()["logical_axes"]
-        a, b = adapters.create(rngs, name, shape, axes, lora.rank, param_dtype)
+        # f32 whatever the base's dtype: the adapters are the master weights Adam updates.
+        a, b = adapters.create(rngs, name, shape, axes, lora.rank, jnp.float32)
         setattr(module, name + adapters.SUFFIX_A, a)
         setattr(module, name + adapters.SUFFIX_B, b)
         if lora.quantize_base == "nf4":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -92,9 +91,6 @@ class NF4Weight(nnx.Module):
         # Placeholders: a quantised base is always made by `quantise_base` from float weights.
         self.codes = nnx.Param(jnp.zeros((size // 2,), jnp.uint8), logical_axes=("nf4",))
         self.absmax = nnx.Param(jnp.ones((size // nf4.BLOCK,), jnp.float32), logical_axes=("nf4",))
-
-    def value(self, dtype):
-        return nf4.dequantise(self.codes[...], self.absmax[...], self.shape, dtype)
 
 
 def nf4_dense(weight: NF4Weight, x, dense, dtype, in_dims: int):
