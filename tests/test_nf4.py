@@ -39,3 +39,22 @@ def test_codes_maxima_and_dequantised_weights_match_bitsandbytes(shape):
 def test_a_weight_that_is_not_whole_blocks_is_refused():
     with pytest.raises(nf4.QuantiseError, match=r"100 values \(\(10, 10\)\) are not a multiple of the NF4 block 64"):
         nf4.quantise(jnp.zeros((10, 10)))
+
+
+@pytest.mark.parametrize("shape,in_dims", [((64, 2, 32), 1), ((2, 32, 64), 2)])
+def test_the_nf4_matmuls_own_backward_equals_autodiff_of_dequantise_then_matmul(shape, in_dims):
+    import jax
+
+    from valen_jax.models import layers
+
+    codes, absmax = nf4.quantise(jax.random.normal(jax.random.key(0), shape))
+    x = jax.random.normal(jax.random.key(1), (3, 5, *shape[:in_dims]))
+
+    def ours(x):
+        return jnp.sum(jnp.sin(layers.nf4_dense(codes, absmax, x, shape, jnp.float32, in_dims)))
+
+    def reference(x):
+        return jnp.sum(jnp.sin(layers.dense(x, nf4.dequantise(codes, absmax, shape), in_dims)))
+
+    assert float(ours(x)) == float(reference(x))
+    np.testing.assert_allclose(np.asarray(jax.grad(ours)(x)), np.asarray(jax.grad(reference)(x)), atol=1e-6, rtol=0)

@@ -6,6 +6,7 @@ mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 
 from valen_jax.models import kv_cache
 from valen_jax.models import lora as adapters
+from valen_jax.models import nf4
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
 from valen_jax.models.sharding import constrain
@@ -37,12 +39,36 @@ def dense(x, w, in_dims: int = 1):
     return y.reshape(*lead, *out)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def nf4_dense(codes, absmax, x, shape, dtype, in_dims: int):
+    """x · (a QLoRA base weight dequantised from NF4 in `dtype`). The backward keeps only the codes, the
+    maxima and x, and dequantises again: saving the full-size weight of every layer for it (what autodiff
+    of a plain dequantise-then-matmul may do across a layer scan) would undo QLoRA's saving. The frozen
+    base has no gradient; only x's is returned."""
+    return dense(x, nf4.dequantise(codes, absmax, shape, dtype), in_dims)
+
+
+def _nf4_dense_forward(codes, absmax, x, shape, dtype, in_dims):
+    return nf4_dense(codes, absmax, x, shape, dtype, in_dims), (codes, absmax, x)
+
+
+def _nf4_dense_backward(shape, dtype, in_dims, residuals, grad):
+    codes, absmax, x = residuals
+    w = nf4.dequantise(codes, absmax, shape, dtype)
+    w2 = w.reshape(math.prod(shape[:in_dims]), math.prod(shape[in_dims:]))
+    dx = (grad.reshape(-1, w2.shape[1]).astype(dtype) @ w2.T).reshape(x.shape).astype(x.dtype)
+    return None, None, dx
+
+
+nf4_dense.defvjp(_nf4_dense_forward, _nf4_dense_backward)
+
+
 def linear(module, name: str, x, in_dims: int = 1):
     """x · module.<name> in the module's compute dtype, plus the weight's low-rank adapter when it has one
     (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4)."""
     weight = getattr(module, name)
     if isinstance(weight, adapters.NF4Weight):
-        y = adapters.nf4_dense(weight, x, dense, module.dtype, in_dims)
+        y = nf4_dense(weight.codes[...], weight.absmax[...], x, weight.shape, module.dtype, in_dims)
     else:
         y = dense(x, weight[...].astype(module.dtype), in_dims)
     if module.lora_scale is not None:

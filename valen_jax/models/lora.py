@@ -93,18 +93,6 @@ class NF4Weight(nnx.Module):
         self.absmax = nnx.Param(jnp.ones((size // nf4.BLOCK,), jnp.float32), logical_axes=("nf4",))
 
 
-def nf4_dense(weight: NF4Weight, x, dense, dtype, in_dims: int):
-    """x · (the NF4 weight dequantised in `dtype`). Rematerialised: the backward dequantises again instead of
-    keeping every layer's full-size weight alive from the forward (which would undo QLoRA's saving)."""
-    shape = weight.shape
-
-    @jax.checkpoint
-    def product(codes, absmax, x):
-        return dense(x, nf4.dequantise(codes, absmax, shape, dtype), in_dims)
-
-    return product(weight.codes[...], weight.absmax[...], x)
-
-
 def delta(module, name: str, x, dense, scale: float, dtype):
     """(alpha / r)·(x·A)·B of weight `name`'s adapter, or None when it has none."""
     a = getattr(module, name + SUFFIX_A, None)
