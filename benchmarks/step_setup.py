@@ -13,7 +13,7 @@ import ml_collections
 
 from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
-from valen_jax.training.step import TrainLayout, compile_step, make_train_step
+from valen_jax.training.step import StepOptions, TrainLayout, compile_step, make_train_step
 
 
 def train_config(learning_rate: float) -> ml_collections.ConfigDict:
@@ -32,7 +32,9 @@ def train_layout(cfg: ModelConfig, learning_rate: float):
 
 
 def compiled_step(layout: TrainLayout, batch: dict):
-    """The token train step (`make_train_step`, default StepOptions) compiled by `valen_jax.training.step.compile_step`
-    (state donated, the layout's shardings) for the shapes and dtypes of `batch`."""
+    """The token train step (`make_train_step`, default StepOptions but the layout's frozen mask: LoRA's base)
+    compiled by `valen_jax.training.step.compile_step` (state donated, the layout's shardings) for the shapes
+    and dtypes of `batch`."""
     shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in batch.items()}
-    return compile_step(make_train_step(layout.graphdef, layout.tx, layout.schedule), layout, shapes)
+    step = make_train_step(layout.graphdef, layout.tx, layout.schedule, StepOptions(frozen=layout.frozen))
+    return compile_step(step, layout, shapes)

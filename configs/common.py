@@ -59,7 +59,27 @@ def base_config(task: str, data: ml_collections.ConfigDict, vision: bool,
     return config
 
 
+# Variants that add adapters, alone or after a size variant (`:hf,lora`, `:tiny,qlora`): config.model.lora
+# with its defaults (rank 16, alpha 32, every linear layer of the decoder); qlora also stores that base as NF4.
+ADAPTER_VARIANTS = ("lora", "qlora")
+
+
 def apply_variant(config: ml_collections.ConfigDict, variant: str, name: str) -> ml_collections.ConfigDict:
+    parts = [part for part in variant.split(",") if part] if variant else []
+    sizes = [part for part in parts if part not in ADAPTER_VARIANTS]
+    adapters = [part for part in parts if part in ADAPTER_VARIANTS]
+    if len(sizes) > 1 or len(adapters) > 1:
+        raise ValueError(f"{name}: variant {variant!r}: at most one of tiny, hf, then optionally lora or qlora")
+    config = _apply_size(config, sizes[0] if sizes else "", name)
+    if adapters:
+        config.model.lora = defaults("lora", quantize_base="nf4" if adapters[0] == "qlora" else "none")
+        # Adapters start at zero and move only a low-rank update: they take a larger step than full
+        # fine-tuning's (PEFT's examples use 1e-4 to 2e-4).
+        config.train.learning_rate = max(float(config.train.learning_rate), 2e-4)
+    return config
+
+
+def _apply_size(config: ml_collections.ConfigDict, variant: str, name: str) -> ml_collections.ConfigDict:
     if variant == "tiny":
         config.model.dim = 64
         config.model.num_layers = 2
@@ -96,5 +116,5 @@ def apply_variant(config: ml_collections.ConfigDict, variant: str, name: str) ->
         config.train.checkpoint_every = 200
         config.eval.every = 200
     elif variant:
-        raise ValueError(f"{name}: unknown variant {variant!r}; known: tiny, hf")
+        raise ValueError(f"{name}: unknown variant {variant!r}; known: tiny, hf, lora, qlora")
     return config

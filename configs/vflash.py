@@ -36,10 +36,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     parts = [part for part in variant.split(",") if part] if variant else []
     drafter = "drafter" in parts
     rest = [part for part in parts if part != "drafter"]
-    if len(rest) > 1 or parts.count("drafter") > 1:
+    sizes = [part for part in rest if part not in common.ADAPTER_VARIANTS]
+    if len(sizes) > 1 or parts.count("drafter") > 1:
         raise ValueError(f"configs/vflash.py: variant {variant!r}: at most one of tiny, hf, then optionally drafter")
-    config = common.apply_variant(config, rest[0] if rest else "", "configs/vflash.py")
-    return with_drafter(config, tiny=rest == ["tiny"]) if drafter else config
+    config = common.apply_variant(config, ",".join(rest), "configs/vflash.py")
+    return with_drafter(config, tiny=sizes == ["tiny"]) if drafter else config
 
 
 def with_drafter(config: ml_collections.ConfigDict, tiny: bool) -> ml_collections.ConfigDict:

@@ -1,6 +1,7 @@
 """Export a trained workdir as a Hugging Face checkpoint: weights, tokenizer and processor settings.
 
     python -m valen_jax.export --workdir=runs/vflash-smoke-hf --output=/tmp/exported [--step=N]
+    python -m valen_jax.export --workdir=runs/lora --output=/tmp/adapter --adapter   # a LoRA run: PEFT folder
     python -c "import transformers; transformers.AutoModelForImageTextToText.from_pretrained('/tmp/exported')"
 
 The parameters are restored as `evaluate` restores them (verified against their save-time digests;
@@ -12,6 +13,12 @@ workdir saved (primitive tokens and training chat template included), and, for a
 (pixel bounds, mean/std, patch/merge/temporal sizes, fps and frame bounds), so the directory is a
 complete checkpoint: transformers loads it, and `config.model.init_from` starts another run from it
 with the same processor settings.
+
+A LoRA workdir (`config.model.lora`) exports merged by default (`--merge`: W + (alpha/r)·A·B, an NF4 base
+dequantised: a plain checkpoint of the base's family), or with `--adapter` as a PEFT adapter folder
+(`adapter_config.json`, `adapter_model.safetensors`, `models/peft_adapter.py`) that
+`peft.PeftModel.from_pretrained(<the base in transformers>, folder)` loads; its `base_model_name_or_path`
+is the run's `config.model.init_from`.
 
 Refused, naming why: a model whose vision tower is our own from-scratch ViT (family "valen": no
 Hugging Face class holds it; exporting its decoder alone would drop what it learned from images).
@@ -27,6 +34,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 from flax import nnx
 
 from data_pipeline import vocabulary
@@ -40,7 +49,7 @@ from valen_jax.data.vision_processor import (
     VIDEO_PROCESSOR_FILE,
 )
 from valen_jax.errors import UserError
-from valen_jax.models import hf, hf_vl
+from valen_jax.models import hf, hf_vl, peft_adapter
 from valen_jax.models.config import ModelConfig
 from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
@@ -117,12 +126,15 @@ def _state_token_ids(config_path: Path, tokenizer, model_cfg: ModelConfig) -> No
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def export(workdir: str | Path, output: str | Path, step: int | None = None) -> Path:
-    """Write the workdir's checkpoint at `step` (default: the latest) to `output` as an HF checkpoint."""
+def export(workdir: str | Path, output: str | Path, step: int | None = None, adapter: bool = False) -> Path:
+    """Write the workdir's checkpoint at `step` (default: the latest) to `output` as an HF checkpoint (merged,
+    for a LoRA run), or with `adapter` a LoRA run's adapters as a PEFT folder."""
     workdir, output = Path(workdir), Path(output)
     restored = restore_model(workdir, step)
     model_cfg = restored.model_cfg
     exportable(model_cfg)
+    if adapter:
+        return _export_adapter(restored, output)
     mgr = checkpoint.manager(restored.workdir, read_only=True)
     try:
         meta = checkpoint.restore_meta(mgr, restored.step)
@@ -145,12 +157,32 @@ def export(workdir: str | Path, output: str | Path, step: int | None = None) -> 
     return output
 
 
+def _export_adapter(restored, output: Path) -> Path:
+    cfg = restored.model_cfg
+    if cfg.lora is None:
+        raise ExportError(f"--adapter: {restored.workdir} trained every parameter (config.model.lora unset); "
+                          "export it without --adapter")
+    if cfg.lora.quantize_base != "none":
+        raise ExportError(f"--adapter: {restored.workdir} trained on an NF4 base (QLoRA); its adapters fit that "
+                          "base, not the float one PEFT would load them on: export it merged (--merge)")
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), restored.params)
+    base = str(restored.config.model.init_from)
+    peft_adapter.save_adapter(cfg, params, output, base=base)
+    shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
+    log.info("exported the LoRA adapters (rank %d, %s) of step %d of %s to %s (base: %s)", cfg.lora.rank,
+             ", ".join(cfg.lora.targets), restored.step, restored.workdir, output, base or "fresh")
+    return output
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `main` (one-word flags only; a multi-word one goes through `cli_flags.add_flag`)."""
     parser = argparse.ArgumentParser(prog="python -m valen_jax.export", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True, help="a workdir written by valen_jax.train")
     parser.add_argument("--output", "--out", required=True, help="the directory to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the latest)")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--merge", action="store_true", help="a LoRA run: its merged weights (the default)")
+    what.add_argument("--adapter", action="store_true", help="a LoRA run: its adapters as a PEFT folder")
     return parser
 
 
@@ -159,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # force: an import may already have configured the root logger at WARNING, hiding what was written where.
     cli_logging.configure(force=True)
     with error_boundary("valen_jax.export", paths=(args.workdir, args.output)):
-        export(args.workdir, args.output, args.step)
+        export(args.workdir, args.output, args.step, adapter=args.adapter)
     return 0
 
 

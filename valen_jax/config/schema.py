@@ -110,6 +110,30 @@ def _model() -> dict[str, Any]:
         # frozen target, and the block drafter trained against it (read only in that mode).
         "target_from": "",
         "drafter": _drafter(),
+        # A `defaults("lora")` group: low-rank adapters on the decoder (valen_jax.models.lora), the base
+        # frozen; or None to train every parameter.
+        "lora": None,
+    }
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's linear layers (models/lora.TARGETS)
+LORA_QUANTIZE_BASE = ("none", "nf4")
+
+
+def _lora() -> dict[str, Any]:
+    return {
+        # Adapter rank r and alpha: the update is (alpha / r)·A·B (PEFT's scaling; use_rslora off).
+        "rank": 16, "alpha": 32.0,
+        # Dropout on the adapters' input: only 0.0 is implemented (the forward has no dropout stream yet).
+        "dropout": 0.0,
+        # Which of the decoder's linear layers get adapters (every layer's): attention q/k/v/o, MLP gate/up/down.
+        "targets": LORA_TARGETS,
+        # "nf4": QLoRA, the targeted base weights stored as 4-bit NormalFloat (block 64) and dequantised per
+        # layer in the forward; "none": the base kept in config.model.param_dtype.
+        "quantize_base": "none",
+        # Regexes over '/'-joined parameter paths of base parameters that train beside the adapters (a new
+        # head, say `lm_head`); each must match one. A Valen score head always trains.
+        "trainable": (),
     }
 
 
@@ -200,6 +224,7 @@ def _media_kwargs() -> dict[str, Any]:
 TRAIN_MODES = ("ar", "vflash")  # the built-in modes, whose keys this schema checks
 
 _GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "drafter": _drafter,
+           "lora": _lora,
            "train": _train,
            "loss": _loss, "mesh": _mesh, "eval": _eval}
 # The top-level groups of a config (`vision` and `drafter` sit inside `model`).
@@ -242,6 +267,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         _check_keys("model.vision", config.model.vision, tuple(_vision()))
     if config.model.drafter is not None:
         _check_keys("model.drafter", config.model.drafter, tuple(_drafter()))
+    if config.model.lora is not None:
+        _validate_lora(config)
     for path in ("data.seq_len", "data.global_batch", "train.steps", "train.checkpoint_every",
                  "train.log_every", "eval.batch_size"):
         group, key = path.split(".")
@@ -275,6 +302,31 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if clashing:
             raise ConfigError(f"config.model.init_from is set, so {', '.join(clashing)} come from the checkpoint; "
                               "set them to None (the :hf variants do)")
+
+
+def _validate_lora(config: ml_collections.ConfigDict) -> None:
+    lora = config.model.lora
+    _check_keys("model.lora", lora, tuple(_lora()))
+    if not (isinstance(lora.rank, int) and not isinstance(lora.rank, bool) and lora.rank >= 1):
+        raise ConfigError(f"config.model.lora.rank must be an integer ≥ 1, got {lora.rank!r}")
+    if not _finite("model.lora.alpha", lora.alpha) > 0:
+        raise ConfigError(f"config.model.lora.alpha must be a finite number > 0, got {lora.alpha!r}")
+    if float(lora.dropout) != 0.0:
+        raise ConfigError(f"config.model.lora.dropout={lora.dropout!r}: adapter dropout is not implemented; set 0.0")
+    targets = tuple(lora.targets)
+    if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
+        raise ConfigError(f"config.model.lora.targets={targets!r}: distinct names among {', '.join(LORA_TARGETS)}")
+    if lora.quantize_base not in LORA_QUANTIZE_BASE:
+        raise ConfigError(f"config.model.lora.quantize_base={lora.quantize_base!r}; choose one of "
+                          f"{', '.join(LORA_QUANTIZE_BASE)}")
+    for index, pattern in enumerate(lora.trainable):
+        try:
+            re.compile(str(pattern))
+        except re.error as error:
+            raise ConfigError(f"config.model.lora.trainable[{index}]={pattern!r} is not a regex: {error}") from None
+    if config.train.mode == "vflash":
+        raise ConfigError("config.model.lora is not read with config.train.mode=vflash: the drafter trains whole, "
+                          "and a LoRA-tuned target brings its adapters from config.model.target_from")
 
 
 def _validate_paths(config: ml_collections.ConfigDict) -> None:
@@ -332,9 +384,13 @@ def _validate_optimisation(config: ml_collections.ConfigDict) -> None:
                           f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if config.model.remat not in REMAT_POLICIES:
         raise ConfigError(f"config.model.remat={config.model.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
-    if config.model.param_dtype != "float32":
-        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away.
-        raise ConfigError("config.model.param_dtype must be float32 (master weights); "
+    lora = config.model.get("lora")
+    frozen_base = lora is not None and not tuple(lora.trainable) and float(config.loss.weights.get("branches", 0)) == 0
+    if config.model.param_dtype != "float32" and not frozen_base:
+        # Adam's updates are ~1e-3 of a weight: below bf16's resolution they would round away. A LoRA base
+        # (every parameter but the adapters, which stay f32) is frozen, so it may be held in bf16.
+        raise ConfigError("config.model.param_dtype must be float32 (master weights) unless config.model.lora "
+                          "freezes the base whole (no lora.trainable, no score head); "
                           "use config.model.dtype=bfloat16 for bf16 compute")
 
 

@@ -24,7 +24,7 @@ from data_pipeline import vocabulary
 from data_pipeline.tokenizer import number_token_ids, token_id
 from valen_jax.config.schema import ARCHITECTURE_KEYS, defaults
 from valen_jax.errors import ConfigError
-from valen_jax.models import hf, hf_vl
+from valen_jax.models import hf, hf_vl, lora, lora_init
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import Transformer, init_params
 
@@ -63,7 +63,8 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
     common = dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, scan_layers=bool(m.scan_layers),
                   attention=m.attention,
                   # Valen's scored branches need the scalar head; other tasks never build it.
-                  score_head=float(config.loss.weights.get("branches", 0.0)) > 0)
+                  score_head=float(config.loss.weights.get("branches", 0.0)) > 0,
+                  lora=lora_config(config))
     if m.init_from:
         hf_config = checkpoint_config(m.init_from)
         if hf_vl.is_vl(hf_config):
@@ -83,6 +84,15 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, rope_theta=float(m.rope_theta),
         tie_embeddings=bool(m.tie_embeddings), image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD),
         vision=_fresh_vision(m.vision), **common)
+
+
+def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig | None:
+    """config.model.lora (validated by the schema) as the model's LoraConfig, or None."""
+    group = config.model.get("lora")
+    if group is None:
+        return None
+    return lora.LoraConfig(rank=int(group.rank), alpha=float(group.alpha), targets=tuple(group.targets),
+                           quantize_base=str(group.quantize_base), trainable=tuple(group.trainable))
 
 
 def _vl_model_config(config: ml_collections.ConfigDict, hf_config: dict, tokenizer, common: dict) -> ModelConfig:
@@ -154,8 +164,19 @@ def fourier_coordinate_rows(table, ids, seed: int):
     return table.at[jnp.asarray(ids)].set(rows.astype(table.dtype))
 
 
+def _with_adapters(config, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
+    """A LoRA model's first parameters: the base exactly as a plain run would start (the HF checkpoint, or
+    fresh), then `lora_init.attach` (fresh adapters; NF4 under QLoRA)."""
+    base_cfg = lora.base_config(model_cfg)
+    base = initial_params(config, base_cfg, tokenizer, lora_init.base_shardings(model_cfg, shardings))
+    return lora_init.attach(base, model_cfg, shardings, int(config.train.seed) + 1)
+
+
 def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
-    """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule."""
+    """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule (and LoRA's
+    adapters when the model has them)."""
+    if model_cfg.lora is not None:
+        return _with_adapters(config, model_cfg, tokenizer, shardings)
     if not config.model.init_from:
         params = init_params(model_cfg, config.train.seed, shardings)
         if config.model.get("coordinate_embeddings", "random") == "fourier":

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from valen_jax.models.lora import LoraConfig
 from valen_jax.models.remat import remat_name
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -113,6 +114,8 @@ class ModelConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: pairs cycle t, h, w instead of running in sections
     score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
+    # config.model.lora: low-rank adapters on the decoder's linear layers (and QLoRA's NF4 base), or None.
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_name(self.remat))
@@ -125,12 +128,13 @@ class ModelConfig:
         data = dict(data)
         vision = data.pop("vision", None)
         scaling = data.pop("rope_scaling", None)
+        lora = LoraConfig.from_json(data.pop("lora", None))
         if data.get("mrope_section") is not None:  # JSON gives a list; the frozen config keeps a tuple
             data["mrope_section"] = tuple(data["mrope_section"])
         if vision:
             vision = {**vision, **{k: tuple(vision[k]) for k in ("fullatt_blocks", "deepstack_layers") if k in vision}}
         return cls(**data, vision=VisionConfig(**vision) if vision else None,
-                   rope_scaling=RopeScaling(**scaling) if scaling else None)
+                   rope_scaling=RopeScaling(**scaling) if scaling else None, lora=lora)
 
 
 def padded_vocab(size: int, multiple: int = 128) -> int:

@@ -6,6 +6,7 @@ mesh axes. Parameters live in `param_dtype` (f32 master weights); matmuls run in
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -14,6 +15,8 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.models import kv_cache
+from valen_jax.models import lora as adapters
+from valen_jax.models import nf4
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
 from valen_jax.models.sharding import constrain
@@ -34,6 +37,63 @@ def dense(x, w, in_dims: int = 1):
     rows = x.reshape(-1, math.prod(x.shape[x.ndim - in_dims:]))
     y = rows @ w.reshape(rows.shape[1], math.prod(out))
     return y.reshape(*lead, *out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def nf4_dense(codes, absmax, x, shape, dtype, in_dims: int):
+    """x · (a QLoRA base weight dequantised from NF4 in `dtype`). The backward keeps only the codes, the
+    maxima and x, and dequantises again: saving the full-size weight of every layer for it (what autodiff
+    of a plain dequantise-then-matmul may do across a layer scan) would undo QLoRA's saving. The frozen
+    base has no gradient; only x's is returned."""
+    return dense(x, nf4.dequantise(codes, absmax, shape, dtype), in_dims)
+
+
+def _nf4_dense_forward(codes, absmax, x, shape, dtype, in_dims):
+    return nf4_dense(codes, absmax, x, shape, dtype, in_dims), (codes, absmax, x)
+
+
+def _nf4_dense_backward(shape, dtype, in_dims, residuals, grad):
+    codes, absmax, x = residuals
+    w = nf4.dequantise(codes, absmax, shape, dtype)
+    w2 = w.reshape(math.prod(shape[:in_dims]), math.prod(shape[in_dims:]))
+    dx = (grad.reshape(-1, w2.shape[1]).astype(dtype) @ w2.T).reshape(x.shape).astype(x.dtype)
+    return None, None, dx
+
+
+nf4_dense.defvjp(_nf4_dense_forward, _nf4_dense_backward)
+
+
+def linear(module, name: str, x, in_dims: int = 1):
+    """x · module.<name> in the module's compute dtype, plus the weight's low-rank adapter when it has one
+    (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4)."""
+    weight = getattr(module, name)
+    if isinstance(weight, adapters.NF4Weight):
+        y = nf4_dense(weight.codes[...], weight.absmax[...], x, weight.shape, module.dtype, in_dims)
+    else:
+        y = dense(x, weight[...].astype(module.dtype), in_dims)
+    if module.lora_scale is not None:
+        update = adapters.delta(module, name, x, dense, module.lora_scale, module.dtype)
+        if update is not None:
+            y = y + update
+    return y
+
+
+def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype) -> None:
+    """Give `module`'s weights `names` that `lora` targets their adapters (and NF4 storage under QLoRA)."""
+    module.lora_scale = lora.scale if lora is not None else None
+    if lora is None:
+        return
+    for name in names:
+        if name not in lora.targets:
+            continue
+        weight = getattr(module, name)
+        shape, axes = weight.shape, weight.get_metadata()["logical_axes"]
+        # f32 whatever the base's dtype: the adapters are the master weights Adam updates.
+        a, b = adapters.create(rngs, name, shape, axes, lora.rank, jnp.float32)
+        setattr(module, name + adapters.SUFFIX_A, a)
+        setattr(module, name + adapters.SUFFIX_B, b)
+        if lora.quantize_base == "nf4":
+            setattr(module, name, adapters.NF4Weight(shape, param_dtype, rngs, f"{type(module).__name__}.{name}"))
 
 
 def param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
@@ -139,7 +199,7 @@ class Attention(nnx.Module):
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
                  dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6,
                  causal: bool = True, mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False,
-                 implementation: str = "auto"):
+                 implementation: str = "auto", lora=None):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attention implementation {implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
         if num_heads % num_kv_heads:
@@ -164,13 +224,12 @@ class Attention(nnx.Module):
         self.mrope_section = tuple(mrope_section) if mrope_section else None
         self.mrope_interleaved = mrope_interleaved
         self.implementation = implementation
+        adapt(self, adapters.ATTENTION, rngs, lora, param_dtype)
 
     def _project(self, x, positions):
         """Queries [B, T, N, H] and keys, values [B, T, K, H], normed and rotated as the model attends them."""
         x = x.astype(self.dtype)
-        q = dense(x, self.q[...].astype(self.dtype))
-        k = dense(x, self.k[...].astype(self.dtype))
-        v = dense(x, self.v[...].astype(self.dtype))
+        q, k, v = linear(self, "q", x), linear(self, "k", x), linear(self, "v", x)
         if self.bias:
             q = q + self.q_bias[...].astype(self.dtype)
             k = k + self.k_bias[...].astype(self.dtype)
@@ -186,7 +245,7 @@ class Attention(nnx.Module):
         return constrain(q, ("batch", "length", "act_heads", None)), k, v
 
     def _output(self, out):
-        return dense(out, self.o[...].astype(self.dtype), in_dims=2)
+        return linear(self, "o", out, in_dims=2)
 
     def __call__(self, x, positions, segment_ids, branch_ids=None):
         """x: [B, T, D]; positions: [B, T] (or [B, T, A]); segment_ids, branch_ids: int [B, T] (`attention.attend`)."""
@@ -237,18 +296,18 @@ gated_silu.defvjp(_gated_silu_forward, _gated_silu_backward)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs, lora=None):
         self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
         self.up = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), param_dtype)
         self.dtype = dtype
+        adapt(self, adapters.MLP, rngs, lora, param_dtype)
 
     def __call__(self, x):
         x = x.astype(self.dtype)
-        gate = dense(x, self.gate[...].astype(self.dtype))
-        up = dense(x, self.up[...].astype(self.dtype))
+        gate, up = linear(self, "gate", x), linear(self, "up", x)
         hidden = constrain(gated_silu(gate, up), ("batch", "length", "act_mlp"))
-        return dense(hidden, self.down[...].astype(self.dtype))
+        return linear(self, "down", hidden)
 
 
 class Block(nnx.Module):
@@ -256,14 +315,14 @@ class Block(nnx.Module):
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
                  dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None,
-                 mrope_interleaved=False, attention="auto"):
+                 mrope_interleaved=False, attention="auto", lora=None):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
                               rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section,
-                              mrope_interleaved=mrope_interleaved, implementation=attention)
+                              mrope_interleaved=mrope_interleaved, implementation=attention, lora=lora)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
-        self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs)
+        self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs, lora=lora)
 
     def __call__(self, x, positions, segment_ids, branch_ids=None):
         return self.prefill(x, positions, segment_ids, branch_ids)[0]

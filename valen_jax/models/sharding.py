@@ -34,6 +34,11 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tensor",
     "norm": None,
     "patch": None,
+    # A LoRA adapter's rank (A's last axis, B's first) is small: never split. Its other axes are those of
+    # the weight it adapts, so it shards like that weight (models/lora.py).
+    "lora_rank": None,
+    # QLoRA's flat NF4 codes and block maxima (models/nf4.py): replicated, a quarter of the bf16 base.
+    "nf4": None,
     "act_embed": None,
     "act_mlp": "tensor",
     "act_heads": "tensor",

@@ -21,7 +21,7 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
                  rope_theta=cfg.rope_theta, eps=cfg.norm_eps, dtype=dtype_of(cfg.dtype),
                  param_dtype=dtype_of(cfg.param_dtype), rngs=rngs, qk_norm=cfg.qk_norm,
                  rope_scaling=cfg.rope_scaling, mrope_section=cfg.mrope_section,
-                 mrope_interleaved=cfg.mrope_interleaved, attention=cfg.attention)
+                 mrope_interleaved=cfg.mrope_interleaved, attention=cfg.attention, lora=cfg.lora)
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):

@@ -6,13 +6,19 @@ first matching group wins. A group is either `frozen` (no update, and no Adam mo
 it: optax.multi_transform gives it `set_to_zero`) or has an `lr_multiplier` that scales the
 schedule. A pattern that matches no parameter is an error: a typo must not freeze nothing.
 
-The vision tower (`vision/...`, when the model has one) trains at `config.train.vision_lr_multiplier`
+Under LoRA (`config.model.lora`, `models/lora.py`) the configured groups come first, then implicit
+ones: every adapter (`*_lora_a`, `*_lora_b`), each `config.model.lora.trainable` pattern and the score
+head (when the model has one) train at the schedule's rate, and everything else is frozen (`.*`), the
+vision tower included: the base gets no update and no moments.
+
+Otherwise the vision tower (`vision/...`, when the model has one) trains at `config.train.vision_lr_multiplier`
 times the schedule: an implicit group after the configured ones, so a configured group that matches
 a tower parameter (freezing it, say) wins (`groups_of`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import jax
@@ -21,6 +27,7 @@ import optax
 # The schema owns the config's vocabulary and its start-up checks (one declaration each).
 from valen_jax.config.schema import DECAYS, check_param_groups
 from valen_jax.errors import ParamGroupError  # its home; still importable from here
+from valen_jax.models.lora import trainable_patterns
 
 TRAINED = "trained"  # label of parameters in no group
 FROZEN = "frozen"
@@ -76,10 +83,27 @@ def frozen_mask(params, groups: Sequence):
 VISION_PATTERN = "vision/.*"
 
 
-def groups_of(train_cfg, params) -> list[dict]:
-    """The configured param groups, then the vision tower's learning-rate group when the model has a tower
-    (a drafter or a text model has none) and the multiplier is not 1."""
+def _lora_groups(lora, params) -> list[dict]:
+    """LoRA's implicit groups after the configured ones: what trains, then the frozen rest."""
+    paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for index, pattern in enumerate(lora.trainable):
+        if not any(re.fullmatch(pattern, p) for p in paths):
+            raise ParamGroupError(f"config.model.lora.trainable[{index}] {pattern!r} matches no parameter; paths "
+                                  f"look like {', '.join(paths[:4])}")
+    has_head = any(p.startswith("score_head/") for p in paths)
+    return [*({"pattern": pattern, "lr_multiplier": 1.0} for pattern in trainable_patterns(lora, has_head)),
+            {"pattern": ".*", "frozen": True}]
+
+
+def groups_of(train_cfg, params, lora=None) -> list[dict]:
+    """The configured param groups, then LoRA's (`lora`: the model's LoraConfig) or else the vision tower's
+    learning-rate group when the model has a tower (a drafter or a text model has none) and the multiplier
+    is not 1."""
     groups = [dict(group) for group in train_cfg.param_groups]
+    if lora is not None:
+        if params is None:
+            raise ValueError("groups_of: LoRA's groups need the parameter shapes")
+        return groups + _lora_groups(lora, params)
     multiplier = float(train_cfg.vision_lr_multiplier)
     if multiplier != 1.0 and params is not None and any(
             path_of(p).startswith("vision/") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
@@ -87,9 +111,9 @@ def groups_of(train_cfg, params) -> list[dict]:
     return groups
 
 
-def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer and its base schedule; `params` (shapes suffice) is needed for param groups
-    and the vision tower's learning rate."""
+def build_optimizer(train_cfg, params=None, lora=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and its base schedule; `params` (shapes suffice) is needed for param groups, LoRA
+    (`lora`: the model's LoraConfig, or None) and the vision tower's learning rate."""
     schedule = learning_rate_schedule(train_cfg)
 
     def adamw(multiplier: float) -> optax.GradientTransformation:
@@ -100,7 +124,7 @@ def build_optimizer(train_cfg, params=None) -> tuple[optax.GradientTransformatio
     clip = optax.clip_by_global_norm(float(train_cfg.grad_clip_norm))
     if train_cfg.param_groups and params is None:
         raise ValueError("build_optimizer: config.train.param_groups needs the parameter shapes")
-    groups = groups_of(train_cfg, params)
+    groups = groups_of(train_cfg, params, lora)
     if not groups:
         return optax.chain(clip, adamw(1.0)), schedule
     checked = check_param_groups(groups)

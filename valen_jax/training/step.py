@@ -22,7 +22,7 @@ from valen_jax.training.losses import (
     head_token_losses,
     reduce_question_losses,
 )
-from valen_jax.training.optim import build_optimizer, frozen_mask
+from valen_jax.training.optim import build_optimizer, frozen_mask, groups_of
 
 
 def vision_inputs(batch):
@@ -108,10 +108,25 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     coordinate_ids = jnp.asarray(options.coordinate_ids, jnp.int32) if options.coordinate_ids else None
 
+    frozen_leaves = None if options.frozen is None else [bool(f) for f in jax.tree.leaves(options.frozen)]
+
+    def split(params):
+        """(trainable leaves, frozen leaves, treedef): gradients are taken w.r.t. the first alone, so the
+        backward never forms a frozen weight's gradient, and a non-float frozen leaf (QLoRA's NF4 codes)
+        never meets jax.grad."""
+        leaves, treedef = jax.tree.flatten(params)
+        if frozen_leaves is None:
+            return leaves, [], treedef
+        return ([x for x, f in zip(leaves, frozen_leaves, strict=True) if not f],
+                [x for x, f in zip(leaves, frozen_leaves, strict=True) if f], treedef)
+
+    def join(trained, frozen, treedef):
+        if frozen_leaves is None:
+            return jax.tree.unflatten(treedef, trained)
+        trained, frozen = iter(trained), iter(frozen)
+        return jax.tree.unflatten(treedef, [next(frozen) if f else next(trained) for f in frozen_leaves])
+
     def sums_of(params, batch, sigma=None):
-        if options.frozen is not None:
-            # No gradient flows into frozen parameters, so XLA drops their backward pass.
-            params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, options.frozen)
         model = nnx.merge(graphdef, params)
         hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch),
                               batch.get("branch_ids"))
@@ -146,24 +161,31 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                                                options.loss_reduction)
             denominators["branches"] = jnp.maximum(states, 1.0)
 
-        def micro_loss(p, micro):
-            sums = sums_of(p, micro, sigma)
+        trained, frozen, treedef = split(params)
+
+        def micro_loss(t, micro):
+            sums = sums_of(join(t, frozen, treedef), micro, sigma)
             return total_of(sums, denominators)[0], sums
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
         if accum == 1:
-            grads, sums = grad_fn(params, batch)
+            grads, sums = grad_fn(trained, batch)
         else:
             def body(carry, micro):
-                grads, sums = grad_fn(params, micro)
+                grads, sums = grad_fn(trained, micro)
                 return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
             micros = micro_batches(batch, accum)
             sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros), sigma)
-            zeros = (jax.tree.map(jnp.zeros_like, params),
+            zeros = (jax.tree.map(jnp.zeros_like, trained),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
             (grads, sums), _ = jax.lax.scan(body, zeros, micros)
         total, parts = total_of(sums, denominators)
+        # The optimizer sees the whole tree; a frozen leaf's gradient is a zero it never stores (its label's
+        # set_to_zero keeps no state), and the step puts the frozen leaf back unchanged below.
+        # A non-float leaf (NF4 codes) gets an f32 zero: optax's clipping selects between float values.
+        grads = join(grads, [jnp.zeros(x.shape, x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
+                             for x in frozen], treedef)
         return grads, total, parts, sums, denominators
 
     def train_step(state, batch):
@@ -171,6 +193,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch, sigma)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        if frozen_leaves is not None:
+            # Bit for bit: `p + 0` would turn a -0.0 into +0.0; the frozen leaf itself passes through.
+            params = join(split(params)[0], split(state["params"])[1], split(params)[2])
         metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
         if "correct" in sums:
             metrics.update(accuracy=sums["correct"] / denominators["tokens"], target_tokens=sums["weight"])
@@ -233,8 +258,10 @@ class TrainLayout:
     def from_config(cls, model_cfg: ModelConfig, train_cfg, mesh: Mesh) -> TrainLayout:
         """The layout with the configured optimizer; param groups resolve against the model's paths."""
         param_shapes = nnx.to_pure_dict(abstract_model(model_cfg)[1])
-        tx, schedule = build_optimizer(train_cfg, param_shapes)
-        frozen = frozen_mask(param_shapes, list(train_cfg.param_groups)) if train_cfg.param_groups else None
+        tx, schedule = build_optimizer(train_cfg, param_shapes, model_cfg.lora)
+        frozen = None
+        if train_cfg.param_groups or model_cfg.lora is not None:
+            frozen = frozen_mask(param_shapes, groups_of(train_cfg, param_shapes, model_cfg.lora))
         return cls(model_cfg, tx, mesh, schedule, frozen)
 
     @classmethod
