@@ -14,9 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from valen_jax.models import kv_cache
+from valen_jax.models import kv_cache, nf4
 from valen_jax.models import lora as adapters
-from valen_jax.models import nf4
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import RopeScaling
 from valen_jax.models.sharding import constrain
