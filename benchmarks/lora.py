@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from step_setup import compiled_step, train_layout
+from step_setup import compiled_step, seconds_per_step, train_layout
 
 from valen_jax.models import hf, lora, sharding
 
@@ -70,14 +69,7 @@ def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps:
     analysis = compiled.memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes)
-    with jax.set_mesh(mesh):
-        state, metrics = compiled(state, device_batch)
-        jax.block_until_ready(metrics)
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, device_batch)
-        jax.block_until_ready(metrics)
-    return (time.perf_counter() - start) / steps, peak, analysis.argument_size_in_bytes
+    return seconds_per_step(compiled, state, device_batch, mesh, steps), peak, analysis.argument_size_in_bytes
 
 
 def main():

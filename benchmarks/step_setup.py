@@ -4,9 +4,12 @@ place, so they compare alike).
     from step_setup import compiled_step, train_layout
     mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-4)
     compiled = compiled_step(layout, batch)   # batch: arrays or ShapeDtypeStructs
+    seconds = seconds_per_step(compiled, state, device_batch, mesh, steps=3)
 """
 
 from __future__ import annotations
+
+import time
 
 import jax
 import ml_collections
@@ -38,3 +41,16 @@ def compiled_step(layout: TrainLayout, batch: dict):
     shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in batch.items()}
     step = make_train_step(layout.graphdef, layout.tx, layout.schedule, StepOptions(frozen=layout.frozen))
     return compile_step(step, layout, shapes)
+
+
+def seconds_per_step(compiled, state: dict, device_batch: dict, mesh, steps: int) -> float:
+    """Wall seconds per step of `compiled` over `steps` steps after one warm-up step (the state is donated
+    and carried from step to step, as in training)."""
+    with jax.set_mesh(mesh):
+        state, metrics = compiled(state, device_batch)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, device_batch)
+        jax.block_until_ready(metrics)
+    return (time.perf_counter() - start) / steps

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from step_setup import compiled_step, train_layout
+from step_setup import compiled_step, seconds_per_step, train_layout
 
 from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
@@ -50,14 +50,7 @@ def jax_step_time(cfg: ModelConfig, batch: dict, steps: int) -> float:
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
     device_batch = sharding.global_batch(batch, mesh)
     compiled = compiled_step(layout, device_batch)
-    with jax.set_mesh(mesh):
-        state, metrics = compiled(state, device_batch)
-        jax.block_until_ready(metrics)
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, device_batch)
-        jax.block_until_ready(metrics)
-    return (time.perf_counter() - start) / steps
+    return seconds_per_step(compiled, state, device_batch, mesh, steps)
 
 
 def torch_step_time(cfg: ModelConfig, tokens: np.ndarray, steps: int) -> float:
