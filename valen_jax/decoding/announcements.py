@@ -160,6 +160,11 @@ def _host_tables(tokenizer, open_id: int, close_id: int, vocab_size: int):
     return token_class, table, automaton.accept
 
 
+def states() -> int:
+    """The automaton's state count (the tables' second axis): it depends on the spelling only."""
+    return _CharAutomaton().count
+
+
 def tables(calls: AtomicCalls, vocab_size: int) -> Tables:
     """The device tables for `calls`' tokenizer over a model vocabulary of `vocab_size` rows, checked
     against `AtomicCalls.announced` on the spelling (a tokenizer whose decoded pieces do not concatenate

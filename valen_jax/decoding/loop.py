@@ -192,7 +192,7 @@ class _Passes:
         accept = functools.partial(accept_pass, sampling=self.sampling, vocab=self.vocab)
         keys = jax.vmap(jax.random.fold_in, (0, None))(base, 2)
         if q is None:
-            accepted, nxt = jax.vmap(lambda l, d, k, n: accept(l, d, None, k, n))(logits, draft, keys, drafted)
+            accepted, nxt = jax.vmap(lambda x, d, k, n: accept(x, d, None, k, n))(logits, draft, keys, drafted)
         else:
             accepted, nxt = jax.vmap(accept)(logits, draft, q, keys, drafted)
         # Outside a span a row takes the target's token at its last committed one: the engine's step.
