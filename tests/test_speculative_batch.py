@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
-from tests.test_speculative import (NEW, announced_prompt, block_drafter, chi_square_ok, model, target_only)
+from tests.test_speculative import NEW, announced_prompt, block_drafter, chi_square_ok, target_only
 from valen_jax.decoding import Sampling, announcements, generate_ids, loop
 from valen_jax.decoding.speculative import CachedDrafter, OracleDrafter, SpeculativeDecoder
 from valen_jax.decoding.verification import target_probs
@@ -30,8 +30,8 @@ pytest_plugins = ["tests.test_speculative"]  # its tokenizer and target fixtures
 
 def spaced_prompt(tokenizer, block_size: int) -> np.ndarray:
     """A call in JSON with spaces: valid for `parse_announcement`, outside the device's spelling."""
-    text = ('pick the cup<tool_call>{"name": "atomic_decoding", "arguments": {"block_size": %d}}</tool_call>'
-            % block_size)
+    body = '{"name": "atomic_decoding", "arguments": {"block_size": ' + str(block_size) + "}}"
+    text = "pick the cup<tool_call>" + body + "</tool_call>"
     return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
 
 

@@ -23,21 +23,24 @@ Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks,
 INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
 per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
 
-One row (prompt) per call, a device drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`,
-`OracleDrafter`): each announced block is ONE compiled `lax.while_loop` (draft → verify → accept →
-advance both caches → write the committed tokens), no host round trip inside a block (`block_loop`).
-The trained drafter's context keys/values are cached once per token from the target's own prefill /
-decode / verify passes (`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over
-B + 1 slots (`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the
-prompt's image (`generate(prompt, ..., vision_inputs=)` or an engine prompt dict); generated tokens
-continue after the prompt's largest position, as the engine does. This is the only library path; a
-Python loop around jitted prefill / decode_step / extend passes, for drafters written in Python, lives
-in the tests (`tests/speculative_host.py`) as the differential oracle of this one.
+Rows are decoded together, each answer whole, in ONE compiled `lax.while_loop` (`decoding.loop`: plain
+steps, announcements found on the device by `decoding.announcements`, drafted blocks), with a device
+drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, `OracleDrafter`). The host waits once per
+batch, plus once per call outside the device's spelling, which it reads with `AtomicCalls.announced` (a
+held row; `Timing.host_reads`). The prefill covers each prompt but its last token, which the first pass
+feeds, so a block announced by the prompt is drafted whole (an oracle: tau = B + 1). The trained
+drafter's context keys/values are cached once per token from the target's own passes
+(`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over B + 1 slots
+(`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the prompt's image;
+generated tokens continue after the prompt's largest position, as the engine does. This is the only
+library path; a Python loop around jitted passes, for drafters written in Python, lives in the tests
+(`tests/speculative_host.py`) as the differential oracle of this one.
 
     drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=[eot])
     out = decoder.generate({"ids": ids, "positions": positions, "vision": vision}, drafter, max_new_tokens=256)
-    decoder.stats.tau, decoder.timing.block_seconds / decoder.timing.block_tokens   # s/token in blocks
+    outs = decoder.generate_batch(prompts, drafter, max_new_tokens=256)       # rows together
+    decoder.stats.tau, decoder.timing.seconds / decoder.timing.tokens       # s/token, whole answers
 """
 
 from __future__ import annotations
