@@ -204,6 +204,7 @@ class Answer:
     where: str
     prompt: dict  # prompts.Prompts.prompt: ids, positions, vision
     reference_block: int  # the reference's announced block_size
+    call_prompt: dict | None = None  # the prompt through the reference's call: its block alone is timed
 
 
 def trajectory_answers(target: ModelRun, calls: AtomicCalls, data: Path, from_call: bool
@@ -229,7 +230,7 @@ def trajectory_answers(target: ModelRun, calls: AtomicCalls, data: Path, from_ca
             if not np.array_equal(prompt["positions"], np.arange(len(prompt["ids"]))):
                 raise SystemExit(f"{where}: positions are not 0..n-1 (an M-RoPE target); the speculative decoder "
                                  "takes 1-D positions")
-            found.append(Answer(where, prompt, call[1].block_size))
+            found.append(Answer(where, prompt, call[1].block_size, built.prompt(ref, calls)))
     return found, total
 
 
@@ -240,44 +241,69 @@ class Result:
     spec: list[int]
     stats: BlockStats
     sizes: list[int]  # announced block sizes in the generated answer
-    engine_seconds: float  # the engine's decode loop: the whole answer minus prefill and first token
-    engine_tokens: int  # the tokens that loop produced (all but the first)
-    spec_seconds: float  # the fast path's block programs (draft + verify + accept, on the device)
-    spec_tokens: int  # the tokens they committed
-    step_seconds: float = 0.0  # the fast path's own target-only steps outside blocks (a host round trip each)
-    steps: int = 0
+    engine_seconds: float  # the whole answer by the engine, prompt to end
+    spec_seconds: float  # the same by the speculative loop (one program)
+    block_engine_seconds: float = float("nan")  # the block alone (budget = its size), first token subtracted
+    block_spec_seconds: float = float("nan")
+    block_tokens: int = 0  # the block's tokens after the first
 
     @property
     def identical(self) -> bool:
         return self.spec == self.engine
 
 
-def engine_time(target, prompt: dict, new_tokens: int, vocab: int, eot: int) -> float:
-    started = time.perf_counter()  # generate_ids reads its result back: the time is the device's too
-    generate_ids(target.params, target.graphdef, [prompt], max_new_tokens=new_tokens, stop_ids=(eot,), vocab=vocab)
-    return time.perf_counter() - started
+def timed(fn, *args):
+    started = time.perf_counter()  # both decoders read their results back: the time is the device's too
+    out = fn(*args)
+    return out, time.perf_counter() - started
 
 
 def decode_all(target, drafter: CachedDrafter, calls, answers: list[Answer], max_new_tokens: int) -> list[Result]:
-    """Each answer by the engine (target-only, compiled: the reference and the timing baseline) and by the
-    speculative fast path with the trained drafter (one compiled loop per announced block)."""
+    """Each answer alone by the engine (target-only: the reference and the baseline) and by the
+    speculative loop with the trained drafter, whole answers; then the reference's first block alone
+    (budget = its size, the prompt run to its call) on both sides, the time to the first token (prefill +
+    one pass) subtracted on each side: the speed on block tokens."""
+    vocab, eot = len(target.tokenizer), end_of_turn_id(target.tokenizer)
+    results = []
+    for answer in answers:
+        prompt = {"ids": answer.prompt["ids"], "positions": answer.prompt["positions"], "vision": answer.prompt["vision"]}
+
+        def engine(p, new):
+            return generate_ids(target.params, target.graphdef, [p], max_new_tokens=new, stop_ids=(eot,),
+                                vocab=vocab)[0]
+
+        def spec(p, new, decoder=None):
+            decoder = decoder or SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab,
+                                                    stop_ids=(eot,))
+            return decoder.generate(p, drafter, max_new_tokens=new)
+
+        reference, engine_seconds = timed(engine, prompt, max_new_tokens)
+        decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
+        out, spec_seconds = timed(spec, prompt, max_new_tokens, decoder)
+        sizes = [announcement.block_size for *_, announcement in calls.announced_spans(prompt["ids"], out)]
+        result = Result(answer, list(reference), out, decoder.stats, sizes, engine_seconds, spec_seconds)
+        if answer.call_prompt is not None:
+            block, size = answer.call_prompt, answer.reference_block
+            _, e_whole = timed(engine, block, size)
+            _, e_first = timed(engine, block, 1)
+            _, s_whole = timed(spec, block, size)
+            _, s_first = timed(spec, block, 1)
+            result.block_engine_seconds, result.block_spec_seconds = max(e_whole - e_first, 0.0), max(s_whole - s_first, 0.0)
+            result.block_tokens = size - 1
+        results.append(result)
+    return results
+
+
+def decode_batch(target, drafter: CachedDrafter, calls, answers: list[Answer], max_new_tokens: int, rows: int):
+    """`rows` answers (cycled) in ONE batch: the engine batched vs `generate_batch` → (engine s, spec s, equal)."""
     vocab, eot = len(target.tokenizer), end_of_turn_id(target.tokenizer)
     prompts = [{"ids": a.prompt["ids"], "positions": a.prompt["positions"], "vision": a.prompt["vision"]}
-               for a in answers]
-    engine = generate_ids(target.params, target.graphdef, prompts, max_new_tokens=max_new_tokens, stop_ids=(eot,),
-                          vocab=vocab)
-    results = []
-    for answer, prompt, reference in zip(answers, prompts, engine, strict=True):
-        # The engine's per-token cost: the same answer timed whole and to its first token (prefill).
-        whole = engine_time(target, prompt, len(reference), vocab, eot)
-        first = engine_time(target, prompt, 1, vocab, eot)
-        decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
-        spec = decoder.generate(prompt, drafter, max_new_tokens=max_new_tokens)
-        sizes = [announcement.block_size for *_, announcement in calls.announced_spans(prompt["ids"], spec)]
-        results.append(Result(answer, list(reference), spec, decoder.stats, sizes, max(whole - first, 0.0),
-                              len(reference) - 1, decoder.timing.block_seconds, decoder.timing.block_tokens,
-                              decoder.timing.step_seconds, decoder.timing.steps))
-    return results
+               for a in (answers * rows)[:rows]]
+    engine, engine_seconds = timed(lambda: generate_ids(target.params, target.graphdef, prompts,
+                                                        max_new_tokens=max_new_tokens, stop_ids=(eot,), vocab=vocab))
+    decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
+    spec, spec_seconds = timed(lambda: decoder.generate_batch(prompts, drafter, max_new_tokens=max_new_tokens))
+    return engine_seconds, spec_seconds, [list(e) for e in engine] == spec
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -298,24 +324,21 @@ def ms_per_token(seconds: float, tokens: int) -> float:
     return 1e3 * seconds / tokens if tokens else float("nan")
 
 
-def summary(label: str, results: list[Result], block: int) -> tuple[float, float]:
+def summary(label: str, results: list[Result], block: int) -> float:
     stats = merged([r.stats for r in results])
-    engine = ms_per_token(sum(r.engine_seconds for r in results), sum(r.engine_tokens for r in results))
-    spec = ms_per_token(sum(r.spec_seconds for r in results), sum(r.spec_tokens for r in results))
-    speedup = engine / spec if stats.committed else float("nan")
+    tokens = sum(len(r.engine) for r in results)
+    engine = ms_per_token(sum(r.engine_seconds for r in results), tokens)
+    spec = ms_per_token(sum(r.spec_seconds for r in results), tokens)
     identical = sum(r.identical for r in results)
     print(f"{label}: {len(results)} answers, {identical} identical; {stats.passes} passes committed {stats.committed} "
-          f"block tokens: tau {stats.tau:.2f}; ms/token engine {engine:.3f}, spec in blocks {spec:.3f}; "
-          f"speedup {speedup:.2f}x")
-    steps = ms_per_token(sum(r.step_seconds for r in results), sum(r.steps for r in results))
-    print(f"  the fast path's own target-only steps outside blocks: {steps:.3f} ms/token (one program and read-back "
-          f"each; blocks are {steps / spec if stats.committed else float('nan'):.2f}x faster than these)")
+          f"block tokens: tau {stats.tau:.2f}; whole answers ms/token engine {engine:.3f}, spec {spec:.3f}: "
+          f"speedup {engine / spec:.2f}x")
     if stats.passes:
         acceptance = stats.acceptance()
         print("  acceptance by draft position: " + " ".join(f"{k}:{acceptance[k]:.2f}" for k in sorted(acceptance)))
         print(f"  histogram of accepted draft tokens per pass, 0..{block}: "
               f"{[stats.histogram.get(k, 0) for k in range(block + 1)]}")
-    return stats.tau, speedup
+    return stats.tau
 
 
 def fastest(runs: list[list[Result]]) -> list[Result]:
@@ -326,10 +349,10 @@ def fastest(runs: list[list[Result]]) -> list[Result]:
         for r in per_answer[1:]:
             if (r.engine, r.spec) != (first.engine, first.spec):
                 raise SystemExit(f"{first.answer.where}: a repeat decoded other tokens (nondeterminism)")
-        engine = min(per_answer, key=lambda r: r.engine_seconds)
-        spec = min(per_answer, key=lambda r: r.spec_seconds)
-        best.append(Result(first.answer, first.engine, first.spec, first.stats, first.sizes, engine.engine_seconds,
-                           first.engine_tokens, spec.spec_seconds, first.spec_tokens, spec.step_seconds, first.steps))
+        pick = {name: min(getattr(r, name) for r in per_answer)
+                for name in ("engine_seconds", "spec_seconds", "block_engine_seconds", "block_spec_seconds")}
+        best.append(Result(first.answer, first.engine, first.spec, first.stats, first.sizes, **pick,
+                           block_tokens=first.block_tokens))
     return best
 
 
@@ -405,29 +428,46 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     decode_all(target, drafter, calls, answers, args.max_new_tokens)  # warm-up: compiles every shape
+    decode_batch(target, drafter, calls, answers, args.max_new_tokens, 8)
     print(f"warm-up pass (compilation included): {time.perf_counter() - started:.1f} s")
     results = fastest([decode_all(target, drafter, calls, answers, args.max_new_tokens) for _ in range(repeats)])
+    batches = [decode_batch(target, drafter, calls, answers, args.max_new_tokens, 8) for _ in range(repeats)]
 
     block = cfg.block_size
     for r in results:
         s = r.stats
-        engine, spec = ms_per_token(r.engine_seconds, r.engine_tokens), ms_per_token(r.spec_seconds, r.spec_tokens)
         histogram = [s.histogram.get(k, 0) for k in range(block + 1)]
         acceptance = " ".join(f"{v:.2f}" for _, v in sorted(s.acceptance().items()))
         print(f"- {r.answer.where}: reference block {r.answer.reference_block}, generated blocks {r.sizes or 'none'}; "
-              f"{len(r.spec)} tokens ({r.spec_tokens} in blocks); identical {r.identical}")
-        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes); ms/token engine {engine:.3f} spec "
-              f"{spec:.3f} speedup {engine / spec if s.committed else float('nan'):.2f}x; histogram {histogram}; "
-              f"acceptance {acceptance}")
+              f"{len(r.spec)} tokens; identical {r.identical}")
+        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes); whole answer engine "
+              f"{1e3 * r.engine_seconds:.1f} ms, spec {1e3 * r.spec_seconds:.1f} ms "
+              f"({r.engine_seconds / r.spec_seconds:.2f}x); histogram {histogram}; acceptance {acceptance}")
         print(f"    text: {target.tokenizer.decode(r.spec, skip_special_tokens=False)!r}")
     long = [r for r in results if r.sizes and min(r.sizes) >= LONG_BLOCK]
-    summary(f"blocks >= {LONG_BLOCK} tokens", long, block)
-    tau, speedup = summary("all blocks", results, block)
+    long_tau = summary(f"blocks >= {LONG_BLOCK} tokens", long, block)
+    tau = summary("all blocks", results, block)
+    timed_blocks = [r for r in results if r.block_tokens]
+    block_speedup = (sum(r.block_engine_seconds for r in timed_blocks) / sum(r.block_spec_seconds for r in timed_blocks)
+                     if timed_blocks and sum(r.block_spec_seconds for r in timed_blocks) else float("nan"))
+    print(f"block tokens (each reference block alone, prompt through its call, first token subtracted): "
+          f"{sum(r.block_tokens for r in timed_blocks)} tokens, engine "
+          f"{ms_per_token(sum(r.block_engine_seconds for r in timed_blocks), sum(r.block_tokens for r in timed_blocks)):.3f}"
+          f" ms/token, spec {ms_per_token(sum(r.block_spec_seconds for r in timed_blocks), sum(r.block_tokens for r in timed_blocks)):.3f}"
+          f": speedup {block_speedup:.2f}x")
+    answer_speedup = sum(r.engine_seconds for r in results) / sum(r.spec_seconds for r in results)
+    engine8, spec8 = min(b[0] for b in batches), min(b[1] for b in batches)
+    batch_identical = all(b[2] for b in batches)
+    print(f"batch 8 (answers cycled, one program each side): engine {engine8:.3f} s, spec {spec8:.3f} s: "
+          f"{engine8 / spec8:.2f}x; identical {batch_identical}")
     unannounced = sum(not r.sizes for r in results)
     if unannounced:
         print(f"{unannounced} answer(s) where the target announced no block (nothing to draft there)")
     identical = sum(r.identical for r in results) / len(results) if results else 0.0
-    print(f"acceptance_length={tau:.2f} speedup_vs_ar={speedup:.2f} identical={identical:.2f}")
+    identical = identical if batch_identical else 0.0
+    print(f"(tau on blocks >= {LONG_BLOCK}: {long_tau:.2f})")
+    print(f"acceptance_length={tau:.2f} speedup_vs_ar={block_speedup:.2f} answer_speedup={answer_speedup:.2f} "
+          f"batch8_speedup={engine8 / spec8:.2f} identical={identical:.2f}")
     return 0 if identical == 1.0 else 1
 
 
