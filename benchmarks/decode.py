@@ -172,7 +172,7 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return 2 * x.nbytes / best
 
 
-def roofline(args, ours: "Ours", prompts: list[np.ndarray], decode_per_second: float) -> tuple[float, float, float]:
+def roofline(args, ours: Ours, prompts: list[np.ndarray], decode_per_second: float) -> tuple[float, float, float]:
     """(bytes per token, copy bandwidth bytes/s, fraction reached) at batch 1 (see the module doc)."""
     weights = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(ours.params))
     context = float(np.mean([len(p) + args.new_tokens / 2 for p in prompts]))
