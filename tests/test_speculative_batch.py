@@ -20,12 +20,20 @@ import pytest
 from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
-from tests.test_speculative import NEW, announced_prompt, block_drafter, chi_square_ok, target_only
+from tests.test_speculative import (
+    NEW,
+    announced_prompt,
+    block_drafter,
+    chi_square_ok,
+    image_prompt,
+    model,
+    target_only,
+)
 from valen_jax.decoding import Sampling, announcements, generate_ids, loop
 from valen_jax.decoding.speculative import CachedDrafter, OracleDrafter, SpeculativeDecoder
 from valen_jax.decoding.verification import target_probs
 
-pytest_plugins = ["tests.test_speculative"]  # its tokenizer and target fixtures
+pytest_plugins = ["tests.test_speculative"]  # its tokenizer, target and vl_target fixtures
 
 
 def spaced_prompt(tokenizer, block_size: int) -> np.ndarray:
@@ -196,3 +204,29 @@ def test_the_device_automaton_opens_the_spans_announced_spans_finds(tokenizer, t
         want[start:stop] = [True] * (min(stop, len(output)) - start)
     assert inside == want
     assert len(calls.announced_spans(words, output)) == 7 and len(held) == 2
+
+
+@pytest.mark.slow
+def test_the_one_loop_engine_equals_the_engine_before_it_bit_for_bit(tokenizer, vl_target):
+    """The drafter-off loop (`engine.generate_ids` now) against the frozen engine of before issue 30."""
+    from tests import engine_before_loop as before
+
+    vocab = len(tokenizer)
+    rng = np.random.default_rng(0)
+    prompts = [{"ids": rng.integers(0, vocab, n).astype(np.int32), "positions": np.arange(n, dtype=np.int32)}
+               for n in (5, 17, 40)]
+    stop = int(prompts[1]["ids"][3])
+    for scan in (False, True):
+        graphdef, params = model(-(-vocab // 64) * 64, scan=scan)
+        for sampling in (Sampling(), Sampling(temperature=1.0, top_k=20)):
+            now = generate_ids(params, graphdef, prompts, max_new_tokens=40, stop_ids=(stop,), vocab=vocab,
+                               sampling=sampling, seed=7)
+            assert now == before.generate_ids(params, graphdef, prompts, max_new_tokens=40, stop_ids=(stop,),
+                                              vocab=vocab, sampling=sampling, seed=7), (scan, sampling)
+            assert len({len(o) for o in now}) > 1 or len(set(now[0])) > 3
+    graphdef, params, vocab, cfg = vl_target
+    images = [image_prompt(tokenizer, cfg, 8, seed=s) for s in (1, 2)]
+    for sampling in (Sampling(), Sampling(temperature=1.0)):
+        assert generate_ids(params, graphdef, images, max_new_tokens=30, stop_ids=(), vocab=vocab,
+                            sampling=sampling) == before.generate_ids(params, graphdef, images, max_new_tokens=30,
+                                                                      stop_ids=(), vocab=vocab, sampling=sampling)
