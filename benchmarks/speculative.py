@@ -29,53 +29,44 @@ All land under --workdir (default: a new temporary directory).
 builds prompts (image included), greedily, up to --max-new-tokens, two ways on the same restored weights:
 - engine: `valen_jax.decoding.engine.generate_ids`, the compiled target-only loop: the greedy reference
   and the timing baseline;
-- spec: `SpeculativeDecoder.generate` with `CachedDrafter` (the fast path: one compiled loop per announced
-  block, the drafter's context cached from the target's own passes).
+- spec: `SpeculativeDecoder.generate` with `CachedDrafter`: the same decode loop with the drafter, the
+  whole answer in one program (announcements found on the device, the drafter's context cached).
 --data decodes another VFlash file; --from-call puts the reference answer up to its `atomic_decoding`
 call into the prompt, so blocks are announced whatever the target writes.
 
-Figures (blocks: the tokens of announced blocks as the decoder delimits them; the bonus token a pass
-may add past a block's end counts as the block's):
+Figures:
 - tau: tokens committed per target verification pass inside blocks, the bonus token INCLUDED (an oracle
   drafter on a block of B tokens gives B + 1); per answer, over all blocks, and over blocks of >= 18 tokens;
-- acceptance k: the fraction of passes that drafted position k and had it accepted (a prefix: k accepted
-  only if 1..k-1 were);
-- histogram 0..B: verification passes by number of drafted tokens accepted;
-- ms/token: engine = (the answer's engine time - the time to its first token, i.e. the prefill) / the
-  tokens after the first (every decode step costs the same, so this is its cost on block tokens too);
-  spec = the fast path's block programs (drafting + verification + acceptance) / the tokens they
-  committed. speedup = engine / spec, over block tokens;
-- identical: the spec answer equals the engine's target-only greedy answer token for token (must be 1.0).
+- acceptance k, histogram 0..B: as `BlockStats`;
+- answer speed-up: engine / spec time of whole answers, prompt to end, each answer alone;
+- block speed-up: each reference block alone (the prompt through its call, budget = its block size), the
+  time of a one-token decode (prefill + one pass) subtracted on each side, over the block's other tokens;
+- batch 8: 8 answers (cycled) in one program each side, whole answers: engine batched vs `generate_batch`;
+- identical: every spec answer (alone and in the batch) equals the engine's token for token (must be 1.0).
 Timing takes, per answer and side, the fastest of --repeats passes, after one untimed warm-up pass
-(compilation). Last line: `acceptance_length=X speedup_vs_ar=Y identical=Z` (X: tau over all blocks,
-Y: the speed-up over the engine on block tokens, Z: the fraction of answers identical). Exit 1 when Z < 1.
+(compilation). Last line: `acceptance_length=X speedup_vs_ar=Y answer_speedup=Z batch8_speedup=W
+identical=V` (X: tau over all blocks, Y: the block speed-up, Z: the answer speed-up, W: batch 8). Exit 1
+when V < 1.
 
-Measured (this CPU, 2 cores shared by four jobs, load average 5-10: timings are noisy; every answer identical),
-one target (stage 1, 400 steps: loss 0.104, accuracy 0.968), decoded with `--target=T` (stages 2-4):
-- default (3 x 512 extra scenes, drafter 1000 steps): stage 2 regenerated 1632 prompts (96 training
-  records + 1536 extra scenes) in 92 s: 1190 written, 442 skipped (354 malformed robot 2D trajectories,
-  49 robot 3D, 30 drives, 8 unfinished, ...); drafter 325 s, train-batch accuracy 1.000. Eval set, 9
-  trajectory answers: tau 7.11 (6.80 on blocks >= 18), acceptance 0.56 at position 1, histogram
-  [12, 1, 0, 1, 0, 0, 0, 0, 0, 5, 2, 0, 0, 0, 0, 0, 6]; engine 0.087 ms/token, spec 0.275 ms/token in
-  blocks: speedup 0.32x; the fast path's own target-only steps 1.21 ms/token (blocks 4.4x faster than
-  those). Last line `acceptance_length=7.11 speedup_vs_ar=0.32 identical=1.00` (--repeats=1);
-- 3 x 192 extra scenes (672 prompts, 488 written), drafter 1000 steps: tau 5.82 (5.48 on blocks >= 18),
-  acceptance 0.48 at position 1, speedup 0.28x;
-- 3 x 64 extra scenes (288 prompts, 221 written), drafter 2500 steps: tau 3.92 (3.62), acceptance 0.31,
-  speedup 0.14-0.18x;
-- before regeneration (`--drafter-data=reference`: the drafter on the 96 reference answers, 2500 steps,
-  the old host-loop timing): tau 2.09 (2.05 on blocks >= 18), acceptance 0.30 at position 1.
-Per answer it is all or nothing: with the default data 8 of 9 answers take their whole block in 1-2
-passes (tau 10.5-13.5: every drafted token accepted; a driving scene needed 24 passes with 64 extra
-scenes, 8 with 192, 2 with 512); one robot 2D answer takes 13 passes for 14 tokens (tau 1.08) in every
-setting: the target writes a malformed trajectory there (11 numbers after a block_size 18 call), the
-kind of answer stage 2 skips, so the drafter never saw one. 9 answers are few: read tau as a trend.
-The tau goal (>= 6 on blocks >= 18) is reached with the default data; the speed-up goal (2x on block
-tokens) is not: the tiny target (dim 64, 2 layers) makes one compiled engine step cost ~0.1 ms on this
-CPU, while one block pass (drafter forward, a 17-slot verify pass, acceptance, the loop, the read-back)
-costs ~2-4 ms, so even a whole 26-token block in 2 passes costs ~0.15-0.2 ms/token: a pass must cost less
-than tau engine steps. A larger target or an accelerator changes that ratio; neither was measured here
-(no device was lent to this task).
+Measured after issue 30 (this CPU, 2 cores shared with two other engineers' jobs, load average 7-9 during
+the run; --extra-scenes=192 --repeats=1; target 400 steps in 105 s, loss 0.086; regeneration 127 s;
+drafter 1000 steps in 284 s; every answer identical, alone and batched):
+`acceptance_length=12.31 speedup_vs_ar=2.13 answer_speedup=0.72 batch8_speedup=0.56 identical=1.00`.
+tau 12.50 on blocks >= 18, acceptance 1.00 at every position (the drafter took every block of this
+target in 1-2 passes); block tokens 0.068 ms/token engine vs 0.032 spec. Whole answers stay slower
+(0.146 vs 0.203 ms/token): these answers are 39-58 tokens of which 10-26 are a block, and outside blocks
+the loop's step costs more than the engine's on a target this small (dim 64, 2 layers: an engine step is
+~0.1 ms, so the per-iteration work the speculative loop adds, the `lax.cond` between step and verify,
+the announcement automaton, the drafter's context writes, the per-row stats, is a large fraction of it;
+on a realistic target it is a small one). Batch 8 is slower still because one drafting row makes every
+row's pass a W = 17-slot verify, which on this CPU costs several decode steps (compute-bound); on a GPU
+or TPU a decode step is memory-bound and a 17-slot pass costs about one step, which is what batching
+speculative rows relies on. Not measured here: the issue's dim >= 512 / 8-layer target (its training
+did not fit this session) and any accelerator (none was lent).
+
+Before issue 30 (one program per block, a host round trip per token outside blocks), with 3 x 512 extra
+scenes: `acceptance_length=7.11 speedup_vs_ar=0.32 identical=1.00`; the block figure was then the
+block programs' own time, not comparable one to one with the block speed-up above.
 """
 
 from __future__ import annotations
@@ -204,6 +195,7 @@ class Answer:
     where: str
     prompt: dict  # prompts.Prompts.prompt: ids, positions, vision
     reference_block: int  # the reference's announced block_size
+    call_prompt: dict | None = None  # the prompt through the reference's call: its block alone is timed
 
 
 def trajectory_answers(target: ModelRun, calls: AtomicCalls, data: Path, from_call: bool
@@ -229,7 +221,7 @@ def trajectory_answers(target: ModelRun, calls: AtomicCalls, data: Path, from_ca
             if not np.array_equal(prompt["positions"], np.arange(len(prompt["ids"]))):
                 raise SystemExit(f"{where}: positions are not 0..n-1 (an M-RoPE target); the speculative decoder "
                                  "takes 1-D positions")
-            found.append(Answer(where, prompt, call[1].block_size))
+            found.append(Answer(where, prompt, call[1].block_size, built.prompt(ref, calls)))
     return found, total
 
 
@@ -240,44 +232,69 @@ class Result:
     spec: list[int]
     stats: BlockStats
     sizes: list[int]  # announced block sizes in the generated answer
-    engine_seconds: float  # the engine's decode loop: the whole answer minus prefill and first token
-    engine_tokens: int  # the tokens that loop produced (all but the first)
-    spec_seconds: float  # the fast path's block programs (draft + verify + accept, on the device)
-    spec_tokens: int  # the tokens they committed
-    step_seconds: float = 0.0  # the fast path's own target-only steps outside blocks (a host round trip each)
-    steps: int = 0
+    engine_seconds: float  # the whole answer by the engine, prompt to end
+    spec_seconds: float  # the same by the speculative loop (one program)
+    block_engine_seconds: float = float("nan")  # the block alone (budget = its size), first token subtracted
+    block_spec_seconds: float = float("nan")
+    block_tokens: int = 0  # the block's tokens after the first
 
     @property
     def identical(self) -> bool:
         return self.spec == self.engine
 
 
-def engine_time(target, prompt: dict, new_tokens: int, vocab: int, eot: int) -> float:
-    started = time.perf_counter()  # generate_ids reads its result back: the time is the device's too
-    generate_ids(target.params, target.graphdef, [prompt], max_new_tokens=new_tokens, stop_ids=(eot,), vocab=vocab)
-    return time.perf_counter() - started
+def timed(fn, *args):
+    started = time.perf_counter()  # both decoders read their results back: the time is the device's too
+    out = fn(*args)
+    return out, time.perf_counter() - started
 
 
 def decode_all(target, drafter: CachedDrafter, calls, answers: list[Answer], max_new_tokens: int) -> list[Result]:
-    """Each answer by the engine (target-only, compiled: the reference and the timing baseline) and by the
-    speculative fast path with the trained drafter (one compiled loop per announced block)."""
+    """Each answer alone by the engine (target-only: the reference and the baseline) and by the
+    speculative loop with the trained drafter, whole answers; then the reference's first block alone
+    (budget = its size, the prompt run to its call) on both sides, the time to the first token (prefill +
+    one pass) subtracted on each side: the speed on block tokens."""
+    vocab, eot = len(target.tokenizer), end_of_turn_id(target.tokenizer)
+    results = []
+    for answer in answers:
+        prompt = {"ids": answer.prompt["ids"], "positions": answer.prompt["positions"], "vision": answer.prompt["vision"]}
+
+        def engine(p, new):
+            return generate_ids(target.params, target.graphdef, [p], max_new_tokens=new, stop_ids=(eot,),
+                                vocab=vocab)[0]
+
+        def spec(p, new, decoder=None):
+            decoder = decoder or SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab,
+                                                    stop_ids=(eot,))
+            return decoder.generate(p, drafter, max_new_tokens=new)
+
+        reference, engine_seconds = timed(engine, prompt, max_new_tokens)
+        decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
+        out, spec_seconds = timed(spec, prompt, max_new_tokens, decoder)
+        sizes = [announcement.block_size for *_, announcement in calls.announced_spans(prompt["ids"], out)]
+        result = Result(answer, list(reference), out, decoder.stats, sizes, engine_seconds, spec_seconds)
+        if answer.call_prompt is not None:
+            block, size = answer.call_prompt, answer.reference_block
+            _, e_whole = timed(engine, block, size)
+            _, e_first = timed(engine, block, 1)
+            _, s_whole = timed(spec, block, size)
+            _, s_first = timed(spec, block, 1)
+            result.block_engine_seconds, result.block_spec_seconds = max(e_whole - e_first, 0.0), max(s_whole - s_first, 0.0)
+            result.block_tokens = size - 1
+        results.append(result)
+    return results
+
+
+def decode_batch(target, drafter: CachedDrafter, calls, answers: list[Answer], max_new_tokens: int, rows: int):
+    """`rows` answers (cycled) in ONE batch: the engine batched vs `generate_batch` → (engine s, spec s, equal)."""
     vocab, eot = len(target.tokenizer), end_of_turn_id(target.tokenizer)
     prompts = [{"ids": a.prompt["ids"], "positions": a.prompt["positions"], "vision": a.prompt["vision"]}
-               for a in answers]
-    engine = generate_ids(target.params, target.graphdef, prompts, max_new_tokens=max_new_tokens, stop_ids=(eot,),
-                          vocab=vocab)
-    results = []
-    for answer, prompt, reference in zip(answers, prompts, engine, strict=True):
-        # The engine's per-token cost: the same answer timed whole and to its first token (prefill).
-        whole = engine_time(target, prompt, len(reference), vocab, eot)
-        first = engine_time(target, prompt, 1, vocab, eot)
-        decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
-        spec = decoder.generate(prompt, drafter, max_new_tokens=max_new_tokens)
-        sizes = [announcement.block_size for *_, announcement in calls.announced_spans(prompt["ids"], spec)]
-        results.append(Result(answer, list(reference), spec, decoder.stats, sizes, max(whole - first, 0.0),
-                              len(reference) - 1, decoder.timing.block_seconds, decoder.timing.block_tokens,
-                              decoder.timing.step_seconds, decoder.timing.steps))
-    return results
+               for a in (answers * rows)[:rows]]
+    engine, engine_seconds = timed(lambda: generate_ids(target.params, target.graphdef, prompts,
+                                                        max_new_tokens=max_new_tokens, stop_ids=(eot,), vocab=vocab))
+    decoder = SpeculativeDecoder(target.graphdef, target.params, calls=calls, vocab=vocab, stop_ids=(eot,))
+    spec, spec_seconds = timed(lambda: decoder.generate_batch(prompts, drafter, max_new_tokens=max_new_tokens))
+    return engine_seconds, spec_seconds, [list(e) for e in engine] == spec
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -298,24 +315,21 @@ def ms_per_token(seconds: float, tokens: int) -> float:
     return 1e3 * seconds / tokens if tokens else float("nan")
 
 
-def summary(label: str, results: list[Result], block: int) -> tuple[float, float]:
+def summary(label: str, results: list[Result], block: int) -> float:
     stats = merged([r.stats for r in results])
-    engine = ms_per_token(sum(r.engine_seconds for r in results), sum(r.engine_tokens for r in results))
-    spec = ms_per_token(sum(r.spec_seconds for r in results), sum(r.spec_tokens for r in results))
-    speedup = engine / spec if stats.committed else float("nan")
+    tokens = sum(len(r.engine) for r in results)
+    engine = ms_per_token(sum(r.engine_seconds for r in results), tokens)
+    spec = ms_per_token(sum(r.spec_seconds for r in results), tokens)
     identical = sum(r.identical for r in results)
     print(f"{label}: {len(results)} answers, {identical} identical; {stats.passes} passes committed {stats.committed} "
-          f"block tokens: tau {stats.tau:.2f}; ms/token engine {engine:.3f}, spec in blocks {spec:.3f}; "
-          f"speedup {speedup:.2f}x")
-    steps = ms_per_token(sum(r.step_seconds for r in results), sum(r.steps for r in results))
-    print(f"  the fast path's own target-only steps outside blocks: {steps:.3f} ms/token (one program and read-back "
-          f"each; blocks are {steps / spec if stats.committed else float('nan'):.2f}x faster than these)")
+          f"block tokens: tau {stats.tau:.2f}; whole answers ms/token engine {engine:.3f}, spec {spec:.3f}: "
+          f"speedup {engine / spec:.2f}x")
     if stats.passes:
         acceptance = stats.acceptance()
         print("  acceptance by draft position: " + " ".join(f"{k}:{acceptance[k]:.2f}" for k in sorted(acceptance)))
         print(f"  histogram of accepted draft tokens per pass, 0..{block}: "
               f"{[stats.histogram.get(k, 0) for k in range(block + 1)]}")
-    return stats.tau, speedup
+    return stats.tau
 
 
 def fastest(runs: list[list[Result]]) -> list[Result]:
@@ -326,10 +340,10 @@ def fastest(runs: list[list[Result]]) -> list[Result]:
         for r in per_answer[1:]:
             if (r.engine, r.spec) != (first.engine, first.spec):
                 raise SystemExit(f"{first.answer.where}: a repeat decoded other tokens (nondeterminism)")
-        engine = min(per_answer, key=lambda r: r.engine_seconds)
-        spec = min(per_answer, key=lambda r: r.spec_seconds)
-        best.append(Result(first.answer, first.engine, first.spec, first.stats, first.sizes, engine.engine_seconds,
-                           first.engine_tokens, spec.spec_seconds, first.spec_tokens, spec.step_seconds, first.steps))
+        pick = {name: min(getattr(r, name) for r in per_answer)
+                for name in ("engine_seconds", "spec_seconds", "block_engine_seconds", "block_spec_seconds")}
+        best.append(Result(first.answer, first.engine, first.spec, first.stats, first.sizes, **pick,
+                           block_tokens=first.block_tokens))
     return best
 
 
@@ -405,29 +419,46 @@ def main(argv=None) -> int:
 
     started = time.perf_counter()
     decode_all(target, drafter, calls, answers, args.max_new_tokens)  # warm-up: compiles every shape
+    decode_batch(target, drafter, calls, answers, args.max_new_tokens, 8)
     print(f"warm-up pass (compilation included): {time.perf_counter() - started:.1f} s")
     results = fastest([decode_all(target, drafter, calls, answers, args.max_new_tokens) for _ in range(repeats)])
+    batches = [decode_batch(target, drafter, calls, answers, args.max_new_tokens, 8) for _ in range(repeats)]
 
     block = cfg.block_size
     for r in results:
         s = r.stats
-        engine, spec = ms_per_token(r.engine_seconds, r.engine_tokens), ms_per_token(r.spec_seconds, r.spec_tokens)
         histogram = [s.histogram.get(k, 0) for k in range(block + 1)]
         acceptance = " ".join(f"{v:.2f}" for _, v in sorted(s.acceptance().items()))
         print(f"- {r.answer.where}: reference block {r.answer.reference_block}, generated blocks {r.sizes or 'none'}; "
-              f"{len(r.spec)} tokens ({r.spec_tokens} in blocks); identical {r.identical}")
-        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes); ms/token engine {engine:.3f} spec "
-              f"{spec:.3f} speedup {engine / spec if s.committed else float('nan'):.2f}x; histogram {histogram}; "
-              f"acceptance {acceptance}")
+              f"{len(r.spec)} tokens; identical {r.identical}")
+        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes); whole answer engine "
+              f"{1e3 * r.engine_seconds:.1f} ms, spec {1e3 * r.spec_seconds:.1f} ms "
+              f"({r.engine_seconds / r.spec_seconds:.2f}x); histogram {histogram}; acceptance {acceptance}")
         print(f"    text: {target.tokenizer.decode(r.spec, skip_special_tokens=False)!r}")
     long = [r for r in results if r.sizes and min(r.sizes) >= LONG_BLOCK]
-    summary(f"blocks >= {LONG_BLOCK} tokens", long, block)
-    tau, speedup = summary("all blocks", results, block)
+    long_tau = summary(f"blocks >= {LONG_BLOCK} tokens", long, block)
+    tau = summary("all blocks", results, block)
+    timed_blocks = [r for r in results if r.block_tokens]
+    block_speedup = (sum(r.block_engine_seconds for r in timed_blocks) / sum(r.block_spec_seconds for r in timed_blocks)
+                     if timed_blocks and sum(r.block_spec_seconds for r in timed_blocks) else float("nan"))
+    print(f"block tokens (each reference block alone, prompt through its call, first token subtracted): "
+          f"{sum(r.block_tokens for r in timed_blocks)} tokens, engine "
+          f"{ms_per_token(sum(r.block_engine_seconds for r in timed_blocks), sum(r.block_tokens for r in timed_blocks)):.3f}"
+          f" ms/token, spec {ms_per_token(sum(r.block_spec_seconds for r in timed_blocks), sum(r.block_tokens for r in timed_blocks)):.3f}"
+          f": speedup {block_speedup:.2f}x")
+    answer_speedup = sum(r.engine_seconds for r in results) / sum(r.spec_seconds for r in results)
+    engine8, spec8 = min(b[0] for b in batches), min(b[1] for b in batches)
+    batch_identical = all(b[2] for b in batches)
+    print(f"batch 8 (answers cycled, one program each side): engine {engine8:.3f} s, spec {spec8:.3f} s: "
+          f"{engine8 / spec8:.2f}x; identical {batch_identical}")
     unannounced = sum(not r.sizes for r in results)
     if unannounced:
         print(f"{unannounced} answer(s) where the target announced no block (nothing to draft there)")
     identical = sum(r.identical for r in results) / len(results) if results else 0.0
-    print(f"acceptance_length={tau:.2f} speedup_vs_ar={speedup:.2f} identical={identical:.2f}")
+    identical = identical if batch_identical else 0.0
+    print(f"(tau on blocks >= {LONG_BLOCK}: {long_tau:.2f})")
+    print(f"acceptance_length={tau:.2f} speedup_vs_ar={block_speedup:.2f} answer_speedup={answer_speedup:.2f} "
+          f"batch8_speedup={engine8 / spec8:.2f} identical={identical:.2f}")
     return 0 if identical == 1.0 else 1
 
 

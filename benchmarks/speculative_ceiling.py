@@ -6,14 +6,16 @@ loop) against the fast speculative path, on random weights, so no training is ne
 Per config (random lively weights; tiny = configs/vflash.py:tiny's decoder, dim 64, 2 layers; big = dim 512,
 8 layers): a prompt that announces a block of --block tokens.
 - engine: `generate_ids` greedy; ms/token = (t(N) - t(1)) / (N - 1), N = block + 1 (the prefill cancels);
-- oracle: `SpeculativeDecoder` fast path with the target's own greedy output scripted at B = 16 per pass
-  (drafting costs a slice): ms per committed block token = the speed-up ceiling at tau = 17;
-- cached: the same with an untrained 1-layer block drafter of B = 16 (CachedDrafter): ms per verify pass,
+- oracle: `SpeculativeDecoder` (the decode loop, whole answer in one program) with the target's own
+  greedy output scripted at B = 16 per pass (drafting costs a slice): ms per block token = (t(N) - t(1))
+  / (N - 1), the speed-up ceiling at tau = 17;
+- cached: the same with an untrained 1-layer block drafter of B = 16 (CachedDrafter): ms per verify pass
+  ((t(N) - t(1)) / (passes - 1)),
   i.e. the cost of one real draft + verify pass; speed-up at acceptance tau = engine ms × tau / pass ms.
 Each figure is the fastest of --repeats runs after one warm-up (compilation). Every speculative output is
 checked equal to the engine's greedy output. Last line, per config: `NAME: ceiling_speedup=X
 breakeven_tau=Y speedup_at_tau6=Z`.
-Measured (CPU, 2 cores, load ~5-6, --repeats 10): tiny ceiling 2.13x, break-even tau 7.8, 0.77x at tau 6;
+Measured before issue 30 (one program per block; CPU, 2 cores, load ~5-6, --repeats 10): tiny ceiling 2.13x, break-even tau 7.8, 0.77x at tau 6;
 dim 512 ceiling 4.39x, break-even tau 3.9, 1.54x at tau 6. The 17-slot verify pass is compute-bound on a
 CPU (~8 decode steps at dim 64, ~4 at dim 512); on an accelerator it is close to one memory-bound step.
 """
@@ -69,25 +71,28 @@ def measure(name: str, prompt, calls, vocab: int, block: int, repeats: int) -> s
     t_full, t_one = fastest(lambda: engine(new), repeats), fastest(lambda: engine(1), repeats)
     engine_ms = (t_full - t_one) / (new - 1) * 1e3
 
-    def speculative(drafter):
+    def speculative(drafter, n):
         decoder = SpeculativeDecoder(graphdef, params, calls=calls, vocab=vocab)
-        out = decoder.generate(prompt, drafter, max_new_tokens=new)
-        assert out == reference, "speculative output differs from engine greedy"
+        out = decoder.generate(prompt, drafter, max_new_tokens=n)
+        assert out == reference[:n], "speculative output differs from engine greedy"
         return decoder
 
+    # The whole answer is one program (the decode loop): a block's cost is the answer's time minus that of
+    # a one-token answer (prefill + one pass), as the engine's prefill is subtracted.
     best = {}
     for kind, drafter in [("oracle", ScriptedDrafter(reference, block_size=16)),
                           ("cached", CachedDrafter(*nnx.split(Drafter(DrafterConfig(
                               block_size=16, num_layers=1, target_layers=tuple(range(min(cfg.num_layers, 5))),
                               **{k: shape[k] for k in ("dim", "num_heads", "num_kv_heads", "head_dim",
                                                        "mlp_dim")}), nnx.Rngs(1))), vocab))]:
-        speculative(drafter)  # warm-up: compiles
-        runs = [speculative(drafter) for _ in range(repeats)]
-        best[kind] = min(runs, key=lambda d: d.timing.block_seconds / d.timing.block_tokens)
-    oracle, cached = best["oracle"], best["cached"]
-    oracle_ms = oracle.timing.block_seconds / oracle.timing.block_tokens * 1e3
-    pass_oracle = oracle.timing.block_seconds / oracle.stats.passes * 1e3
-    pass_cached = cached.timing.block_seconds / cached.stats.passes * 1e3
+        speculative(drafter, new), speculative(drafter, 1)  # warm-up: compiles
+        full = min((speculative(drafter, new) for _ in range(repeats)), key=lambda d: d.timing.seconds)
+        one = min(speculative(drafter, 1).timing.seconds for _ in range(repeats))
+        best[kind] = (full, max(full.timing.seconds - one, 1e-9))
+    (oracle, oracle_s), (cached, cached_s) = best["oracle"], best["cached"]
+    oracle_ms = oracle_s / (new - 1) * 1e3
+    pass_oracle = oracle_s / max(oracle.stats.passes - 1, 1) * 1e3
+    pass_cached = cached_s / max(cached.stats.passes - 1, 1) * 1e3
     print(f"[{name}] {shape}")
     print(f"  engine target-only: {engine_ms:.3f} ms/token")
     print(f"  fast oracle B=16: tau {oracle.stats.tau:.2f}, {oracle_ms:.3f} ms/block token, "

@@ -1,13 +1,14 @@
 """The host-loop speculative decoder: the differential oracle of the library's compiled block loop.
 
-`valen_jax.decoding.speculative.SpeculativeDecoder` decodes every announced block as ONE compiled
-`lax.while_loop` (`block_loop.FastRow`), the only path the library has. This module keeps the other
-way to compute the same thing, for the tests only: a Python loop around jitted prefill / decode_step /
-extend passes, taking drafters written in Python (`propose(context, block, key) -> Proposal`) and
-accepting with the same `accept_pass`. The two share the announcement loop (`_decode`) and the prompt
-checks; everything else (KV-cache cursors, padding of the verify width, commit bookkeeping, the
-drafter's context) is computed independently here, so a test that compares them (output, passes,
-histogram, acceptance) catches a bookkeeping bug in either.
+`valen_jax.decoding.speculative.SpeculativeDecoder` decodes whole answers, rows batched, in ONE compiled
+`lax.while_loop` (`decoding.loop`), announcements found on the device, the only path the library has.
+This module keeps the other way to compute the same thing, for the tests only: a Python loop around
+jitted prefill / decode_step / extend passes, taking drafters written in Python (`propose(context,
+block, key) -> Proposal`), announcements read on the host by `AtomicCalls.announced` after every token
+(`_decode`), accepting with the same `accept_pass`. The two share only the prompt checks; everything
+else (KV-cache cursors, padding of the verify width, commit bookkeeping, the drafter's context, where a
+block starts) is computed independently here, so a test that compares them (output, passes, histogram,
+acceptance) catches a bookkeeping bug in either.
 """
 
 from __future__ import annotations
@@ -78,6 +79,30 @@ class HostDecoder(SpeculativeDecoder):
         row = self.start(ids, max_new_tokens, positions=positions, vision=vision)
         return self._decode(row, lambda size, key: self.block(row, drafter, size, key, max_new_tokens),
                             lambda key: self.step(row, key), drafter is not None, max_new_tokens, seed)
+
+    def _decode(self, row, block, step, drafting: bool, max_new_tokens: int, seed: int) -> list[int]:
+        """The loop over announcements: `block(size, key)` commits a block and returns its overflow,
+        `step(key)` one target token."""
+        key = jax.random.key(seed)
+        announced = self.calls.announced(row.ids) if self.calls else None
+        while len(row.output) < max_new_tokens and not self._stopped(row):
+            if announced is not None and drafting:
+                start = len(row.output)
+                overflow = block(announced.block_size, key)
+                # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
+                blocks = announced.blocks(row.output[start:start + 1] == [self.calls.dense_id])
+                for _ in range(blocks - 1):
+                    # A bonus token past the previous block is this block's first.
+                    overflow = block(announced.block_size - overflow, key)
+                # A bonus token past the block is ordinary output; a call it completes is announced.
+                announced = self.calls.announced(row.ids)
+                continue
+            step(key)
+            announced = self.calls.announced(row.ids) if self.calls else None
+        return row.output
+
+    def _stopped(self, row) -> bool:
+        return bool(row.output) and row.output[-1] in self.stop_ids
 
     def start(self, prompt, max_new_tokens: int, positions=None, vision=None) -> _Row:
         """Prefill all but the prompt's last token; that one is the first `last` a pass feeds."""

@@ -59,9 +59,9 @@ def test_tiny_compiles_for_v5e_with_splash(tiny):
     reduced = train["collectives"]["all-reduce"]
     assert reduced["count"] > 0 and reduced["bytes"] > 0 and reduced["outside_loops"]["count"] == reduced["count"]
     assert 0 < train["mfu_bound"] <= 1 and train["model_flops"] == report["model_flops_per_step"]
-    # The decode step and the speculative block are compiled too; the block is a while loop on the device.
-    assert programs["spec_step"]["gib_per_chip"]["total"] > 0
-    assert any(loop["trip"] is None for loop in programs["spec_block"]["loops"])
+    # The speculative answers are compiled too: one while loop on the device, its trip count data-dependent.
+    assert programs["spec_answer"]["gib_per_chip"]["total"] > 0
+    assert any(loop["trip"] is None for loop in programs["spec_answer"]["loops"])
     assert report["batch"]["tokens"] == [8, 192]
     assert "train_step: fits=True" in done.stdout and "pallas_mosaic=True" in done.stdout
     last = done.stdout.strip().splitlines()[-1]
@@ -137,9 +137,9 @@ def test_unknown_slice_names_are_refused(name):
 def test_valen_branch_trees_compile_with_splash(tmp_path):
     # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
     output = tmp_path / "valen.json"
-    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", "--programs=train_step,spec_step",
+    done = _command("--config=configs/valen.py:tiny", "--topology=v5e:2x2", "--programs=train_step,spec_answer",
                     f"--output={output}")
     assert done.returncode == 0, done.stderr[-3000:]
-    train, prefill, step = json.loads(output.read_text())["programs"]  # the step needs the prefill's state
-    assert (train["program"], prefill["program"], step["program"]) == ("train_step", "spec_prefill", "spec_step")
+    train, step = json.loads(output.read_text())["programs"]
+    assert (train["program"], step["program"]) == ("train_step", "spec_answer")
     assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True

@@ -84,7 +84,7 @@ def test_report_names_drafter_target_and_conventions(reports, runs):
     assert set(blocks["by_entry"]) == {"drive", "robot2d", "points"}
     for group in (blocks["overall"], *blocks["by_entry"].values()):
         assert set(group) == {"answers", "identical", "passes", "committed", "tau", "acceptance", "histogram",
-                              "target_only_block_tokens", "target_only_timed_tokens", "ms_per_token", "speedup"}
+                              "target_only_block_tokens", "answer_tokens", "ms_per_token", "speedup"}
         assert list(group["acceptance"]) == [str(k) for k in range(1, 9)] and len(group["histogram"]) == 9
     assert [blocks["by_entry"][e]["answers"] for e in ("drive", "robot2d", "points")] == [2, 1, 1]
 
@@ -112,13 +112,9 @@ def test_from_call_blocks_are_drafted_and_their_sums_agree(reports):
     assert first == pytest.approx(accepted_first)
     speed = overall["ms_per_token"]
     assert speed["speculative"] > 0
-    # The target-only cost of a decode step is measured on answers of more than one token (the time after
-    # the first); where the tiny target ends every answer at once there is none, and the figure is None.
-    if overall["target_only_timed_tokens"]:
-        assert speed["target_only"] > 0
-        assert overall["speedup"] == pytest.approx(speed["target_only"] / speed["speculative"])
-    else:
-        assert speed["target_only"] is None and overall["speedup"] is None
+    # Whole answers, prompt to end, both decoders timed on the same answers.
+    assert overall["answer_tokens"] > 0 and speed["target_only"] > 0
+    assert overall["speedup"] == pytest.approx(speed["target_only"] / speed["speculative"])
 
 
 @pytest.mark.slow
@@ -158,9 +154,8 @@ def _answer(passes: list[tuple[int, int, int]], entry: str, seconds: float = 0.0
     for drafted, accepted, committed in passes:
         blocks.record(drafted, accepted, committed)
     stats = BlockSums(4)
-    stats.add(blocks, identical=True, target_only_block_tokens=blocks.committed,
-              target_only_timed_tokens=blocks.committed,
-              target_only_block_seconds=2 * seconds, speculative_block_seconds=seconds, entry=entry)
+    stats.add(blocks, identical=True, target_only_block_tokens=blocks.committed, answer_tokens=blocks.committed,
+              target_only_seconds=2 * seconds, speculative_seconds=seconds, entry=entry)
     return stats
 
 
@@ -181,20 +176,17 @@ def test_block_sums_of_two_processes_are_the_merged_sums():
     assert BlockSums(4).report()["overall"]["tau"] is None  # no pass: null, not 0
 
 
-def test_an_answer_whose_step_cost_was_not_measured_does_not_count_as_zero_milliseconds():
+def test_ms_per_token_is_over_whole_answers_and_null_without_one():
     blocks = BlockStats()
     blocks.record(4, 4, 5)
     timed = BlockSums(4)
-    timed.add(blocks, identical=True, target_only_block_tokens=5, target_only_timed_tokens=5,
-              target_only_block_seconds=0.005, speculative_block_seconds=0.001)
-    alone = BlockSums(4)  # a one-token answer: its block token counted, its cost unknown
-    alone.add(blocks, identical=True, target_only_block_tokens=1, target_only_timed_tokens=0,
-              target_only_block_seconds=0.0, speculative_block_seconds=0.001)
-    assert alone.report()["overall"]["ms_per_token"]["target_only"] is None
-    assert alone.report()["overall"]["speedup"] is None
-    both = timed.merge(alone).report()["overall"]
-    assert both["target_only_block_tokens"] == 6 and both["target_only_timed_tokens"] == 5
-    assert both["ms_per_token"]["target_only"] == pytest.approx(1.0)  # 5 ms over the 5 timed tokens, not 6
+    timed.add(blocks, identical=True, target_only_block_tokens=5, answer_tokens=10,
+              target_only_seconds=0.010, speculative_seconds=0.004)
+    overall = timed.report()["overall"]
+    assert overall["ms_per_token"] == {"target_only": pytest.approx(1.0), "speculative": pytest.approx(0.4)}
+    assert overall["speedup"] == pytest.approx(2.5) and overall["answer_tokens"] == 10
+    empty = BlockSums(4).report()["overall"]
+    assert empty["ms_per_token"] == {"target_only": None, "speculative": None} and empty["speedup"] is None
 
 
 def test_block_sums_refuse_draft_positions_past_the_block():

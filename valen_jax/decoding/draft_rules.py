@@ -1,4 +1,4 @@
-"""Drafters that run on the device, inside the speculative block loop (`decoding.block_loop`).
+"""Drafters that run on the device, inside the decode loop (`decoding.loop`).
 
 A device drafter is a pair: a `rule` (a frozen, hashable description: it keys the compiled programs)
 and `params` (its arrays, passed as an argument so new weights never recompile). A rule says which of
@@ -10,10 +10,11 @@ many as asked), and three pure functions the loop calls:
   tokens per row at slots cursor .. cursor + T - 1 (a decode step, or a verify pass: the rejected
   tail lies above the committed length and is overwritten before anything reads it, as in the
   target's KV cache);
-- `draft(params, state, target, last, position, cursor, produced, key, width)`: int32 tokens [B, width]
-  following the row's last committed token `last` (slot `cursor`, 1-D `position`), and q [B, width, V]
+- `draft(params, state, target, last, position, cursor, produced, keys, width)`: int32 tokens [B, width]
+  following each row's last committed token `last` (slot `cursor`, 1-D `position`), and q [B, width, V]
   (the drafter's distribution, for rejection sampling) or None for a deterministic drafter.
-  `produced`: output tokens committed so far (a scripted drafter's index).
+  `produced` [B]: output tokens each row committed so far (a scripted drafter's index); `keys` [B]: one
+  PRNG key per row (a row's proposals do not depend on the batch it is in).
 
 `TrainedRule` is the VFlash block drafter with its context cache: the fused target features are
 turned into each drafter layer's context keys/values ONCE per token and kept in a static cache
@@ -51,7 +52,7 @@ class TrainedRule:
     def absorb(self, params, state, features, positions, cursor):
         return nnx.merge(self.graphdef, params).write_context(state, features, positions, cursor)
 
-    def draft(self, params, state, target, last, position, cursor, produced, key, width: int):
+    def draft(self, params, state, target, last, position, cursor, produced, keys, width: int):
         drafter = nnx.merge(self.graphdef, params)
         anchor = jnp.take(target.embed[...], last, axis=0)  # the target's frozen embedding, as in training
         hidden = drafter.draft_cached(state, cursor, anchor, position)[:, :width]  # [B, width, D]
@@ -71,29 +72,31 @@ class _Stateless:
 
 @dataclass(frozen=True)
 class ScriptRule(_Stateless):
-    """Proposes a given continuation (params: int32 [N]) at the row's output index: with the target's
-    own greedy output it is the oracle, whose drafting costs a slice (the speed-up ceiling)."""
+    """Proposes a given continuation (params: int32 [N], or [B, N] one per row) at each row's output
+    index: with the target's own greedy output it is the oracle, whose drafting costs a slice (the
+    speed-up ceiling)."""
 
     collect: tuple[int, ...] = ()
     block_size: int | None = None
 
-    def draft(self, params, state, target, last, position, cursor, produced, key, width: int):
+    def draft(self, params, state, target, last, position, cursor, produced, keys, width: int):
+        script = jnp.broadcast_to(params, (last.shape[0], params.shape[-1]))
         # Padded so a slice near the end is not shifted back (dynamic_slice clamps its start).
-        script = jnp.pad(params, (0, width))
-        tokens = jax.lax.dynamic_slice(script, (produced,), (width,))
-        return jnp.broadcast_to(tokens, (last.shape[0], width)).astype(jnp.int32), None
+        script = jnp.pad(script, ((0, 0), (0, width)))
+        tokens = jax.vmap(lambda s, p: jax.lax.dynamic_slice(s, (p,), (width,)))(script, produced)
+        return tokens.astype(jnp.int32), None
 
 
 @dataclass(frozen=True)
 class UniformRule(_Stateless):
-    """Uniform random tokens in [0, vocab) from the pass's key, q uniform: the worst honest drafter."""
+    """Uniform random tokens in [0, vocab) from each row's key, q uniform: the worst honest drafter."""
 
     vocab: int
     collect: tuple[int, ...] = ()
     block_size: int | None = None
 
-    def draft(self, params, state, target, last, position, cursor, produced, key, width: int):
+    def draft(self, params, state, target, last, position, cursor, produced, keys, width: int):
         rows, logits_width = last.shape[0], target.cfg.vocab_size
-        tokens = jax.random.randint(key, (rows, width), 0, self.vocab, jnp.int32)
+        tokens = jax.vmap(lambda k: jax.random.randint(k, (width,), 0, self.vocab, jnp.int32))(keys)
         q = jnp.where(jnp.arange(logits_width) < self.vocab, 1.0 / self.vocab, 0.0).astype(jnp.float32)
         return tokens, jnp.broadcast_to(q, (rows, width, logits_width))

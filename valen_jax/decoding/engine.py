@@ -1,14 +1,16 @@
 """KV-cache generation: prefill each batch of prompts once, then decode one token per row per step.
 
-The whole of one batch's generation is one jitted call: the prefill (vision inputs included), the
-first token, and a `lax.while_loop` of decode steps that stops when every row is done (a stop id
-produced, or `max_new_tokens` reached). Keeping the loop on the device saves a host round trip per
+The whole of one batch's generation is one jitted call (`loop.engine_program`, the decode loop with no
+drafter): the prefill (vision inputs included), the first token, and a `lax.while_loop` of decode steps
+that stops when every row is done (a stop id produced, or `max_new_tokens` reached). Keeping the loop on the device saves a host round trip per
 token, and since its condition is a reduction over the global batch, every process of a multi-host
 run takes the same number of steps.
 
 Shapes are bucketed (`bucket`): the prompt length, the cache length (prompt + new tokens) and the
 output buffer round up to a small set of sizes, so evaluation over prompts of many lengths compiles a
-handful of programs, each once per model (`_generate_fn` is cached per graphdef and sampling).
+handful of programs, each once per model (`engine_program` is cached per graphdef and sampling). This
+module is the host side (checks, batches, multi-host); `speculative.SpeculativeDecoder` batches the same
+way (`batch_arrays`) for the loop with a drafter.
 
 A row's random stream is `fold_in(fold_in(key(seed), global prompt index), step)`: the tokens of a
 prompt depend on the seed and its index only, not on the batch it was put in.
@@ -16,16 +18,14 @@ prompt depend on the seed and its index only, not on the batch it was put in.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from valen_jax.decoding.sampling import Sampling, sample
+from valen_jax.decoding.loop import engine_program
+from valen_jax.decoding.sampling import Sampling
 from valen_jax.models import sharding
-from valen_jax.models.sharding import constrain
 
 GREEDY = Sampling()  # the default: argmax, no randomness
 
@@ -44,7 +44,7 @@ def bucket(n: int) -> int:
         size *= 2
 
 
-def _check_prompt(index: int, prompt: dict, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
+def check_prompt(index: int, prompt: dict, mrope: bool) -> tuple[np.ndarray, np.ndarray]:
     ids = np.asarray(prompt["ids"])
     positions = np.asarray(prompt["positions"])
     where = f"prompts[{index}]"
@@ -69,48 +69,6 @@ def _agree_max(values: list[int]) -> list[int]:
     return [int(v) for v in np.asarray(gathered).max(axis=0)]
 
 
-@functools.cache
-def _generate_fn(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int):
-    def run(params, tokens, positions, lengths, next_position, active, vision, stop_ids, seed, rows, max_new):
-        model = nnx.merge(graphdef, params)
-        logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
-        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), rows)
-
-        def choose(logits, step):
-            return sample(logits, jax.vmap(jax.random.fold_in, (0, None))(row_keys, step), sampling, vocab)
-
-        def finished(token, count):
-            return jnp.isin(token, stop_ids) | (count >= max_new)
-
-        first = choose(logits, 0)
-        batch = tokens.shape[0]
-        out = jnp.zeros((batch, out_length), jnp.int32).at[:, 0].set(first)
-        count = jnp.ones(batch, jnp.int32)
-        done = ~active | finished(first, count)
-        # The state: the last token (not yet in the cache) sits at slot `cursor` with `position`.
-        state = (jnp.int32(1), cache, first, lengths, next_position, done, out, count)
-
-        def cond(state):
-            step, *_, done, _, _ = state
-            return (step < max_new) & ~jnp.all(done)
-
-        def body(state):
-            step, cache, last, cursor, position, done, out, count = state
-            logits, cache = model.decode_step(last, position, cache, cursor)
-            token = jnp.where(done, last, choose(logits, step))
-            out = jax.lax.dynamic_update_slice(out, jnp.where(done, 0, token)[:, None], (0, step))
-            live = (~done).astype(jnp.int32)
-            count = count + live
-            return (step + 1, cache, token, cursor + live, position + live, done | finished(token, count),
-                    out, count)
-
-        *_, out, count = jax.lax.while_loop(cond, body, state)
-        # Batch-sharded like the inputs, so each process reads back exactly its own rows.
-        return constrain(out, ("batch", None)), constrain(count, ("batch",))
-
-    return jax.jit(run)
-
-
 def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vocab: int,
                  sampling: Sampling = GREEDY, seed: int = 0, mesh=None,
                  local_batch: int | None = None, batches: int | None = None,
@@ -132,7 +90,7 @@ def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vo
         raise ValueError("generate_ids without a mesh runs on one device; a multi-process run needs mesh=")
     model_cfg = nnx.merge(graphdef, params).cfg
     mrope = model_cfg.mrope_section is not None
-    checked = [_check_prompt(i, p, mrope) for i, p in enumerate(prompts)]
+    checked = [check_prompt(i, p, mrope) for i, p in enumerate(prompts)]
     local_batch = int(local_batch or max(len(prompts), 1))
     batches = int(-(-len(prompts) // local_batch) if batches is None else batches)
     if batches * local_batch < len(prompts):
@@ -149,16 +107,16 @@ def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vo
                      for p in prompts[start:start + local_batch]]
         longest, patches = _agree_max([max((len(ids) for ids, _ in chunk), default=1),
                                        max((len(v["patches"]) for v in vision_of if v is not None), default=0)])
-        arrays = _batch_arrays(chunk, vision_of, local_batch, bucket(longest), patches, model_cfg, mrope)
+        arrays = batch_arrays(chunk, vision_of, local_batch, bucket(longest), patches, model_cfg, mrope)
         cache_length, out_length = bucket(longest + max_new_tokens), bucket(max_new_tokens)
-        fn = _generate_fn(graphdef, sampling, int(vocab), cache_length, out_length)
+        fn = engine_program(graphdef, sampling, int(vocab), cache_length, out_length)
         rows = np.arange(first_index + start, first_index + start + local_batch, dtype=np.uint32)
         out, count = _run(fn, params, arrays, rows, stops, seed, max_new_tokens, mesh)
         outputs.extend(out[row, :count[row]].tolist() for row in range(len(chunk)))
     return outputs
 
 
-def _batch_arrays(chunk, vision_of, rows: int, prompt_length: int, patches: int, model_cfg, mrope: bool) -> dict:
+def batch_arrays(chunk, vision_of, rows: int, prompt_length: int, patches: int, model_cfg, mrope: bool) -> dict:
     """Right-padded host arrays of one batch; rows past the chunk are inactive padding."""
     tokens = np.zeros((rows, prompt_length), np.int32)
     positions = np.zeros((rows, prompt_length, 3) if mrope else (rows, prompt_length), np.int32)

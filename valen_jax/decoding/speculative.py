@@ -23,36 +23,40 @@ Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks,
 INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
 per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
 
-One row (prompt) per call, a device drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`,
-`OracleDrafter`): each announced block is ONE compiled `lax.while_loop` (draft → verify → accept →
-advance both caches → write the committed tokens), no host round trip inside a block (`block_loop`).
-The trained drafter's context keys/values are cached once per token from the target's own prefill /
-decode / verify passes (`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over
-B + 1 slots (`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the
-prompt's image (`generate(prompt, ..., vision_inputs=)` or an engine prompt dict); generated tokens
-continue after the prompt's largest position, as the engine does. This is the only library path; a
-Python loop around jitted prefill / decode_step / extend passes, for drafters written in Python, lives
-in the tests (`tests/speculative_host.py`) as the differential oracle of this one.
+Rows are decoded together, each answer whole, in ONE compiled `lax.while_loop` (`decoding.loop`: plain
+steps, announcements found on the device by `decoding.announcements`, drafted blocks), with a device
+drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, `OracleDrafter`). The host waits once per
+batch, plus once per call outside the device's spelling, which it reads with `AtomicCalls.announced` (a
+held row; `Timing.host_reads`). The prefill covers each prompt but its last token, which the first pass
+feeds, so a block announced by the prompt is drafted whole (an oracle: tau = B + 1). The trained
+drafter's context keys/values are cached once per token from the target's own passes
+(`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over B + 1 slots
+(`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the prompt's image;
+generated tokens continue after the prompt's largest position, as the engine does. This is the only
+library path; a Python loop around jitted passes, for drafters written in Python, lives in the tests
+(`tests/speculative_host.py`) as the differential oracle of this one.
 
     drafter = CachedDrafter(drafter_graphdef, drafter_params, vocab)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=[eot])
     out = decoder.generate({"ids": ids, "positions": positions, "vision": vision}, drafter, max_new_tokens=256)
-    decoder.stats.tau, decoder.timing.block_seconds / decoder.timing.block_tokens   # s/token in blocks
+    outs = decoder.generate_batch(prompts, drafter, max_new_tokens=256)       # rows together
+    decoder.stats.tau, decoder.timing.seconds / decoder.timing.tokens       # s/token, whole answers
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
-from valen_jax.decoding.block_loop import FastRow, Timing
+from valen_jax.decoding import announcements
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
-from valen_jax.decoding.engine import GREEDY, generate_ids
+from valen_jax.decoding.engine import GREEDY, batch_arrays, bucket, generate_ids
+from valen_jax.decoding.loop import speculative_programs
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.verification import accept_pass, target_probs, verify_sampled
 
@@ -79,6 +83,19 @@ class BlockStats:
             self.accepted_at[k] = self.accepted_at.get(k, 0) + (k <= accepted)
         self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
 
+    def add_counts(self, passes, committed, drafted_at, accepted_at, histogram) -> None:
+        """One row's sums from the device loop (`loop.Stats`): arrays over draft positions 1.. and 0.."""
+        self.passes += int(passes)
+        self.committed += int(committed)
+        for k, (drafted, accepted) in enumerate(zip(np.asarray(drafted_at).tolist(), np.asarray(accepted_at).tolist(),
+                                                    strict=True), start=1):
+            if drafted:
+                self.drafted_at[k] = self.drafted_at.get(k, 0) + drafted
+                self.accepted_at[k] = self.accepted_at.get(k, 0) + accepted
+        for n, count in enumerate(np.asarray(histogram).tolist()):
+            if count:
+                self.histogram[n] = self.histogram.get(n, 0) + count
+
     @property
     def tau(self) -> float:
         return self.committed / self.passes if self.passes else 0.0
@@ -89,16 +106,37 @@ class BlockStats:
 
 # -- the decoder ----------------------------------------------------------------------------------
 
+@dataclass
+class Timing:
+    """Host wall time of the decode loop's launches (each result is read back, so it is the device's
+    time too): prefill to the last token of every row, host answers to held rows included."""
+
+    seconds: float = 0.0
+    tokens: int = 0  # output tokens committed
+    launches: int = 0  # programs run: one per batch, plus one per host answer to held rows
+    host_reads: int = 0  # calls outside the device's spelling read by `AtomicCalls.announced`
+
+
+# A span's block_size and count as the host hands them to the loop: products stay in int32 (a span longer
+# than any budget decodes the same, a pass never drafts past `width` anyway).
+_HOST_CAP = 1 << 15
+
+
 class SpeculativeDecoder:
-    """Greedy (`Sampling()`) or sampled decoding of one prompt at a time with speculative blocks."""
+    """Greedy (`Sampling()`) or sampled decoding of a batch of prompts with speculative blocks: one compiled
+    loop per batch (`decoding.loop`); `width`: the draft slots per pass of a drafter without a block size."""
 
     def __init__(self, graphdef, params, *, calls: AtomicCalls | None, vocab: int, stop_ids=(),
-                 sampling: Sampling = GREEDY):
+                 sampling: Sampling = GREEDY, width: int = 32):
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
+        if calls is None:
+            raise ValueError("SpeculativeDecoder needs calls= (AtomicCalls): without announcements nothing is "
+                             "drafted; target-only decoding is engine.generate_ids")
         self.graphdef, self.params, self.calls = graphdef, params, calls
-        self.vocab, self.stop_ids, self.sampling = int(vocab), {int(s) for s in stop_ids}, sampling
+        self.vocab, self.stop_ids, self.sampling, self.width = int(vocab), {int(s) for s in stop_ids}, sampling, width
         self.stats = BlockStats()
+        self.row_stats: list[BlockStats] = []  # per prompt decoded, in order
         self.timing = Timing()
 
     def generate(self, prompt, drafter, *, max_new_tokens: int, seed: int = 0, positions=None,
@@ -111,44 +149,86 @@ class SpeculativeDecoder:
         drafter: a device drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, or `OracleDrafter`,
         which scripts the target's greedy output); target-only decoding is `engine.generate_ids`."""
         ids, positions, vision = self._prompt(prompt, positions, vision_inputs)
-        if hasattr(drafter, "for_prompt"):
-            drafter = drafter.for_prompt(ids, positions, vision, max_new_tokens)
+        return self.generate_batch([{"ids": ids, "positions": positions, "vision": vision}], drafter,
+                                   max_new_tokens=max_new_tokens, seed=seed)[0]
+
+    def generate_batch(self, prompts, drafter, *, max_new_tokens, seed: int = 0, first_index: int = 0
+                       ) -> list[list[int]]:
+        """Every prompt's generated ids, the rows decoded together in one loop. prompts: ids or engine
+        prompt dicts; max_new_tokens: one budget or one per prompt. Prompt g's random stream depends on
+        (seed, first_index + g) only, as in `engine.generate_ids`."""
+        rows = [self._prompt(p, None, None) for p in prompts]
+        rows = [(ids, np.arange(len(ids), dtype=np.int32) if pos is None else pos, vision) for ids, pos, vision in rows]
+        budgets = [int(max_new_tokens)] * len(rows) if np.ndim(max_new_tokens) == 0 else [int(b) for b in max_new_tokens]
+        if len(budgets) != len(rows) or min(budgets, default=0) < 0:
+            raise ValueError(f"max_new_tokens: one budget >= 0 or one per prompt ({len(rows)}), got {max_new_tokens}")
+        if not rows or max(budgets) == 0:
+            return [[] for _ in rows]
+        if hasattr(drafter, "for_prompts"):
+            drafter = drafter.for_prompts(rows, max(budgets))
         if getattr(drafter, "rule", None) is None:
             raise TypeError(f"a {type(drafter).__name__} is not a device drafter (one with a `rule`: CachedDrafter, "
                             "ScriptedDrafter, RandomDrafter, OracleDrafter); target-only decoding is "
                             "engine.generate_ids")
-        return self._generate_fast(ids, positions, vision, drafter, max_new_tokens, seed)
-
-    def _generate_fast(self, ids, positions, vision, drafter, max_new_tokens: int, seed: int) -> list[int]:
         self._check_drafter(drafter)
-        if positions is None:
-            positions = np.arange(len(ids), dtype=np.int32)
-        row = FastRow(self.graphdef, self.params, drafter, sampling=self.sampling, vocab=self.vocab,
-                      stop_ids=self.stop_ids, ids=ids, positions=positions, vision=vision,
-                      max_new_tokens=max_new_tokens, timing=self.timing)
-        return self._decode(row, lambda size, key: row.block(size, key, max_new_tokens, self.stats), row.step,
-                            True, max_new_tokens, seed)
+        started = time.perf_counter()
+        state, prompt_ids = self._run(rows, budgets, drafter, seed, first_index)
+        out, count = np.asarray(state.out), np.asarray(state.count)
+        self.timing.seconds += time.perf_counter() - started
+        self.timing.tokens += int(count[:len(rows)].sum())
+        stats = [np.asarray(a) for a in state.stats]
+        for row in range(len(rows)):
+            one = BlockStats()
+            one.add_counts(*(a[row] for a in stats))
+            self.row_stats.append(one)
+            self.stats.add_counts(*(a[row] for a in stats))
+        return [out[row, :count[row]].tolist() for row in range(len(rows))]
 
-    def _decode(self, row, block, step, drafting: bool, max_new_tokens: int, seed: int) -> list[int]:
-        """The loop over announcements (shared with the tests' host-loop oracle, tests/speculative_host.py):
-        `block(size, key)` commits a block and returns its overflow, `step(key)` one target token."""
-        key = jax.random.key(seed)
-        announced = self.calls.announced(row.ids) if self.calls else None
-        while len(row.output) < max_new_tokens and not self._stopped(row):
-            if announced is not None and drafting:
-                start = len(row.output)
-                overflow = block(announced.block_size, key)
-                # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
-                blocks = announced.blocks(row.output[start:start + 1] == [self.calls.dense_id])
-                for _ in range(blocks - 1):
-                    # A bonus token past the previous block is this block's first.
-                    overflow = block(announced.block_size - overflow, key)
-                # A bonus token past the block is ordinary output; a call it completes is announced.
-                announced = self.calls.announced(row.ids)
-                continue
-            step(key)
-            announced = self.calls.announced(row.ids) if self.calls else None
-        return row.output
+    def _run(self, rows, budgets, drafter, seed: int, first_index: int):
+        cfg = nnx.merge(self.graphdef, self.params).cfg
+        mrope = cfg.mrope_section is not None
+        batch, longest = len(rows), max(len(ids) for ids, _, _ in rows)
+        # The prefill takes every prompt but its last token: that one is the first pass's `last`.
+        chunk = [(np.asarray(ids[:-1], np.int32), np.asarray(pos[:-1], np.int32)) for ids, pos, _ in rows]
+        vision_of = [v if cfg.vision is not None else None for _, _, v in rows]
+        patches = max((len(v["patches"]) for v in vision_of if v is not None), default=0)
+        arrays = batch_arrays(chunk, vision_of, batch, bucket(longest - 1), patches, cfg, mrope)
+        width = drafter.rule.block_size or self.width
+        start, resume = speculative_programs(self.graphdef, drafter.rule, self.sampling, self.vocab, width,
+                                             bucket(longest + max(budgets)), bucket(max(budgets) + width + 1))
+        tables = announcements.tables(self.calls, cfg.vocab_size)
+        stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
+        vision = (None if not patches else
+                  tuple(jnp.asarray(arrays[k]) for k in ("patches", "patch_positions", "patch_segments")))
+        row_ids = jnp.asarray(np.arange(first_index, first_index + batch, dtype=np.uint32))
+        last = jnp.asarray([ids[-1] for ids, _, _ in rows], jnp.int32)
+        last_position = jnp.asarray([int(np.asarray(pos[-1]).reshape(-1)[0]) for _, pos, _ in rows], jnp.int32)
+        state = start(self.params, drafter.params, jnp.asarray(arrays["tokens"]), jnp.asarray(arrays["positions"]),
+                      jnp.asarray(arrays["lengths"]), last, last_position, jnp.asarray(arrays["active"]), vision,
+                      stops, jnp.uint32(seed), row_ids, jnp.asarray(budgets, jnp.int32), tables)
+        self.timing.launches += 1
+        while True:
+            held = np.asarray(state.held)
+            if not held.any():
+                return state, None
+            state = self._answer_held(state, held, rows)
+            state = resume(self.params, drafter.params, state, stops, jnp.uint32(seed), row_ids, tables)
+            self.timing.launches += 1
+
+    def _answer_held(self, state, held, rows):
+        """Held rows completed a call outside the device's spelling: the host reads it (the rule's home)
+        and opens the span it announces, or lets the row decode on (another tool, text)."""
+        out, count = np.asarray(state.out), np.asarray(state.count)
+        spans = {k: np.array(getattr(state.spans, k)) for k in ("left", "size", "count", "fresh")}
+        for row in np.flatnonzero(held):
+            self.timing.host_reads += 1
+            found = self.calls.announced(list(rows[row][0]) + out[row, :count[row]].tolist())
+            if found is not None:
+                size = min(found.block_size, _HOST_CAP)
+                spans["left"][row], spans["size"][row] = size, size
+                spans["count"][row], spans["fresh"][row] = min(found.count or 0, _HOST_CAP), True
+        return state._replace(held=jnp.zeros_like(state.held),
+                              spans=state.spans._replace(**{k: jnp.asarray(v) for k, v in spans.items()}))
 
     def _prompt(self, prompt, positions, vision):
         """(ids, positions or None, vision dict or None), checked against the target."""
@@ -185,14 +265,12 @@ class SpeculativeDecoder:
             raise ValueError(f"drafter reads target layers {layers} at width {drafter.dim}; the target has "
                              f"{cfg.num_layers} layers of width {cfg.dim}")
 
-    def _stopped(self, row) -> bool:
-        return bool(row.output) and row.output[-1] in self.stop_ids
-
 # -- device drafters -------------------------------------------------------------
 
 class ScriptedDrafter:
-    """A device drafter proposing a given continuation (the output ids it expects, from index 0) at the
-    row's output index; `block_size` caps a pass (None: the rest of the block)."""
+    """A device drafter proposing a given continuation (the output ids it expects, from index 0; [N], or
+    [B, N] one per row of a batch) at each row's output index; `block_size` caps a pass (None: the
+    decoder's `width`)."""
 
     def __init__(self, tokens, block_size: int | None = None):
         self.rule = ScriptRule(block_size=block_size)
@@ -201,20 +279,22 @@ class ScriptedDrafter:
 
 class OracleDrafter:
     """Proposes the target's own greedy continuation: the greedy output of the prompt, computed once
-    (`for_prompt`), as a `ScriptedDrafter` (drafting costs a slice: the speed-up ceiling). Under sampling
+    (`for_prompts`), as a `ScriptedDrafter` (drafting costs a slice: the speed-up ceiling). Under sampling
     it still scripts the greedy output of the prompt (a drafter, so output stays the target's own)."""
 
     def __init__(self, graphdef, params, vocab: int, block_size: int | None = None):
         self.graphdef, self.params, self.vocab, self.block_size = graphdef, params, vocab, block_size
 
-    def for_prompt(self, ids, positions, vision, max_new_tokens: int) -> ScriptedDrafter:
-        prompt = {"ids": np.asarray(ids, np.int32),
-                  "positions": np.arange(len(ids), dtype=np.int32) if positions is None else positions}
-        if vision is not None:
-            prompt["vision"] = vision
-        out = generate_ids(self.params, self.graphdef, [prompt], max_new_tokens=max_new_tokens, stop_ids=(),
+    def for_prompts(self, rows, max_new_tokens: int) -> ScriptedDrafter:
+        """rows: (ids, positions, vision or None) per prompt → one script per row, [B, max_new_tokens]."""
+        prompts = [{"ids": np.asarray(ids, np.int32), "positions": np.asarray(positions),
+                    **({"vision": vision} if vision is not None else {})} for ids, positions, vision in rows]
+        out = generate_ids(self.params, self.graphdef, prompts, max_new_tokens=max_new_tokens, stop_ids=(),
                            vocab=self.vocab)
-        return ScriptedDrafter(out[0], self.block_size)
+        scripts = np.zeros((len(out), max_new_tokens), np.int32)
+        for row, tokens in enumerate(out):
+            scripts[row, :len(tokens)] = tokens
+        return ScriptedDrafter(scripts, self.block_size)
 
 
 class RandomDrafter:

@@ -3,7 +3,7 @@
 Greedy: the longest prefix of the draft equal to the target's argmax, then the target's own token
 (the bonus). Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023), so
 the emitted tokens follow the target's distribution p exactly. `accept_pass` is what the on-device
-block loop (`block_loop`) runs per pass; the tests' host-loop oracle (tests/speculative_host.py) uses
+decode loop (`decoding.loop`) runs per row and pass; the tests' host-loop oracle (tests/speculative_host.py) uses
 the same rule.
 """
 

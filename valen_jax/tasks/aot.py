@@ -73,7 +73,7 @@ CHIPS = {"v4": Chip(32 * GIB, 275e12, 1200e9), "v5e": Chip(16 * GIB, 197e12, 819
          "v5p": Chip(95 * GIB, 459e12, 2765e9), "v6e": Chip(32 * GIB, 918e12, 1640e9)}
 HBM_PER_CHIP = {generation: chip.hbm_bytes for generation, chip in CHIPS.items()}
 COLLECTIVES = aot_hlo.COLLECTIVES
-PROGRAMS = ("train_step", "eval_forward", "generate", "spec_prefill", "spec_step", "spec_block")
+PROGRAMS = ("train_step", "eval_forward", "generate", "spec_answer")
 # Generations whose slice name counts TensorCores (two per chip, one megacore device each).
 _CORES_IN_NAME = {"v4", "v5p"}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -287,7 +287,7 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
               for name, thunk in aot_programs.programs(config, task, model_layout, assembly, eval_spec)]
     programs = []
     for name, thunk, flops, kernel_flops in steps:
-        if only is not None and name not in only and not (name == "spec_prefill" and {"spec_step", "spec_block"} & set(only)):
+        if only is not None and name not in only:
             continue
         start = time.perf_counter()
         try:

@@ -7,11 +7,12 @@ the evaluation forward and the decoding programs, each the library's own jitted 
 - `generate`: `decoding.engine`'s whole generation of one batch at that batch: the prefill, then the
   `while_loop` of decode steps, prompts of `data.seq_len` tokens and `eval.max_new_tokens` new ones
   (bucketed as the engine buckets them);
-- `spec_prefill`, `spec_step`, `spec_block`: `decoding.block_loop`'s three programs of one row (the
-  speculative path decodes a row per call): the prefill that also builds the drafter's state, one
-  decode step, and the announced block's `while_loop` of draft → verify (`extend` over the block) →
-  accept. The drafter is the config's VFlash drafter (`model.drafter`; its parameters abstract too),
-  else the scripted oracle (`ScriptRule`), whose drafting is a slice.
+- `spec_answer`: `decoding.loop`'s speculative program at that batch: the prefill that also builds the
+  drafter's state, then the one `while_loop` of whole answers (decode steps outside announced blocks,
+  draft → verify with `extend` → accept inside them, announcements found on the device). The drafter
+  is the config's VFlash drafter (`model.drafter`; its parameters abstract too), else the scripted
+  oracle (`ScriptRule`), whose drafting is a slice. The announcement tables are abstract too, at a
+  nominal 128 token classes (a tokenizer's own count is in the tens: a few KiB either way).
 
 The parameters are the train state's (their dtype and shardings, as a restored workdir holds them).
 """
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from valen_jax.decoding import block_loop, engine
+from valen_jax.decoding import announcements, engine, loop
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule
 from valen_jax.evaluation.tokens import _row_sums_fn
 from valen_jax.evaluation.workdir import local_batch_size
@@ -36,11 +37,6 @@ def _abstract(shape, dtype, sharding_):
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding_)
 
 
-def _outputs(compiled):
-    """A compiled program's outputs as abstract inputs of the next program (its shardings kept)."""
-    return jax.tree.map(lambda o, s: _abstract(o.shape, o.dtype, s), compiled.out_info, compiled.output_shardings)
-
-
 def decode_batch(config, mesh) -> int:
     return local_batch_size(int(config.eval.batch_size), mesh) * jax.process_count()
 
@@ -48,7 +44,7 @@ def decode_batch(config, mesh) -> int:
 def programs(config, task, layout: TrainLayout, assembly, spec):
     """(name, thunk) per program: each thunk lowers and compiles it for `layout.mesh` (under the mesh, so
     target-dependent choices read the slice) and returns the compiled executable. Thunks run in order:
-    the speculative step and block take the prefill's output state."""
+    each compiles on its own."""
     mesh, model_cfg = layout.mesh, task.model_cfg
     params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), layout.param_shapes, layout.param_shardings)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -81,7 +77,7 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
         return make((batch, length), jnp.int32), positions, make((batch,), jnp.int32), media
 
     def generate():
-        fn = engine._generate_fn(layout.graphdef, engine.GREEDY, model_cfg.vocab_size,
+        fn = loop.engine_program(layout.graphdef, engine.GREEDY, model_cfg.vocab_size,
                                  engine.bucket(seq_len + new), engine.bucket(new))
         tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len))
         return compiled(fn, params, tokens, positions, lengths, batched((rows,), jnp.int32),
@@ -89,35 +85,23 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
                         batched((rows,), jnp.uint32), one((), jnp.int32))
 
     rule, draft_params = _drafter(config, model_cfg, mesh, replicated, new)
-    cache_length = engine.bucket(seq_len + new + 1)
-    state = {}
 
-    def spec_prefill():
-        program = block_loop._prefill_program(layout.graphdef, rule, cache_length)
-        tokens, positions, lengths, media = prompt_inputs(one, 1, engine.bucket(seq_len - 1))
-        done = compiled(program, params, draft_params, tokens, positions, lengths, media)
-        cache, draft = _outputs(done)
-        state["row"] = block_loop.RowState(cache, draft, one((1,), jnp.int32), one((1,), jnp.int32),
-                                           one((1,), jnp.int32), one((), jnp.int32))
-        return done
-
-    def spec_step():
-        program = block_loop._step_program(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size)
-        return compiled(program, params, draft_params, state["row"], one((), jax.random.key(0).dtype))
-
-    def spec_block():
-        # The widths FastRow.block picks for a block of the drafter's size (or of 16 for the oracle).
-        size = rule.block_size or 16
-        width = rule.block_size or max(8, 1 << (size - 1).bit_length())
-        program = block_loop._block_program(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
-                                            engine.bucket(size + width + 1))
-        return compiled(program, params, draft_params, state["row"], one((), jnp.int32), one((), jnp.int32),
-                        one((), jnp.int32), one((1,), jnp.int32), one((), jax.random.key(0).dtype))
+    def spec_answer():
+        width = rule.block_size or 32  # SpeculativeDecoder's default width for a drafter without a size
+        start, _ = loop.speculative_programs(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
+                                             engine.bucket(seq_len + new), engine.bucket(new + width + 1))
+        tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len - 1))
+        states = announcements.states()
+        tables = announcements.Tables(one((model_cfg.vocab_size,), jnp.int32), one((128, states), jnp.int32),
+                                      one((128, states, 2), jnp.int32), one((128, states, 2), jnp.int32),
+                                      *(one((), jnp.int32) for _ in range(4)))
+        return compiled(start, params, draft_params, tokens, positions, lengths, batched((rows,), jnp.int32),
+                        batched((rows,), jnp.int32), batched((rows,), jnp.bool_), media, one((1,), jnp.int32),
+                        one((), jnp.uint32), batched((rows,), jnp.uint32), batched((rows,), jnp.int32), tables)
 
     # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
     forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
-    return forward + [("generate", generate), ("spec_prefill", spec_prefill), ("spec_step", spec_step),
-                      ("spec_block", spec_block)]
+    return forward + [("generate", generate), ("spec_answer", spec_answer)]
 
 
 def _drafter(config, model_cfg, mesh, replicated, new: int):

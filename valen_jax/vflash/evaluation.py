@@ -15,16 +15,17 @@ target retrained or replaced since is refused, naming both. The report holds
   else is a bug and the evaluation fails), and per recipe entry and overall the block metrics of
   `metrics.speculative.BlockSums`: tau (its convention in `tau_convention`: the bonus token included),
   per-position acceptance 1..B, the histogram of accepted draft tokens 0..B over verify passes, and
-  ms/token inside announced blocks target-only (the compiled engine, each answer alone) vs speculative
-  with their ratio, timed in this run after an untimed warm-up pass over every answer (compilation).
+  ms/token of whole answers target-only (the compiled engine, each answer alone) vs speculative (the
+  decode loop with the drafter, each answer alone) with their ratio, timed in this run after an untimed
+  warm-up pass over every answer (compilation).
 `from_call=True` (`--from-call`) also decodes, beside the target's own answers, prompts that run to the
 reference answer's `atomic_decoding` call, so every reference block is drafted whatever the target
 writes before it (`speculative.from_call`: blocks and identity only; a target that never writes the call
 itself, e.g. a short smoke run, has no block to draft otherwise).
 
-Runs in one process: rows are decoded one at a time (`decoding.speculative`'s fast path: one compiled
-program per target step or announced block, each row its own sequence of them), which several processes
-could not enter in step; the sums are nonetheless `GroupedSums` added across processes. Cost: the
+Runs in one process: rows are decoded one at a time (`SpeculativeDecoder.generate`, one compiled loop
+per answer; batching rows is `generate_batch`, not used here so that each answer is timed alone), on
+one device; the sums are nonetheless `GroupedSums` added across processes. Cost: the
 decoding runs twice (warm-up, timed); on CPU, the 16-answer smoke eval set with a 400-step target and
 a B = 16 drafter took about 4 minutes at --max-new-tokens=160 with --from-call.
 """
@@ -101,20 +102,16 @@ class Decoded:
     speculative: list[int]
     blocks: BlockStats
     target_only_block_tokens: int
-    target_only_timed_tokens: int  # block tokens whose engine cost was measured (none in a one-token answer)
-    target_only_block_seconds: float  # the engine's cost per token x the timed block tokens
-    speculative_block_seconds: float  # the block programs (drafting, verification, acceptance)
+    target_only_seconds: float  # the whole answer, prompt to end, by the engine
+    speculative_seconds: float  # the same answer by the speculative decode loop (one program per answer)
 
 
 class PairDecoder:
     """Decodes one prompt target-only and speculatively with the run's drafter, greedy.
 
-    Target-only: `engine.generate_ids` on the prompt alone, the compiled decode loop (one while_loop, no
-    host round trip per token). Its cost per token is the answer's time minus the time to its first token
-    (the prefill), over the tokens after the first; every target-only token is one decode step, in blocks
-    or not, so that cost times the answer's block tokens is their time. Speculative: the fast path of
-    `decoding.speculative` (`CachedDrafter`: the drafter's context cached, one compiled program per
-    announced block), timed over its block programs."""
+    Target-only: `engine.generate_ids` on the prompt alone (the decode loop without a drafter).
+    Speculative: `decoding.speculative` (`CachedDrafter`: the drafter's context cached), the same loop
+    with the drafter: the whole answer in one program, so both are timed prompt to end."""
 
     def __init__(self, run: DrafterRun):
         target = run.target
@@ -132,16 +129,12 @@ class PairDecoder:
     def decode(self, prompt: dict, max_new_tokens: int) -> Decoded:
         target = self.target
         target_only, whole = self._engine(prompt, max_new_tokens)
-        _, first = self._engine(prompt, 1)
-        per_token = max(whole - first, 0.0) / (len(target_only) - 1) if len(target_only) > 1 else 0.0
         spans = self.calls.announced_spans(prompt["ids"], target_only)
         inside = sum(min(stop, len(target_only)) - start for start, stop, _ in spans)  # block tokens written
-        timed = inside if len(target_only) > 1 else 0
         speculative = SpeculativeDecoder(target.graphdef, target.params, calls=self.calls, vocab=self.vocab,
                                          stop_ids=(self.eot,), sampling=GREEDY)
         drafted = speculative.generate(dict(prompt), self.drafter, max_new_tokens=max_new_tokens)
-        return Decoded(target_only, drafted, speculative.stats, inside, timed, per_token * timed,
-                       speculative.timing.block_seconds)
+        return Decoded(target_only, drafted, speculative.stats, inside, whole, speculative.timing.seconds)
 
 
 def decode_all(decoder: PairDecoder, answers: list[Answer], room: list[int], max_new_tokens: int) -> list[Decoded]:
@@ -175,9 +168,8 @@ def _block_report(run: DrafterRun, answers: list[Answer], references: list[list[
             lossy.append(f"example {answer.index}: engine greedy {reference}, the engine on it alone {d.target_only}, "
                          f"speculative {d.speculative}")
         stats.add(d.blocks, identical=identical, target_only_block_tokens=d.target_only_block_tokens,
-                  target_only_timed_tokens=d.target_only_timed_tokens,
-                  target_only_block_seconds=d.target_only_block_seconds,
-                  speculative_block_seconds=d.speculative_block_seconds, entry=answer.entry)
+                  answer_tokens=len(d.target_only), target_only_seconds=d.target_only_seconds,
+                  speculative_seconds=d.speculative_seconds, entry=answer.entry)
     return hosts.sum_stats(stats).report(), lossy
 
 

@@ -11,10 +11,10 @@ Conventions (TAU_CONVENTION is written into the report):
 - acceptance k (1..B, B the drafter's block size): of the passes that drafted position k, the fraction
   that had it accepted; acceptance is a prefix (k accepted only if 1..k-1 were);
 - histogram 0..B: verify passes by number of drafted tokens accepted; it sums to `passes`;
-- ms per token inside blocks: target-only = the compiled engine's time per decoded token (the answer's
-  time minus its prefill, over the tokens after the first; a target-only token costs one decode step, in
-  a block or not) x the block tokens, over those tokens; speculative = the time of the block programs
-  (drafting, verification, acceptance) / the tokens they committed; speedup = target-only / speculative.
+- ms per token of whole answers (prompt to end, the prefill included): target-only = the compiled
+  engine's time for the answer / its tokens; speculative = the decode loop's time for the same answer
+  (one program: plain steps and announced blocks together, so blocks are not timed apart) / its tokens;
+  speedup = target-only / speculative time of the same answers.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ class BlockSums(GroupedSums):
                 *(f"drafted_{k}" for k in range(1, block_size + 1)),
                 *(f"accepted_{k}" for k in range(1, block_size + 1)),
                 *(f"histogram_{n}" for n in range(block_size + 1)),
-                "target_only_block_tokens", "target_only_timed_tokens", "target_only_block_seconds",
-                "speculative_block_seconds")
+                "target_only_block_tokens", "answer_tokens", "target_only_seconds", "speculative_seconds")
 
     def _config(self) -> dict:
         return {"block_size": self.block_size}
@@ -63,21 +62,18 @@ class BlockSums(GroupedSums):
                 stats._row(key)[:] = block
         return stats
 
-    def add(self, blocks, *, identical: bool, target_only_block_tokens: int, target_only_timed_tokens: int,
-            target_only_block_seconds: float, speculative_block_seconds: float, entry: str | None = None) -> None:
+    def add(self, blocks, *, identical: bool, target_only_block_tokens: int, answer_tokens: int,
+            target_only_seconds: float, speculative_seconds: float, entry: str | None = None) -> None:
         """One answer: `blocks` its speculative decoding's `BlockStats`, whether its output equals
-        target-only greedy, and the two timings of its block tokens. `target_only_timed_tokens`: the block
-        tokens whose target-only cost was measured (0 for a one-token answer: a decode step's cost is the
-        answer's time after its first token, and there is none), so it never counts as 0 ms."""
+        target-only greedy, the block tokens target-only greedy wrote, and the answer's tokens and its two
+        whole-answer timings."""
         too_long = [k for k in blocks.drafted_at if not 1 <= k <= self.block_size]
         if too_long:
             raise ValueError(f"draft positions {too_long} outside 1..{self.block_size} (the drafter's block size)")
         amounts = {"answers": 1, "identical": float(identical), "passes": blocks.passes,
                    "committed": blocks.committed,
-                   "target_only_block_tokens": target_only_block_tokens,
-                   "target_only_timed_tokens": target_only_timed_tokens,
-                   "target_only_block_seconds": target_only_block_seconds,
-                   "speculative_block_seconds": speculative_block_seconds}
+                   "target_only_block_tokens": target_only_block_tokens, "answer_tokens": answer_tokens,
+                   "target_only_seconds": target_only_seconds, "speculative_seconds": speculative_seconds}
         amounts.update({f"drafted_{k}": n for k, n in blocks.drafted_at.items()})
         amounts.update({f"accepted_{k}": n for k, n in blocks.accepted_at.items()})
         amounts.update({f"histogram_{n}": passes for n, passes in blocks.histogram.items()})
@@ -85,8 +81,8 @@ class BlockSums(GroupedSums):
 
     def _metrics(self, s: dict[str, float]) -> dict:
         block = range(1, self.block_size + 1)
-        target_only = ratio(1e3 * s["target_only_block_seconds"], s["target_only_timed_tokens"])
-        speculative = ratio(1e3 * s["speculative_block_seconds"], s["committed"])
+        target_only = ratio(1e3 * s["target_only_seconds"], s["answer_tokens"])
+        speculative = ratio(1e3 * s["speculative_seconds"], s["answer_tokens"])
         return {
             "answers": int(s["answers"]),
             "identical": ratio(s["identical"], s["answers"]),
@@ -96,7 +92,7 @@ class BlockSums(GroupedSums):
             "acceptance": {str(k): ratio(s[f"accepted_{k}"], s[f"drafted_{k}"]) for k in block},
             "histogram": [int(s[f"histogram_{n}"]) for n in range(self.block_size + 1)],
             "target_only_block_tokens": int(s["target_only_block_tokens"]),
-            "target_only_timed_tokens": int(s["target_only_timed_tokens"]),
+            "answer_tokens": int(s["answer_tokens"]),
             "ms_per_token": {"target_only": target_only, "speculative": speculative},
             "speedup": None if target_only is None or not speculative else target_only / speculative,
         }

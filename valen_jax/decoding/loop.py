@@ -1,0 +1,305 @@
+"""The one compiled decode loop: a whole batch of answers, prompt to end, in one `lax.while_loop`.
+
+Every row carries its own cursor, position, output count, budget and (with a drafter) announced span.
+Each iteration is one target pass for all rows:
+
+- no row inside an announced span: `decode_step`, one token per live row (the target-only engine; with
+  no drafter this is all the loop does, and `engine.generate_ids` is exactly that program);
+- some row inside a span: the drafter proposes `width` tokens for every row, one `extend` over
+  W = width + 1 slots [last, proposal] verifies them (`verification.accept_pass` per row, so greedy keeps
+  the target's argmax and sampling is rejection-sampled), and each row commits its accepted tokens + the
+  target's next; a row outside a span takes the target's token at slot 0 only (a plain step), drawn as
+  the engine draws it.
+
+Committed tokens go through `_commit` one slot at a time: the budget, the stop ids, and the
+announcement automaton (`announcements.advance`): a `</tool_call>` that completes the compact
+`atomic_decoding` spelling outside a span opens a span of `block_size` tokens (`count` of them when its
+first token is `<dense>`, `Announcement.blocks`); a pass never drafts past the current block of the span
+(the drafter is trained on one block). A call the device cannot read holds the row (`held`): the loop
+stops when no row is live, the host reads the body with `AtomicCalls.announced`, and `resume` goes on
+with the same state (`SpeculativeDecoder`). Spans follow `AtomicCalls.announced_spans`: a call completed
+by a block's last token announces the next span even when the same pass's bonus token follows it.
+
+A row's random stream is the engine's: the token at output index i outside spans is drawn with
+`fold_in(row_key, i)`; a verify pass at index i drafts with `fold_in(fold_in(row_key, i), 1)` and accepts
+with `..., 2)`. With no drafter the loop is token for token `engine.generate_ids` of before.
+
+On an accelerator: all shapes are static (the caches, W, the output buffer [B, G]), the loop condition is
+a device reduction, and nothing crosses to the host between tokens; the host waits once per batch (plus
+once per held row, for a call outside the spelling). The caches are while-loop carries updated by
+scatters in place, and `resume` donates the state. A finished row still occupies its lanes of every
+pass (static shapes): its cursor stops, its writes land above its committed length, and the loop ends
+when every row is finished.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from valen_jax.decoding import announcements
+from valen_jax.decoding.sampling import Sampling, sample
+from valen_jax.decoding.verification import accept_pass
+from valen_jax.models.drafter import text_positions
+from valen_jax.models.sharding import constrain
+
+
+class Spans(NamedTuple):
+    """Per row: the announcement automaton and the announced span being decoded."""
+
+    automaton: jax.Array  # int32 [B]
+    registers: jax.Array  # int32 [B, 2]: block_size, count being read
+    left: jax.Array  # int32 [B]: tokens left in the span (0: outside one)
+    size: jax.Array  # int32 [B]: the span's block_size
+    count: jax.Array  # int32 [B]: its announced count (0: none), applied at its first token
+    fresh: jax.Array  # bool [B]: the next committed token is the span's first
+
+
+class Stats(NamedTuple):
+    """Per row, verify passes inside spans (`speculative.BlockStats` sums them)."""
+
+    passes: jax.Array  # int32 [B]
+    committed: jax.Array  # int32 [B]
+    drafted_at: jax.Array  # int32 [B, width]: passes drafting position k + 1
+    accepted_at: jax.Array  # int32 [B, width]
+    histogram: jax.Array  # int32 [B, width + 1]: passes accepting n draft tokens
+
+
+class Rows(NamedTuple):
+    cache: object
+    draft: object  # the drafter rule's state, or ()
+    last: jax.Array  # int32 [B]: the last committed token, not yet in the caches
+    cursor: jax.Array  # int32 [B]: its slot
+    position: jax.Array  # int32 [B]: its 1-D position
+    count: jax.Array  # int32 [B]: output tokens committed
+    budget: jax.Array  # int32 [B]: max new tokens of the row
+    done: jax.Array  # bool [B]: a stop token, the budget, or a padding row
+    held: jax.Array  # bool [B]: waiting for the host to read a call (announcements.ASK_HOST)
+    out: jax.Array  # int32 [B, G]
+    spans: Spans
+    stats: Stats
+
+
+def _keys_at(row_keys, index):
+    return jax.vmap(jax.random.fold_in)(row_keys, index)
+
+
+def _row_keys(seed, rows):
+    return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), rows)
+
+
+def _where(mask, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def _advance_span(spans: Spans, token, tables):
+    """One committed token → (spans, hold): the span shrinks, a call completed outside one opens one."""
+    in_span = spans.left > 0
+    dense = in_span & spans.fresh & (token == tables.dense_id) & (spans.count > 0)
+    left = spans.left + jnp.where(dense, spans.size * (spans.count - 1), 0) - in_span.astype(jnp.int32)
+    automaton, registers, event = announcements.advance(tables, spans.automaton, spans.registers, token)
+    outside = left == 0  # a call completed inside a span announces nothing (seed 004)
+    announce = outside & (event == announcements.ANNOUNCE)
+    hold = outside & (event == announcements.ASK_HOST)
+    return Spans(automaton, registers, jnp.where(announce, registers[:, 0], left),
+                 jnp.where(announce, registers[:, 0], spans.size), jnp.where(announce, registers[:, 1], spans.count),
+                 announce | (spans.fresh & ~in_span)), hold
+
+
+def _commit(rows: Rows, new, offered, stop_ids, tables) -> Rows:
+    """Commit up to offered[b] of new [B, T] per row, in order, stopping at the budget, a stop token, or a
+    call for the host. The cache holds [last, new[:, :T-1]] from the cursor, so committing c tokens moves
+    the cursor by c and leaves new[c - 1] as the row's `last` (the rest lies above, overwritten later)."""
+    width = new.shape[1]
+
+    def slot(carry, j):
+        spans, c, going, stopped, held = carry
+        token = new[:, j]
+        take = going & (j < offered) & (rows.count + c < rows.budget)
+        hold = jnp.zeros_like(take)
+        if tables is not None:
+            moved, hold = _advance_span(spans, token, tables)
+            spans = _where(take, moved, spans)
+            hold = take & hold
+        stop = take & jnp.isin(token, stop_ids)
+        return (spans, c + take.astype(jnp.int32), take & ~stop & ~hold, stopped | stop, held | hold), None
+
+    batch = new.shape[0]
+    carry = (rows.spans, jnp.zeros(batch, jnp.int32), jnp.ones(batch, bool), jnp.zeros(batch, bool),
+             jnp.zeros(batch, bool))
+    if width == 1:
+        carry, _ = slot(carry, 0)
+    else:
+        carry, _ = jax.lax.scan(slot, carry, jnp.arange(width))
+    spans, c, _, stopped, held = carry
+    last = jnp.take_along_axis(new, jnp.maximum(c - 1, 0)[:, None], axis=1)[:, 0]
+    # A row that commits nothing writes nothing: a finished row's count may sit at the buffer's end, where
+    # dynamic_update_slice would clamp the write back over its last tokens.
+    out = jax.vmap(lambda o, n, s, c: jnp.where(c > 0, jax.lax.dynamic_update_slice(o, n, (s,)), o))(
+        rows.out, new, rows.count, c)
+    count = rows.count + c
+    return rows._replace(last=jnp.where(c > 0, last, rows.last), cursor=rows.cursor + c, position=rows.position + c,
+                         count=count, done=rows.done | stopped | (count >= rows.budget), held=rows.held | held,
+                         out=out, spans=spans)
+
+
+def _target(model, rule, draft_params, rows: Rows, tokens, positions, method: str):
+    """The target over T tokens per row at the cursors (decode_step or extend), the drafter absorbing them."""
+    collect = rule.collect if rule is not None else ()
+    out = getattr(model, method)(tokens, positions, rows.cache, rows.cursor, collect=collect)
+    if not collect:
+        return out[0], out[1], rows.draft
+    logits, cache, features = out
+    return logits, cache, rule.absorb(draft_params, rows.draft, features, positions.reshape(features.shape[:2]),
+                                      rows.cursor)
+
+
+class _Passes:
+    """The loop's two passes for one model, drafter rule and sampling (inside the traced program)."""
+
+    def __init__(self, model, rule, draft_params, sampling: Sampling, vocab: int, width: int, row_keys, stop_ids,
+                 tables):
+        self.model, self.rule, self.draft_params, self.sampling, self.vocab = model, rule, draft_params, sampling, vocab
+        self.width, self.row_keys, self.stop_ids, self.tables = width, row_keys, stop_ids, tables
+
+    def live(self, rows: Rows):
+        return ~rows.done & ~rows.held
+
+    def step(self, rows: Rows) -> Rows:
+        logits, cache, draft = _target(self.model, self.rule, self.draft_params, rows, rows.last, rows.position,
+                                       "decode_step")
+        token = sample(logits, _keys_at(self.row_keys, rows.count), self.sampling, self.vocab)
+        return _commit(rows._replace(cache=cache, draft=draft), token[:, None], self.live(rows).astype(jnp.int32),
+                       self.stop_ids, self.tables)
+
+    def verify(self, rows: Rows) -> Rows:
+        width, slots = self.width, jnp.arange(self.width + 1)
+        live = self.live(rows)
+        drafting = live & (rows.spans.left > 0)
+        block_left = (rows.spans.left - 1) % jnp.maximum(rows.spans.size, 1) + 1
+        drafted = jnp.where(drafting, jnp.minimum(jnp.minimum(block_left, rows.budget - rows.count), width), 0)
+        base = _keys_at(self.row_keys, rows.count)
+        draft, q = self.rule.draft(self.draft_params, rows.draft, self.model, rows.last, rows.position, rows.cursor,
+                                   rows.count, jax.vmap(jax.random.fold_in, (0, None))(base, 1), width)
+        tokens = jnp.concatenate([rows.last[:, None], draft], axis=1)  # [B, W]
+        positions = rows.position[:, None] + slots
+        logits, cache, draft_state = _target(self.model, self.rule, self.draft_params, rows, tokens, positions,
+                                             "extend")
+        accept = functools.partial(accept_pass, sampling=self.sampling, vocab=self.vocab)
+        keys = jax.vmap(jax.random.fold_in, (0, None))(base, 2)
+        if q is None:
+            accepted, nxt = jax.vmap(lambda x, d, k, n: accept(x, d, None, k, n))(logits, draft, keys, drafted)
+        else:
+            accepted, nxt = jax.vmap(accept)(logits, draft, q, keys, drafted)
+        # Outside a span a row takes the target's token at its last committed one: the engine's step.
+        plain = sample(logits[:, 0], base, self.sampling, self.vocab)
+        accepted, nxt = jnp.where(drafting, accepted, 0), jnp.where(drafting, nxt, plain)
+        new = jnp.where(slots[None] < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), nxt[:, None])
+        after = _commit(rows._replace(cache=cache, draft=draft_state), new, jnp.where(live, accepted + 1, 0),
+                        self.stop_ids, self.tables)
+        s, k, one = rows.stats, jnp.arange(width)[None], drafting.astype(jnp.int32)
+        stats = Stats(s.passes + one, s.committed + jnp.where(drafting, after.count - rows.count, 0),
+                      s.drafted_at + (drafting[:, None] & (k < drafted[:, None])),
+                      s.accepted_at + (drafting[:, None] & (k < accepted[:, None])),
+                      s.histogram + (drafting[:, None] & (jnp.arange(width + 1)[None] == accepted[:, None])))
+        return after._replace(stats=stats)
+
+    def run(self, rows: Rows) -> Rows:
+        """Passes until no row is live (every pass commits a token per live row: at most max(budget))."""
+        limit = jnp.max(rows.budget)
+
+        def cond(carry):
+            step, rows = carry
+            return (step < limit) & jnp.any(self.live(rows))
+
+        def body(carry):
+            step, rows = carry
+            if self.rule is None:
+                return step + 1, self.step(rows)
+            drafting = jnp.any(self.live(rows) & (rows.spans.left > 0))
+            return step + 1, jax.lax.cond(drafting, self.verify, self.step, rows)
+
+        return jax.lax.while_loop(cond, body, (jnp.int32(0), rows))[1]
+
+
+def _empty(batch: int, width: int, out_length: int, budget):
+    zeros = jnp.zeros(batch, jnp.int32)
+    spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool))
+    stats = Stats(zeros, zeros, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), jnp.int32),
+                  jnp.zeros((batch, width + 1), jnp.int32))
+    return spans, stats, jnp.zeros((batch, out_length), jnp.int32), jnp.broadcast_to(budget, (batch,))
+
+
+@functools.cache
+def engine_program(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int):
+    """The target-only program of one batch (`engine.generate_ids`): the prefill of whole prompts, the
+    first token from its logits, then the loop of decode steps → (out [B, G], count [B])."""
+
+    def run(params, tokens, positions, lengths, next_position, active, vision, stop_ids, seed, rows, max_new):
+        model = nnx.merge(graphdef, params)
+        logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
+        row_keys = _row_keys(seed, rows)
+        batch = tokens.shape[0]
+        spans, stats, out, budget = _empty(batch, 0, out_length, max_new)
+        # As if the prompt's last token had just been `last`: committing the first token moves the cursor
+        # and position onto its own slot (lengths) and position (next_position).
+        state = Rows(cache, (), jnp.zeros(batch, jnp.int32), lengths - 1, next_position - 1,
+                     jnp.zeros(batch, jnp.int32), budget, ~active, jnp.zeros(batch, bool), out, spans, stats)
+        first = sample(logits, _keys_at(row_keys, state.count), sampling, vocab)
+        state = _commit(state, first[:, None], active.astype(jnp.int32), stop_ids, None)
+        state = _Passes(model, None, (), sampling, vocab, 0, row_keys, stop_ids, None).run(state)
+        # Batch-sharded like the inputs, so each process reads back exactly its own rows.
+        return constrain(state.out, ("batch", None)), constrain(state.count, ("batch",))
+
+    return jax.jit(run)
+
+
+@functools.cache
+def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: int, cache_length: int,
+                         out_length: int):
+    """(start, resume) with a device drafter (`draft_rules`). start: the prefill of every prompt but its
+    last token (that one is the first pass's `last`), the drafter's state from the same pass, the
+    automaton over the whole prompt (a prompt ending with a call opens a span at output 0), then the loop
+    → Rows. resume(Rows): the loop again after the host answered held rows (state donated)."""
+
+    def start(params, draft_params, tokens, positions, lengths, last, last_position, active, vision, stop_ids, seed,
+              rows, budget, tables):
+        model = nnx.merge(graphdef, params)
+        if rule.collect:
+            _, cache, features = model.prefill(tokens, positions, lengths, cache_length, vision, collect=rule.collect)
+            draft = rule.init(draft_params, features, text_positions(positions), cache_length)
+        else:
+            _, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
+            draft = rule.init(draft_params, None, None, cache_length)
+        batch = tokens.shape[0]
+        spans, stats, out, budget = _empty(batch, width, out_length, budget)
+
+        def read(carry, column):  # the prompt's ids through the automaton; only its last id's event counts
+            state, registers = carry
+            j, token = column
+            moved, moved_registers, _ = announcements.advance(tables, state, registers, token)
+            inside = j < lengths
+            return (jnp.where(inside, moved, state), jnp.where(inside[:, None], moved_registers, registers)), None
+
+        (state, registers), _ = jax.lax.scan(read, (spans.automaton, spans.registers),
+                                             (jnp.arange(tokens.shape[1]), tokens.T))
+        state, registers, event = announcements.advance(tables, state, registers, last)
+        announce = active & (event == announcements.ANNOUNCE)
+        spans = Spans(state, registers, jnp.where(announce, registers[:, 0], 0), jnp.where(announce, registers[:, 0], 0),
+                      jnp.where(announce, registers[:, 1], 0), announce)
+        held = active & (event == announcements.ASK_HOST)
+        state = Rows(cache, draft, last, lengths, last_position, jnp.zeros(batch, jnp.int32), budget,
+                     ~active | (budget <= 0), held, out, spans, stats)
+        return _passes(model, draft_params, seed, rows, stop_ids, tables).run(state)
+
+    def _passes(model, draft_params, seed, rows, stop_ids, tables):
+        return _Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables)
+
+    def resume(params, draft_params, state: Rows, stop_ids, seed, rows, tables):
+        return _passes(nnx.merge(graphdef, params), draft_params, seed, rows, stop_ids, tables).run(state)
+
+    return jax.jit(start), jax.jit(resume, donate_argnums=(2,))
