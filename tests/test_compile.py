@@ -143,3 +143,25 @@ def test_valen_branch_trees_compile_with_splash(tmp_path):
     train, step = json.loads(output.read_text())["programs"]
     assert (train["program"], step["program"]) == ("train_step", "spec_answer")
     assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True
+
+
+def test_nf4_dequantise_needs_no_padded_temporaries():
+    """Unpacking a 7B MLP weight's NF4 codes on a v5e chip asks temporaries of the order of the weight.
+    Interleaving the two nibbles of a byte with `stack(axis=-1)` made an [n, 2] array whose size-2 minor
+    axis XLA:TPU pads to 128 lanes: 16 GiB of temporaries for this one weight (24 to 27 GiB for QLoRA 7B's
+    step, README's LoRA section); `nf4.dequantise` must not."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from valen_jax.models import nf4
+
+    mesh = Mesh(aot.topology_devices(aot.parse_slice("v5e:1x1")), ("x",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shape = (3584, 18944)  # Qwen2.5-7B's gate/up projection
+    size = shape[0] * shape[1]
+    codes = jax.ShapeDtypeStruct((size // 2,), jnp.uint8, sharding=replicated)
+    absmax = jax.ShapeDtypeStruct((size // nf4.BLOCK,), jnp.float32, sharding=replicated)
+    compiled = jax.jit(lambda c, a: nf4.dequantise(c, a, shape, jnp.bfloat16)).lower(codes, absmax).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * size * 2, f"{temp / 2 ** 30:.2f} GiB of temporaries for a {size * 2 / 2 ** 30:.2f} GiB weight"
