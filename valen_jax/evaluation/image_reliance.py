@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_pipeline.tokenizer import end_of_turn_id
-from valen_jax.data.assemble import assemble
 from valen_jax.evaluation import hosts, tokens
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.workdir import local_batch_size
@@ -148,23 +147,25 @@ def swap_prompts(prompts: Sequence[dict], plan: SwapPlan) -> list[dict]:
             for i, donor in plan.donors.items()]
 
 
-def teacher_forced_gap(params, graphdef, examples: Sequence, spec: RowSpec, mesh, batch_size: int) -> dict[str, float]:
-    """Teacher-forced loss of the swappable examples with their own images and with their donors' (the swap
-    rule above, over this process's slice; sums added across processes), for evaluation during training:
-    {"loss_with_images", "loss_swapped_images", "image_loss_gap": swapped − with}. A gap near 0 means the
-    supervised tokens are predicted as well from another record's image: the model does not look, which
-    the loss alone never shows. {} when no example anywhere has an image to swap."""
-    rows = [assemble(examples[i], spec) for i in hosts.local_indices(len(examples))]
+def teacher_forced_gap(params, graphdef, rows: Sequence[dict], real_sums: np.ndarray, spec: RowSpec, mesh,
+                       batch_size: int) -> dict[str, float]:
+    """Teacher-forced loss of the swappable rows with their own images and with their donors' (the swap
+    rule above), for evaluation during training: `rows` are this process's (`tokens.local_rows`) and
+    `real_sums` their per-row sums with their own images (`tokens.forced_sums`), so only the swapped rows
+    run again; the sums are added across processes. {"loss_with_images", "loss_swapped_images",
+    "image_loss_gap": swapped − with}: a gap near 0 means the supervised tokens are predicted as well from
+    another record's image, a model that does not look, which the loss alone never shows. {} when no row
+    anywhere has an image to swap."""
     plan = plan_swaps([layout_of(row) for row in rows])
     if sum(global_counts(len(plan.donors), len(plan.unswappable))) == 0:
         return {}
-    real = [rows[i] for i in plan.donors]
     swapped = [with_patches(rows[i], rows[donor]) for i, donor in plan.donors.items()]
     local_batch = local_batch_size(batch_size, mesh)
-    batches = hosts.batches_for_local(len(real), local_batch)  # swappable rows differ by process
-    sums = [hosts.sum_array(tokens.row_sums(params, graphdef, part, spec, mesh, local_batch, batches).sum(axis=0))
-            for part in (real, swapped)]
-    (real_nll, _, weight), (swapped_nll, _, _) = sums
+    batches = hosts.batches_for_local(len(swapped), local_batch)  # swappable rows differ by process
+    compared = np.asarray(real_sums)[list(plan.donors)].reshape(-1, 3)
+    (real_nll, _, weight), (swapped_nll, _, _) = (
+        hosts.sum_array(part.sum(axis=0)) for part in
+        (compared, tokens.row_sums(params, graphdef, swapped, spec, mesh, local_batch, batches)))
     if weight == 0:
         return {}
     with_images, swapped_images = real_nll / weight, swapped_nll / weight

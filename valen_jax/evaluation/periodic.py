@@ -2,7 +2,7 @@
 at start-up, then scored with the params of the moment through the same code as `evaluate`.
 
 Token families (vflash, chat, vakforge, prepared) get teacher-forced loss/accuracy
-(`tokens.teacher_forced`: each process its slice, sums added across processes) and, where records hold
+(`tokens.forced_sums`/`forced_metrics`, `teacher_forced`'s parts: each process its slice, sums added across processes) and, where records hold
 images, the same loss with each record's images swapped for another's (`image_reliance.teacher_forced_gap`:
 eval_loss_with_images, eval_loss_swapped_images, eval_image_loss_gap); Valen data gets
 the per-question metrics of `valen.evaluate`. Greedy decoding is left to the end-of-run report:
@@ -16,10 +16,9 @@ import logging
 
 import jax
 
-from valen_jax.evaluation import valen
+from valen_jax.evaluation import tokens, valen
 from valen_jax.evaluation.image_reliance import teacher_forced_gap
 from valen_jax.evaluation.options import Options
-from valen_jax.evaluation.tokens import teacher_forced
 from valen_jax.evaluation.workdir import data_format, load_examples
 from valen_jax.run import ModelRun
 
@@ -53,10 +52,13 @@ class PeriodicEval:
                 report = valen.evaluate(run, self.examples, self.options)
                 values = {key: report[key] for key in VALEN_KEYS}
             else:
-                values = teacher_forced(params, run.graphdef, self.examples, run.spec, run.mesh,
-                                        self.options.batch_size)
+                rows = tokens.local_rows(self.examples, run.spec)
+                sums = tokens.forced_sums(params, run.graphdef, rows, len(self.examples), run.spec, run.mesh,
+                                          self.options.batch_size)
+                values = tokens.forced_metrics(sums)
                 # Blindness shows here long before the end-of-run decode (issue 25): the same loss with
-                # each record's image swapped for another's; a gap near 0 is a model that does not look.
-                values.update(teacher_forced_gap(params, run.graphdef, self.examples, run.spec, run.mesh,
+                # each record's image swapped for another's (only the swapped rows run again); a gap near
+                # 0 is a model that does not look.
+                values.update(teacher_forced_gap(params, run.graphdef, rows, sums, run.spec, run.mesh,
                                                  self.options.batch_size))
         return {f"eval_{k}": float(v) for k, v in values.items() if v is not None}

@@ -62,17 +62,32 @@ def row_sums(params, graphdef, rows: list[dict], spec: RowSpec, mesh, local_batc
     return np.concatenate(out) if out else np.zeros((0, 3))
 
 
+def local_rows(examples: list[Example], spec: RowSpec) -> list[dict]:
+    """This process's slice of `examples` (the whole data, the same list on every process), assembled."""
+    return [assemble(examples[i], spec) for i in hosts.local_indices(len(examples))]
+
+
+def forced_sums(params, graphdef, rows: list[dict], count: int, spec: RowSpec, mesh, batch_size: int
+                ) -> np.ndarray:
+    """`row_sums` of this process's `rows` (`local_rows` of `count` examples), in the number of global
+    batches of `batch_size` rows every process runs."""
+    local_batch = local_batch_size(batch_size, mesh)
+    return row_sums(params, graphdef, rows, spec, mesh, local_batch, hosts.batch_count(count, local_batch))
+
+
+def forced_metrics(sums: np.ndarray) -> dict[str, float]:
+    """Loss and next-token accuracy from every process's per-row sums (added before the ratios are formed)."""
+    nll, correct, weight = hosts.sum_array(sums.sum(axis=0))
+    return {"target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0)}
+
+
 def teacher_forced(params, graphdef, examples: list[Example], spec: RowSpec, mesh, batch_size: int
                    ) -> dict[str, float]:
     """Loss and next-token accuracy over the supervised tokens of `examples` (the whole data, the
     same list on every process): each process runs its slice, the sums of all processes are added
     before the ratios are formed. `batch_size`: rows per global batch."""
-    mine = hosts.local_indices(len(examples))
-    local_batch = local_batch_size(batch_size, mesh)
-    sums = token_sums(params, graphdef, [examples[i] for i in mine], spec, mesh, local_batch,
-                      hosts.batch_count(len(examples), local_batch))
-    nll, correct, weight = hosts.sum_array(sums.sum(axis=0))
-    return {"target_tokens": int(weight), "loss": nll / max(weight, 1.0), "accuracy": correct / max(weight, 1.0)}
+    return forced_metrics(forced_sums(params, graphdef, local_rows(examples, spec), len(examples), spec, mesh,
+                                      batch_size))
 
 
 def _empty_row(spec: RowSpec) -> dict[str, np.ndarray]:
