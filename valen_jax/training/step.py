@@ -195,7 +195,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         params = optax.apply_updates(state["params"], updates)
         if frozen_leaves is not None:
             # Bit for bit: `p + 0` would turn a -0.0 into +0.0; the frozen leaf itself passes through.
-            params = join(split(params)[0], split(state["params"])[1], split(params)[2])
+            trained, _, treedef = split(params)
+            params = join(trained, split(state["params"])[1], treedef)
         metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
         if "correct" in sums:
             metrics.update(accuracy=sums["correct"] / denominators["tokens"], target_tokens=sums["weight"])
