@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.smoke_workdirs import smoke_workdir
-from tests.train_runs import ROOT, env_with_devices
+from tests.train_runs import ROOT, env_with_devices, run_module
 
 pytestmark = pytest.mark.slow
 VALEN_DATA = ROOT / "data/smoke/valen/train.jsonl"
@@ -23,10 +23,7 @@ def valen_workdir(tmp_path_factory):
 
 
 def _cli(module: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env_with_devices(1),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{module} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result.stdout
+    return run_module(module, *args).stdout
 
 
 def _labels() -> list[dict]:

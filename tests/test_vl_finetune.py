@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.train_runs import ROOT, env_with_devices, metrics, run_train
+from tests.train_runs import ROOT, metrics, run_module, run_train
 from valen_jax.run import restore_model
 
 torch = pytest.importorskip("torch")
@@ -34,10 +33,7 @@ FROZEN_TOWER = '({"pattern": "vision/.*", "frozen": True},)'
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env_with_devices(1),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{module} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
+    return run_module(module, *args, timeout=600)
 
 
 @pytest.fixture(scope="module")
