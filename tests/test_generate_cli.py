@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import jax
@@ -21,7 +20,7 @@ from flax import nnx
 from data_pipeline.primitives import coordinates, dequantise, parse_answer
 from data_pipeline.tokenizer import end_of_turn_id, load_tokenizer
 from tests.smoke_workdirs import smoke_workdir
-from tests.train_runs import ROOT, env_with_devices
+from tests.train_runs import ROOT, run_module
 from valen_jax import generate as generate_cli
 from valen_jax import predict
 from valen_jax.decoding.engine import generate_ids
@@ -57,10 +56,8 @@ def chat_workdir(tmp_path_factory):
 def vflash_cli(vflash_workdir, tmp_path_factory):
     """The CLI as a user runs it, with every default (greedy, the checkpoint's eval.max_new_tokens)."""
     output = tmp_path_factory.mktemp("generate") / "answers.jsonl"
-    result = subprocess.run([sys.executable, "-m", "valen_jax.generate", f"--workdir={vflash_workdir}",
-                             f"--data={VFLASH_DATA}", f"--output={output}"], cwd=ROOT, env=env_with_devices(1),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    result = run_module("valen_jax.generate", f"--workdir={vflash_workdir}", f"--data={VFLASH_DATA}",
+                        f"--output={output}", timeout=600)
     return output, result.stdout
 
 

@@ -20,7 +20,7 @@ from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from tests.test_checkpoint import abstract, largest_state_file, make_iterator, make_state, save_steps
 from tests.test_packing import SPEC as PACK_SPEC
 from tests.test_packing import make_piece
-from tests.train_runs import ROOT, env_with_devices, train_command
+from tests.train_runs import ROOT, env_with_devices, run_train, train_command
 from valen_jax.config.schema import ConfigError, validate_config
 from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec, PackIterDataset
@@ -84,8 +84,7 @@ def test_a_second_trainer_on_a_workdir_is_refused_naming_the_holder_and_a_crash_
             with workdir_lock.exclusive(tmp_path):
                 pass
         # The real second trainer: refused at start-up with one line naming the workdir and the holder.
-        refused = subprocess.run(train_command("configs/vflash.py:tiny", tmp_path), cwd=ROOT,
-                                 env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+        refused = run_train("configs/vflash.py:tiny", tmp_path, check=False)
         assert refused.returncode != 0
         assert f"{tmp_path}: another trainer is running in this workdir (pid {os.getpid()}" in refused.stderr
         assert not (tmp_path / "shards").exists() and not (tmp_path / "checkpoints").exists()
@@ -133,11 +132,11 @@ def strict_records(workdir):
 @pytest.mark.parametrize("log_every", [1, 100], ids=["caught-when-logged", "caught-before-saving"])
 def test_a_non_finite_loss_stops_the_run_before_its_step_is_checkpointed(tmp_path, log_every):
     # A finite but absurd learning rate: the first update overflows the weights, step 2's loss is NaN.
-    result = subprocess.run(train_command(
+    result = run_train(
         "configs/vflash.py:tiny", tmp_path, "--config.train.steps=4", "--config.train.learning_rate=1e30",
         "--config.train.warmup_steps=0", f"--config.train.log_every={log_every}",
-        "--config.train.checkpoint_every=1", "--config.eval.at_end=False", "--config.eval.every=0"),
-        cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=600)
+        "--config.train.checkpoint_every=1", "--config.eval.at_end=False", "--config.eval.every=0",
+        timeout=600, check=False)
     assert result.returncode != 0
     assert ("NonFiniteLoss: step 2: the training loss is nan; stopped without checkpointing this step "
             "(latest checkpoint: step 1)") in result.stderr

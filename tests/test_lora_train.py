@@ -5,14 +5,12 @@ generate work on its workdir."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from tests.test_train_from_hf import _base_model
-from tests.train_runs import ROOT, env_with_devices, metrics, run_train
+from tests.train_runs import ROOT, metrics, run_module, run_train
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -20,10 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _command(module: str, *args: str):
-    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env_with_devices(1),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{module} failed:\n{result.stderr[-4000:]}"
-    return result
+    return run_module(module, *args)
 
 
 def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_exports(tmp_path):
@@ -61,7 +56,6 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
              "--max-new-tokens=4")
     assert (tmp_path / "a.jsonl").read_text().strip()
     # A text checkpoint under a VL config gets a fresh (frozen) tower of our own: no HF form, refused in one line.
-    refused = subprocess.run([sys.executable, "-m", "valen_jax.export", f"--workdir={workdir}",
-                              f"--output={tmp_path / 'adapter'}", "--adapter"], cwd=ROOT, env=env_with_devices(1),
-                             capture_output=True, text=True, timeout=300)
+    refused = run_module("valen_jax.export", f"--workdir={workdir}", f"--output={tmp_path / 'adapter'}", "--adapter",
+                         check=False)
     assert refused.returncode == 1 and "vision tower is family 'valen'" in refused.stderr, refused.stderr[-2000:]

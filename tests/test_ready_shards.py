@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from data_pipeline.tokenizer import load_tokenizer
-from tests.train_runs import ROOT
+from tests.train_runs import ROOT, run_module
 from valen_jax.data.shard_cache import ensure_shards
 from valen_jax.training.checkpoint import fingerprint_of
 
@@ -23,9 +21,8 @@ TOKENIZER = ROOT / "data/tokenizer"
 @pytest.fixture(scope="module")
 def chat_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("ready") / "chat_shards"
-    subprocess.run([sys.executable, "-m", "data_pipeline.convert", "--format=chat",
-                    f"--input={ROOT / 'data/smoke/chat/train.jsonl'}", f"--output={out}",
-                    f"--tokenizer={TOKENIZER}"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    run_module("data_pipeline.convert", "--format=chat", f"--input={ROOT / 'data/smoke/chat/train.jsonl'}",
+               f"--output={out}", f"--tokenizer={TOKENIZER}")
     return out
 
 
@@ -60,15 +57,12 @@ def test_evaluate_reads_a_shard_folder_whatever_the_workdirs_eval_options(tmp_pa
 
     workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
     shards = tmp_path / "eval_shards"
-    subprocess.run([sys.executable, "-m", "data_pipeline.convert", "--format=chat", "--assistant-turns=last",
-                    f"--input={ROOT / 'data/smoke/chat/eval.jsonl'}", f"--output={shards}",
-                    f"--tokenizer={TOKENIZER}"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    run_module("data_pipeline.convert", "--format=chat", "--assistant-turns=last",
+               f"--input={ROOT / 'data/smoke/chat/eval.jsonl'}", f"--output={shards}", f"--tokenizer={TOKENIZER}")
     copy = tmp_path / "wd"
     shutil.copytree(workdir, copy)
-    result = subprocess.run([sys.executable, "-m", "valen_jax.evaluate", f"--workdir={copy}", f"--data={shards}",
-                             f"--output={tmp_path / 'report.json'}"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_module("valen_jax.evaluate", f"--workdir={copy}", f"--data={shards}",
+                        f"--output={tmp_path / 'report.json'}", timeout=600)
     assert json.loads((tmp_path / "report.json").read_text())
     differ = [line for line in result.stderr.splitlines() if "converter options differ" in line]
     assert len(differ) == 1 and "assistant_turns='all' (shards: 'last')" in differ[0], result.stderr[-3000:]

@@ -6,7 +6,6 @@ before the train step compiles, and with allow_overlap records the counts in met
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,13 +86,12 @@ def test_vakforge_shared_conversation_ids(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_refuses_overlap_before_compiling_and_records_allowed_overlap(tmp_path):
-    from tests.train_runs import env_with_devices, metrics, run_train, train_command
+    from tests.train_runs import metrics, run_train
     from valen_jax.training import checkpoint
 
     same = (f"--config.data.eval={SMOKE / 'valen' / 'text.jsonl'}", f"--config.data.train={SMOKE / 'valen' / 'text.jsonl'}",
             "--config.train.steps=1", "--config.train.checkpoint_every=1", "--config.eval.at_end=False")
-    refused = subprocess.run(train_command("configs/valen.py:tiny", tmp_path / "refused", *same), cwd=ROOT,
-                             env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+    refused = run_train("configs/valen.py:tiny", tmp_path / "refused", *same, check=False)
     assert refused.returncode != 0
     assert "ConfigError: config.data.train" in refused.stderr and "4 duplicate examples" in refused.stderr
     assert "compiled the train step" not in refused.stderr

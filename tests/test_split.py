@@ -7,14 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from data_pipeline import split as splitter
 from data_pipeline.formats.vakforge import read_vakforge
+from tests.train_runs import run_module
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "data" / "smoke"
@@ -191,9 +190,9 @@ def test_vakforge_split_of_the_smoke_manifest_honours_meta_split_as_vakforge_spl
 
     manifest = SMOKE / "vakforge" / "vakforge.jsonl"
     fractions = {"train": 0.6, "dev": 0.2, "test": 0.2}
-    result = subprocess.run([sys.executable, "-m", "data_pipeline.split", "--format=vakforge", f"--input={manifest}",
-                             f"--output-dir={tmp_path / 'generic'}", "--fractions=train=0.6,dev=0.2,test=0.2",
-                             "--seed=20260916"], capture_output=True, text=True, timeout=120)
+    result = run_module("data_pipeline.split", "--format=vakforge", f"--input={manifest}",
+                        f"--output-dir={tmp_path / 'generic'}", "--fractions=train=0.6,dev=0.2,test=0.2",
+                        "--seed=20260916", timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     generic = json.loads((tmp_path / "generic" / "splits.json").read_text())
     stated = {r["id"]: r["meta"]["split"] for r in _jsonl(manifest)}

@@ -125,9 +125,8 @@ def test_shards_or_a_tokenizer_other_than_the_checkpoints_are_refused(tmp_path, 
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["tokenizer"]["fingerprint"]["vocab_sha256"] = "0" * 64
     (shards / "manifest.json").write_text(json.dumps(manifest))
-    refused = subprocess.run(train_command(TINY, workdir, *STEPS, f"--config.data.train={shards}",
-                                           "--config.train.steps=10"),
-                             cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+    refused = run_train(TINY, workdir, *STEPS, f"--config.data.train={shards}", "--config.train.steps=10",
+                        check=False)
     assert refused.returncode != 0
     assert "shards were made with tokenizer" in refused.stderr and "reconvert" in refused.stderr
 
@@ -136,9 +135,8 @@ def test_shards_or_a_tokenizer_other_than_the_checkpoints_are_refused(tmp_path, 
     shutil.copytree(ROOT / "data/tokenizer", tokenizer)
     template = tokenizer / "chat_template.jinja"
     template.write_text(template.read_text() + "{#- another template -#}\n")
-    refused = subprocess.run(train_command(TINY, workdir, *STEPS, f"--config.data.tokenizer={tokenizer}",
-                                           "--config.train.steps=10"),
-                             cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=300)
+    refused = run_train(TINY, workdir, *STEPS, f"--config.data.tokenizer={tokenizer}", "--config.train.steps=10",
+                        check=False)
     assert refused.returncode != 0
     assert "checkpoint 8 was trained with tokenizer" in refused.stderr
     # A mismatch is the user's to fix, never a reason to fall back: every checkpoint stays.
@@ -168,8 +166,7 @@ def test_a_workdir_whose_checkpoints_were_all_quarantined_is_refused_not_restart
     (workdir / "checkpoints-corrupt").mkdir()
     for step in (4, 6, 8):
         (workdir / "checkpoints" / str(step)).rename(workdir / "checkpoints-corrupt" / f"{step}-20260101-000000")
-    refused = subprocess.run(train_command(TINY, workdir, *STEPS), cwd=ROOT, env=env_with_devices(1),
-                             capture_output=True, text=True, timeout=300)
+    refused = run_train(TINY, workdir, *STEPS, check=False)
     assert refused.returncode != 0
     assert "no checkpoint, and 3 damaged one(s)" in refused.stderr
     assert "--config.train.allow_fresh_start=True" in refused.stderr

@@ -72,11 +72,7 @@ def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
 
 
 def test_architecture_fields_next_to_init_from_are_refused(tmp_path):
-    import subprocess
-    import sys
 
-    from tests.train_runs import env_with_devices
-    result = subprocess.run([sys.executable, "-m", "valen_jax.train", "--config=configs/vflash.py:tiny",
-                             f"--workdir={tmp_path}", f"--config.model.init_from={tmp_path}"],
-                            cwd=ROOT, env=env_with_devices(1), capture_output=True, text=True, timeout=120)
+    result = run_train("configs/vflash.py:tiny", tmp_path, f"--config.model.init_from={tmp_path}", timeout=120,
+                       check=False)
     assert result.returncode != 0 and "come from the checkpoint" in result.stderr

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.train_runs import warm_runner
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {
@@ -25,14 +25,7 @@ BAD_ANSWER = {
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "data_pipeline.validate", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    return warm_runner().run("data_pipeline.validate", list(args), cwd=cwd, timeout=60)
 
 
 @pytest.fixture

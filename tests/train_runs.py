@@ -54,9 +54,10 @@ def run_module(module: str, *args: str, devices: int = 1, timeout: int = 300, ch
     return result
 
 
-def run_train(config: str, workdir: Path, *overrides: str, devices: int = 1, timeout: int = 300):
+def run_train(config: str, workdir: Path, *overrides: str, devices: int = 1, timeout: int = 300,
+              check: bool = True, **env: str) -> subprocess.CompletedProcess:
     return run_module("valen_jax.train", *train_command(config, workdir, *overrides)[3:], devices=devices,
-                      timeout=timeout)
+                      timeout=timeout, check=check, **env)
 
 
 def metrics(workdir: Path) -> list[dict]:

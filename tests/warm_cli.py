@@ -34,6 +34,7 @@ WARM_IMPORTS = (
 
 _PARENT = r"""
 import importlib, json, os, runpy, sys, traceback
+sys.path[0] = os.getcwd()  # `-c` put "" there: the parent's directory, not each command's
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
 from jax._src import xla_bridge
@@ -54,7 +55,7 @@ for line in requests:
         os.close(0)
         code = 0
         sys.argv = [request["module"], *request["argv"]]
-        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+        sys.path.insert(0, request["cwd"])  # `python -m` puts the working directory first
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         except SystemExit as exited:
@@ -84,7 +85,8 @@ class WarmCLI:
 
     def __init__(self, env: dict[str, str], workspace: Path, imports=WARM_IMPORTS):
         self.workspace = workspace
-        self.process = subprocess.Popen([sys.executable, "-c", _PARENT, json.dumps(list(imports))], env=env,
+        root = Path(__file__).resolve().parent.parent
+        self.process = subprocess.Popen([sys.executable, "-c", _PARENT, json.dumps(list(imports))], env=env, cwd=root,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.count = 0
 
