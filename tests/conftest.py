@@ -12,6 +12,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu's machine-wide lockfile guards real TPU chips; the compile tests' compile-only devices open none,
 # and two test workers may load libtpu at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Nothing in the suite downloads: every model and tokenizer is built locally. Offline, a hub name that is not
+# cached fails at once; online without a network, huggingface_hub retries each request for ~45 s first.
+# huggingface_hub reads it once, at import: hence here, before anything imports it (subprocesses inherit it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 from PIL import Image

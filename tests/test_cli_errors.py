@@ -10,7 +10,7 @@ row, so a row that damages or writes into it touches only its copy.
 `train.lock` is compared by name only: every trainer that takes the lock rewrites its informational
 `pid N on HOST` line (valen_jax/training/workdir_lock.py), and the lock is taken before the data is read.
 
-Each row is its own process, forked from one warm parent per module (tests/warm_cli.py): a row that
+Each row is its own process, forked from a warm parent (tests/train_runs.run_module): a row that
 only parses its command line costs 0.1 s instead of the 3-9 s of a cold start's imports. The rows that need
 no trained workdir run by default; the whole table is `slow`.
 """
@@ -26,8 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.smoke_workdirs import smoke_workdir
-from tests.train_runs import ROOT, env_with_devices
-from tests.warm_cli import WarmCLI
+from tests.train_runs import ROOT, run_module
 
 VFLASH_EVAL = "data/smoke/vflash/eval.jsonl"
 CHAT_DATA = "data/smoke/chat/train.jsonl"
@@ -242,16 +241,9 @@ ROWS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cli_runner(tmp_path_factory):
-    runner = WarmCLI({**env_with_devices(1), "HF_HUB_OFFLINE": "1"}, tmp_path_factory.mktemp("warm-cli"))
-    yield runner
-    runner.close()
-
-
 @pytest.mark.parametrize("cli, workdir_kind, args, code, names", ROWS)
 def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
-        cli_runner, tmp_path, tmp_path_factory, cli, workdir_kind, args, code, names):
+        tmp_path, tmp_path_factory, cli, workdir_kind, args, code, names):
     needs = workdir_kind in NEEDS_TRAINING or "{target}" in args
     trained = smoke_workdir(tmp_path_factory, "configs/vflash.py:tiny") if needs else None
     workdir = WORKDIRS[workdir_kind](tmp_path, trained)
@@ -260,7 +252,7 @@ def test_a_mistake_is_one_line_with_its_exit_code_and_changes_nothing(
     flag = WORKDIR_FLAGS.get(module, "--workdir")
     argv = [*([f"{flag}={workdir}"] if flag else []), *(arg.format(**values) for arg in args.split())]
     before = tree_digest(workdir)
-    result = cli_runner.run(module, argv, cwd=ROOT, timeout=300)
+    result = run_module(module, *argv, check=False)
     lines = result.stderr.strip().splitlines()
     shown = json.dumps({"argv": argv, "code": result.returncode, "stderr": result.stderr[-3000:]}, indent=1)
     assert "Traceback" not in result.stderr, shown
