@@ -20,7 +20,7 @@ from data_pipeline.tokenizer import TokenizerError, load_tokenizer
 from tests.test_checkpoint import abstract, largest_state_file, make_iterator, make_state, save_steps
 from tests.test_packing import SPEC as PACK_SPEC
 from tests.test_packing import make_piece
-from tests.train_runs import ROOT, env_with_devices, run_train, train_command
+from tests.train_runs import ROOT, run_module, run_train, train_command
 from valen_jax.config.schema import ConfigError, validate_config
 from valen_jax.data.assemble import AssemblyError, RowSpec
 from valen_jax.data.packing import PackingSpec, PackIterDataset
@@ -167,8 +167,9 @@ def test_a_config_path_with_nul_is_refused_by_field(tiny_config):
 
 
 def cli_lines(command: list[str]) -> list[str]:
-    result = subprocess.run(command, cwd=ROOT, env={**env_with_devices(1), "HF_HUB_OFFLINE": "1"},
-                            capture_output=True, text=True, timeout=300)
+    """The stderr lines of `[python, -m, module, *args]`, run forked from the warm parent; it must fail cleanly."""
+    assert command[:2] == [sys.executable, "-m"], command
+    result = run_module(command[2], *command[3:], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return result.stderr.splitlines()
 

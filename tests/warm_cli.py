@@ -29,7 +29,7 @@ WARM_IMPORTS = (
     "valen_jax.training.loop", "valen_jax.tasks.modes", "valen_jax.cli.boundary", "valen_jax.cli.distributed",
     "valen_jax.evaluation.workdir", "valen_jax.evaluation.answers", "valen_jax.evaluation.report",
     "valen_jax.decoding.engine", "valen_jax.decoding.speculative", "valen_jax.run", "valen_jax.models.build",
-    "data_pipeline.format_registry", "data_pipeline.convert",
+    "data_pipeline.format_registry", "data_pipeline.conversion",
 )
 
 _PARENT = r"""
@@ -54,6 +54,9 @@ for line in requests:
             os.close(target)
         os.close(0)
         code = 0
+        # As in a cold start, the module's __main__ run is its first execution; a copy a warm import brought
+        # in is dropped (runpy would warn, and the command's own import of itself would be that copy).
+        sys.modules.pop(request["module"], None)
         sys.argv = [request["module"], *request["argv"]]
         sys.path.insert(0, request["cwd"])  # `python -m` puts the working directory first
         try:
