@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch={args.max_batch}: must be >= 1")
-    if args.max_queue < 0:
-        raise SystemExit(f"--max-queue={args.max_queue}: must be >= 0")
+    if args.max_queue < 1:
+        raise SystemExit(f"--max-queue={args.max_queue}: must be >= 1")
     if args.drafter is not None:
         # Refused, not ignored: a user asking for speculative decoding must not get plain decoding silently.
         raise SystemExit(f"--drafter={args.drafter}: speculative serving is not implemented yet")
