@@ -21,7 +21,7 @@ from flax import nnx
 
 from tests.serve_server import Served
 from tests.smoke_workdirs import smoke_workdir
-from valen_jax.decoding.engine import generate_ids
+from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.generate import generate
 
@@ -42,7 +42,7 @@ def client(served):
     return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
 
 
-def offline(served, texts, max_new: list[int], sampling=Sampling(), seed=0) -> list[list[int]]:
+def offline(served, texts, max_new: list[int], sampling=GREEDY, seed=0) -> list[list[int]]:
     """Each raw-text prompt's ids from the offline engine, one call per prompt (its own budget)."""
     service = served.service
     run = service.restored
