@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     add_flag(parser, "--max-batch", type=int, default=8, help="decode slots (default 8)")
     add_flag(parser, "--max-queue", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    add_flag(parser, "--steps-per-sync", type=int, default=4,
+             help="decode steps on the device between two host syncs, when requests join and leave (default 4)")
     add_flag(parser, "--api-key", default=None, help="default: $VALEN_API_KEY, else no key")
     parser.add_argument("--drafter", default=None, help="a drafter workdir for speculative decoding (not yet served)")
     return parser
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--max-batch={args.max_batch}: must be >= 1")
     if args.max_queue < 1:
         raise SystemExit(f"--max-queue={args.max_queue}: must be >= 1")
+    if args.steps_per_sync < 1:
+        raise SystemExit(f"--steps-per-sync={args.steps_per_sync}: must be >= 1")
     if args.drafter is not None:
         # Refused, not ignored: a user asking for speculative decoding must not get plain decoding silently.
         raise SystemExit(f"--drafter={args.drafter}: speculative serving is not implemented yet")
@@ -56,17 +60,19 @@ def main(argv=None) -> int:
 
         from valen_jax.serving.app import build_app
         app = build_app(load_service(args.workdir, args.step, slots=args.max_batch, max_queue=args.max_queue,
-                                     api_key=args.api_key or os.environ.get("VALEN_API_KEY")))
+                                     steps_per_sync=args.steps_per_sync, api_key=args.api_key or os.environ.get("VALEN_API_KEY")))
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
-def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, api_key: str | None = None):
+def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, steps_per_sync: int = 4,
+                 api_key: str | None = None):
     """The restored workdir and its slot engine, ready for `serving.app.build_app`."""
     from valen_jax.run import restore_model
     from valen_jax.serving.service import Service
 
-    return Service(restore_model(workdir, step), slots=slots, max_queue=max_queue, api_key=api_key)
+    return Service(restore_model(workdir, step), slots=slots, max_queue=max_queue, steps_per_sync=steps_per_sync,
+                   api_key=api_key)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 
 
 class Service:
-    def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None):
+    def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4):
         self.restored, self.tokenizer, self.api_key = restored, restored.tokenizer, api_key
         self.name = Path(restored.workdir).name
         self.context = int(restored.spec.seq_len)
@@ -31,7 +31,8 @@ class Service:
         self.default_max = int(restored.config.eval.max_new_tokens)
         # Every prompt bucket of a prompt within the context must fit the cache (kv_cache.from_prefill).
         self.engine = SlotEngine(restored.params, restored.graphdef, vocab=len(self.tokenizer), stop_ids=(self.eot,),
-                                 slots=slots, cache_length=bucket(self.context), max_queue=max_queue)
+                                 slots=slots, cache_length=bucket(self.context), max_queue=max_queue,
+                                 steps_per_sync=steps_per_sync)
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",

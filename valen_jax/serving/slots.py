@@ -7,21 +7,22 @@ the server:
 - `prefill` of one prompt, right-padded to its length bucket (`engine.bucket`), written into a chosen
   slot of the shared cache (the cache donated: updated in place), → the logits at its last token;
   compiled once per prompt bucket;
-- `decode`: one token for every slot (`Transformer.decode_step`, each slot its own cursor and
-  position), the cache donated; compiled once per (S, C). An empty slot still occupies its lane (static
-  shapes); its write lands in its own row, which the next prefill into it replaces whole;
+- `decode`: `steps_per_sync` tokens for every slot in one scan of `Transformer.decode_step` (each slot
+  its own cursor and position, its own stop and budget on the device), the cache donated; compiled once
+  per (S, C, sampling). An empty or finished slot still occupies its lane (static shapes); its writes
+  land in its own row, which the next prefill into it replaces whole;
 - `choose`: the next token of each slot from its logits (`sampling.sample`), once per distinct
   `Sampling` among the live slots (the filters are static arguments of `sample`).
 
-Requests join between steps (a prefill into a free slot) and leave between steps (their slot is
+Requests join between syncs (one prefill for all admitted ones, into free slots) and leave between them (their slot is
 marked free), so a long answer never holds back a short one. A slot's tokens depend only on its own
 cache row and its own random stream, which is the engine's: the token at output index i of choice j is
 drawn with `fold_in(fold_in(key(seed), j), i)` (`loop._row_keys` / `_keys_at`), so greedy and seeded
 answers equal `generate`'s for the same prompt whatever else is being served.
 
-The host runs one step at a time (one device round trip per token for all slots): that is the price of
-letting requests in and out between tokens, where `generate`'s while_loop stays on the device for a
-whole batch.
+The host syncs every `steps_per_sync` tokens (one device round trip for all slots): the price of letting
+requests in and out while others decode, where `generate`'s while_loop stays on the device for a whole
+batch. A larger value amortises the round trip; a smaller one lets a new request in sooner.
 """
 
 from __future__ import annotations
@@ -64,32 +65,55 @@ class Request:
 
 @functools.cache
 def _programs(graphdef, vocab: int, cache_length: int):
-    def prefill(params, cache, tokens, positions, lengths, slot):
+    def prefill(params, cache, tokens, positions, lengths, slots):
+        """New requests [A, P] into their slots (a padding row's slot is out of range: dropped)."""
         model = nnx.merge(graphdef, params)
-        logits, row = model.prefill(tokens, positions, lengths, cache_length)
-        keys = jax.lax.dynamic_update_index_in_dim(cache.keys, row.keys[:, 0], slot, 1)
-        values = jax.lax.dynamic_update_index_in_dim(cache.values, row.values[:, 0], slot, 1)
-        return logits[0], KVCache(keys, values)
-
-    def decode(params, cache, last, cursor, position):
-        model = nnx.merge(graphdef, params)
-        return model.decode_step(last, position, cache, cursor)
+        logits, rows = model.prefill(tokens, positions, lengths, cache_length)
+        keys = cache.keys.at[:, slots].set(rows.keys, mode="drop")
+        values = cache.values.at[:, slots].set(rows.values, mode="drop")
+        return logits, KVCache(keys, values)
 
     def empty(params, slots):
         model = nnx.merge(graphdef, params)
         tokens = jnp.zeros((slots, 1), jnp.int32)
         return model.prefill(tokens, tokens, jnp.ones(slots, jnp.int32), cache_length)[1]
 
-    return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(decode, donate_argnums=(1,)),
-            jax.jit(empty, static_argnums=(1,)))
+    return jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,))
+
+
+def _key(seed, choice, count):
+    """The engine's stream (`loop._row_keys` then `_keys_at`): choice j's token i."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), count)
+
+
+@functools.cache
+def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int):
+    """`steps` decode steps of every slot in one program: the rows not `live` (free, finished, or of
+    another sampling) keep their token and cursor, and rewrite the same keys/values at their cursor."""
+    def decode(params, cache, last, cursor, seeds, choices, counts, live, budgets, stop_ids):
+        model = nnx.merge(graphdef, params)
+
+        def step(carry, _):
+            cache, last, cursor, counts, live = carry
+            # Text prompts: a token's position is its slot.
+            logits, cache = model.decode_step(last, cursor, cache, cursor)
+            token = sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
+            token = jnp.where(live, token, last)
+            moved = live.astype(jnp.int32)
+            counts = counts + moved
+            live = live & ~jnp.isin(token, stop_ids) & (counts < budgets)
+            return (cache, token, cursor + moved, counts, live), token
+
+        (cache, *_), tokens = jax.lax.scan(step, (cache, last, cursor, counts, live), None, length=steps)
+        return tokens, cache
+
+    return jax.jit(decode, donate_argnums=(1,))
 
 
 @functools.cache
 def _chooser(sampling: Sampling, vocab: int):
     def choose(logits, seeds, choices, counts):
-        keys = jax.vmap(lambda s, c, n: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), c), n))(
-            seeds, choices, counts)
-        return sample(logits, keys, sampling, vocab)
+        return sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
     return jax.jit(choose)
 
 
@@ -97,15 +121,15 @@ class SlotEngine:
     """The decode slots of one model and the thread that steps them (module docstring)."""
 
     def __init__(self, params, graphdef, *, vocab: int, stop_ids, slots: int, cache_length: int,
-                 max_queue: int):
+                 max_queue: int, steps_per_sync: int = 4):
         self.params, self.vocab, self.slots, self.cache_length = params, int(vocab), int(slots), int(cache_length)
+        self.graphdef, self.steps_per_sync = graphdef, int(steps_per_sync)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
+        self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         self.max_queue = int(max_queue)
-        self._prefill, self._decode, empty = _programs(graphdef, self.vocab, self.cache_length)
+        self._prefill, empty = _programs(graphdef, self.vocab, self.cache_length)
         self._cache = empty(params, self.slots)
         self._live: list[Request | None] = [None] * self.slots
-        self._last = np.zeros(self.slots, np.int32)
-        self._cursor = np.zeros(self.slots, np.int32)
         self._waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -154,8 +178,8 @@ class SlotEngine:
                 if self._stopping and not self._waiting and not any(self._live):
                     return
                 admitted = self._admit()
-            for request in admitted:
-                self._start(request)
+            if admitted:
+                self._start(admitted)
             self._drop_cancelled()
             if any(self._live):
                 self._step()
@@ -172,31 +196,50 @@ class SlotEngine:
             taken.append(request)
         return taken
 
-    def _start(self, request: Request) -> None:
-        n = len(request.ids)
-        padded = bucket(n)
-        tokens = np.zeros((1, padded), np.int32)
-        tokens[0, :n] = request.ids
-        positions = np.zeros((1, padded), np.int32)
-        positions[0, :n] = np.arange(n)
-        logits, self._cache = self._prefill(self.params, self._cache, tokens, positions,
-                                            np.asarray([n], np.int32), np.int32(request.slot))
-        self._cursor[request.slot] = n  # the first token's slot once it is fed back
-        self._commit(request, self._choose(logits[None], [request])[0])
-
-    def _step(self) -> None:
-        positions = self._cursor  # text prompts: a token's position is its slot
-        logits, self._cache = self._decode(self.params, self._cache, jnp.asarray(self._last),
-                                           jnp.asarray(self._cursor), jnp.asarray(positions))
-        self.steps += 1
-        live = [r for r in self._live if r is not None]
-        rows = np.asarray([r.slot for r in live])
-        tokens = self._choose(logits[rows], live)
-        for request, token in zip(live, tokens, strict=True):
-            self._cursor[request.slot] += 1
+    def _start(self, requests: list[Request]) -> None:
+        """One prefill for every request admitted this round: rows padded to a power of two (at most the
+        slots) and the prompt length to its bucket, so this compiles a handful of programs."""
+        rows = min(1 << (len(requests) - 1).bit_length(), self.slots)
+        padded = bucket(max(len(r.ids) for r in requests))
+        tokens = np.zeros((rows, padded), np.int32)
+        positions = np.zeros((rows, padded), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.slots, np.int32)  # out of range: the padding rows' writes are dropped
+        for row, request in enumerate(requests):
+            n = len(request.ids)
+            tokens[row, :n], positions[row, :n], lengths[row], slots[row] = request.ids, np.arange(n), n, request.slot
+        logits, self._cache = self._prefill(self.params, self._cache, tokens, positions, lengths, slots)
+        for request, token in zip(requests, self._choose(logits[:len(requests)], requests), strict=True):
             self._commit(request, token)
 
+    def _step(self) -> None:
+        """`steps_per_sync` tokens of every live slot: one program per sampling among them (the rare mixed
+        case runs the model once per sampling, each for its own rows)."""
+        live = [r for r in self._live if r is not None]
+        last = np.zeros(self.slots, np.int32)
+        cursor, counts, budgets = np.zeros_like(last), np.zeros_like(last), np.zeros_like(last)
+        seeds, choices = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32)
+        for r in live:
+            # The last token is not in the cache yet: it goes to the slot after the prompt and the others.
+            last[r.slot], cursor[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1
+            counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
+        for sampling in {r.sampling for r in live}:
+            mine = [r for r in live if r.sampling == sampling]
+            mask = np.zeros(self.slots, bool)
+            mask[[r.slot for r in mine]] = True
+            decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync)
+            tokens, self._cache = decode(self.params, self._cache, last, cursor, seeds, choices, counts, mask,
+                                         budgets, self._stops)
+            tokens = np.asarray(tokens)
+            self.steps += self.steps_per_sync
+            for r in mine:
+                for token in tokens[:, r.slot]:
+                    if r.finish_reason is not None or r.cancelled:
+                        break
+                    self._commit(r, token)
+
     def _choose(self, logits, requests: list[Request]) -> np.ndarray:
+        """The first token of each new request from its prompt's logits."""
         out = np.zeros(len(requests), np.int32)
         for sampling in {r.sampling for r in requests}:
             picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
@@ -210,7 +253,6 @@ class SlotEngine:
     def _commit(self, request: Request, token: int) -> None:
         token = int(token)
         request.tokens.append(token)
-        self._last[request.slot] = token
         if token in self.stop_ids:
             request.finish_reason = "stop"
         elif len(request.tokens) >= request.max_new:
