@@ -48,8 +48,9 @@ class QueueFull(RuntimeError):
 
 @dataclass(eq=False)
 class Request:
-    """One choice being generated. `emit(token | None)` is called from the engine thread: a token, or
-    None once finished (`finish_reason` then set)."""
+    """One choice being generated. `emit(token | None)` is called from the engine thread once per sync:
+    the latest token (`tokens` may have grown by several since the last event), or None once finished
+    (`finish_reason` then set)."""
 
     ids: np.ndarray
     max_new: int
@@ -209,7 +210,7 @@ class SlotEngine:
             n = len(request.ids)
             tokens[row, :n], positions[row, :n], lengths[row], slots[row] = request.ids, np.arange(n), n, request.slot
         logits, self._cache = self._prefill(self.params, self._cache, tokens, positions, lengths, slots)
-        for request, token in zip(requests, self._choose(logits[:len(requests)], requests), strict=True):
+        for request, token in zip(requests, self._choose(logits, requests), strict=True):
             self._commit(request, token)
 
     def _step(self) -> None:
@@ -236,30 +237,36 @@ class SlotEngine:
                 for token in tokens[:, r.slot]:
                     if r.finish_reason is not None or r.cancelled:
                         break
-                    self._commit(r, token)
+                    self._commit(r, token, notify=False)
+                if r.finish_reason is None:  # one event per sync (a finished one had its None)
+                    r.emit(r.tokens[-1])
 
     def _choose(self, logits, requests: list[Request]) -> np.ndarray:
-        """The first token of each new request from its prompt's logits."""
+        """The first token of each new request from its prompt's logits [rows, V] (rows >= requests: the
+        padded prefill's, so each sampling compiles once per row count, not per number admitted)."""
+        rows = logits.shape[0]
+        seeds, choices, counts = np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+        for i, r in enumerate(requests):
+            seeds[i], choices[i], counts[i] = r.seed, r.choice, len(r.tokens)
         out = np.zeros(len(requests), np.int32)
         for sampling in {r.sampling for r in requests}:
+            chosen = np.asarray(_chooser(sampling, self.vocab)(logits, seeds, choices, counts))
             picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
-            chosen = _chooser(sampling, self.vocab)(
-                logits[np.asarray(picks)], jnp.asarray([requests[i].seed for i in picks], jnp.uint32),
-                jnp.asarray([requests[i].choice for i in picks], jnp.uint32),
-                jnp.asarray([len(requests[i].tokens) for i in picks], jnp.int32))
-            out[picks] = np.asarray(chosen)
+            out[picks] = chosen[picks]
         return out
 
-    def _commit(self, request: Request, token: int) -> None:
+    def _commit(self, request: Request, token: int, notify: bool = True) -> None:
+        """One token onto the request; `notify`: tell its route now (else the caller does, once per sync)."""
         token = int(token)
         request.tokens.append(token)
         if token in self.stop_ids:
             request.finish_reason = "stop"
         elif len(request.tokens) >= request.max_new:
             request.finish_reason = "length"
-        request.emit(token)
         if request.finish_reason is not None:
             self._free(request)
+        elif notify:
+            request.emit(token)
 
     def _drop_cancelled(self) -> None:
         with self._wake:
