@@ -7,7 +7,7 @@ prompts as `decoding.engine.generate_ids` (what `generate` runs), measured in th
 64 raw-text prompts of 4–96 tokens, each asking `--new-tokens` (the model's end-of-turn token may end an
 answer earlier: both sides count the tokens actually produced). Offline: `generate_ids` over all of
 them in batches of `--slots` rows, greedy. Served: a server with `--slots` decode slots in this process
-(uvicorn on 127.0.0.1, a background thread), the requests streamed (`/v1/completions`, `stream: true`)
+(`python -m valen_jax.serve` on 127.0.0.1, its own process), the requests streamed (`/v1/completions`, `stream: true`)
 by httpx clients at concurrency 1, 8 and 32. Every program is compiled before timing (one warm-up
 offline pass; each concurrency's pass run twice, the second timed).
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -76,11 +76,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32)
     parser.add_argument("--steps-per-sync", type=int, default=4)
     args = parser.parse_args()
-    import uvicorn
-
     from valen_jax.decoding.engine import bucket, generate_ids
     from valen_jax.serve import load_service
-    from valen_jax.serving.app import build_app
 
     tmp = tempfile.TemporaryDirectory()
     workdir = Path(args.workdir) if args.workdir else Path(tmp.name) / "chat-smoke"
@@ -105,12 +102,21 @@ def main() -> None:
     offline_rate = offline_tokens / (time.perf_counter() - start)
     print(f"offline generate_ids (batches of {args.slots}): {offline_tokens} tokens, {offline_rate:.1f} tokens/s")
 
-    server = uvicorn.Server(uvicorn.Config(build_app(service), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        thread.join(timeout=0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    # The server in its own process, as deployed: the clients' threads must not share its interpreter lock.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "valen_jax.serve", f"--workdir={workdir}", f"--port={port}",
+                               f"--max-batch={args.slots}", f"--max-queue={max(args.requests, 64)}",
+                               f"--steps-per-sync={args.steps_per_sync}"], cwd=ROOT)
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+            break
+        except httpx.TransportError:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited with {server.returncode} before it listened") from None
+            time.sleep(0.2)
     url, model = f"http://127.0.0.1:{port}", service.name
     for size in sorted({bucket(len(i)) for i in ids}):  # compile every prompt bucket and the decode step
         stream_one(url, model, texts[next(k for k, i in enumerate(ids) if bucket(len(i)) == size)], 2)
@@ -135,8 +141,8 @@ def main() -> None:
               f"({tokens / wall / offline_rate:.2f}x offline), TTFT p50 {np.percentile(ttft, 50):.1f} ms "
               f"p95 {np.percentile(ttft, 95):.1f} ms, per token p50 {np.percentile(per, 50):.1f} ms "
               f"p95 {np.percentile(per, 95):.1f} ms")
-    server.should_exit = True
-    thread.join()
+    server.terminate()  # SIGTERM: stops accepting, finishes in-flight requests, exits
+    server.wait()
     print(f"ttft_p95_c8 / prefill = {results[8][1] / (prefill * 1e3):.2f}")
     print(f"serve_throughput_vs_offline={results[8][0] / offline_rate:.2f} ttft_p95_ms={results[8][1]:.1f}")
 
