@@ -66,13 +66,13 @@ def main(argv=None) -> int:
 
 
 def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, steps_per_sync: int = 4,
-                 api_key: str | None = None):
+                 api_key: str | None = None, warm: bool = True):
     """The restored workdir and its slot engine, ready for `serving.app.build_app`."""
     from valen_jax.run import restore_model
     from valen_jax.serving.service import Service
 
     return Service(restore_model(workdir, step), slots=slots, max_queue=max_queue, steps_per_sync=steps_per_sync,
-                   api_key=api_key)
+                   api_key=api_key, warm=warm)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 
 
 class Service:
-    def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4):
+    def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4,
+                 warm: bool = True):
         self.restored, self.tokenizer, self.api_key = restored, restored.tokenizer, api_key
         self.name = Path(restored.workdir).name
         self.context = int(restored.spec.seq_len)
@@ -33,6 +34,8 @@ class Service:
         self.engine = SlotEngine(restored.params, restored.graphdef, vocab=len(self.tokenizer), stop_ids=(self.eot,),
                                  slots=slots, cache_length=bucket(self.context), max_queue=max_queue,
                                  steps_per_sync=steps_per_sync)
+        if warm:
+            self.engine.warm()
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",

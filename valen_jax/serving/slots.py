@@ -41,6 +41,8 @@ from valen_jax.decoding.engine import bucket
 from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.models.kv_cache import KVCache
 
+PREFILL_ROWS = 4  # rows of a prefill of several admitted requests (`SlotEngine._start`)
+
 
 class QueueFull(RuntimeError):
     """The bounded queue of waiting requests is full (the route answers 429 with Retry-After)."""
@@ -138,6 +140,27 @@ class SlotEngine:
         self._thread = threading.Thread(target=self._run, name="valen-slots", daemon=True)
         self._thread.start()
 
+    def warm(self) -> None:
+        """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
+        the greedy decode, so no request waits on a compile (on a CPU one stalls every slot for seconds).
+        Padding rows only: their slots are out of range, so the cache is untouched."""
+        sizes, size = [], bucket(1)
+        while size <= self.cache_length:
+            sizes.append(size)
+            size = bucket(size + 1)
+        for rows in sorted({1, min(PREFILL_ROWS, self.slots)}):
+            for size in sizes:
+                zeros = np.zeros((rows, size), np.int32)
+                logits, self._cache = self._prefill(self.params, self._cache, zeros, zeros, np.ones(rows, np.int32),
+                                                    np.full(rows, self.slots, np.int32))
+                _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
+                                                 np.zeros(rows, np.int32))
+        zeros = np.zeros(self.slots, np.int32)
+        decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync)
+        tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros.astype(np.uint32),
+                                     zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros, self._stops)
+        np.asarray(tokens)
+
     # -- the request side (any thread) --
     def submit(self, request: Request) -> None:
         if len(request.ids) + request.max_new > self.cache_length:
@@ -198,9 +221,16 @@ class SlotEngine:
         return taken
 
     def _start(self, requests: list[Request]) -> None:
-        """One prefill for every request admitted this round: rows padded to a power of two (at most the
-        slots) and the prompt length to its bucket, so this compiles a handful of programs."""
-        rows = min(1 << (len(requests) - 1).bit_length(), self.slots)
+        """Prefills for the requests admitted this round, `PREFILL_ROWS` at a time (one alone), the prompt
+        length padded to its bucket: two row counts, so a server compiles 2 x buckets prefill programs
+        (on a CPU each compile stalls every slot for seconds, so their number matters more than padding)."""
+        if len(requests) > 1:
+            for start in range(0, len(requests), PREFILL_ROWS):
+                self._prefill_rows(requests[start:start + PREFILL_ROWS], min(PREFILL_ROWS, self.slots))
+        else:
+            self._prefill_rows(requests, 1)
+
+    def _prefill_rows(self, requests: list[Request], rows: int) -> None:
         padded = bucket(max(len(r.ids) for r in requests))
         tokens = np.zeros((rows, padded), np.int32)
         positions = np.zeros((rows, padded), np.int32)
