@@ -20,6 +20,7 @@ from data_pipeline.cli_flags import add_flag
 REPO = Path(__file__).resolve().parents[1]
 CLIS = (
     "valen_jax.evaluate", "valen_jax.predict", "valen_jax.generate", "valen_jax.regenerate", "valen_jax.export",
+    "valen_jax.serve",
     "data_pipeline.validate", "data_pipeline.convert", "data_pipeline.split", "data_pipeline.prepared",
     "data_pipeline.registry.__main__", "data_pipeline.vakforge.inspect", "data_pipeline.vakforge.prepare",
     "data_pipeline.vakforge.synth", "data_pipeline.vakforge.split",

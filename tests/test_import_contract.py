@@ -51,6 +51,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tasks/evaluation", ("valen_jax.tasks.*", "valen_jax.vflash.*", "valen_jax.evaluation.*")),
     # What only the commands use: their logging set-up, the multi-process start, the one error boundary.
     ("cli support", ("valen_jax.cli.*",)),
+    # The HTTP server `serve` runs (`serving/`: the slot engine, schemas, routes): above evaluation, whose
+    # tool-call parser it answers with, and below the one command that starts it.
+    ("serving", ("valen_jax.serving.*",)),
     # The commands users run (DESIGN: `valen_jax/{train,evaluate,predict,generate,regenerate,export,compile,serve}.py`).
     ("commands", ("valen_jax.train", "valen_jax.evaluate", "valen_jax.predict", "valen_jax.generate",
                   "valen_jax.regenerate", "valen_jax.export", "valen_jax.compile", "valen_jax.serve")),

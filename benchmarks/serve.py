@@ -1,0 +1,151 @@
+"""Serving against offline generation: `python -m valen_jax.serve`'s engine behind uvicorn, on the same
+prompts as `decoding.engine.generate_ids` (what `generate` runs), measured in the same run.
+
+    .venv/bin/python benchmarks/serve.py                       # trains configs/chat.py:tiny for 4 steps first
+    .venv/bin/python benchmarks/serve.py --workdir=runs/chat-smoke [--requests=64] [--new-tokens=32]
+
+64 raw-text prompts of 4–96 tokens, each asking `--new-tokens` (the model's end-of-turn token may end an
+answer earlier: both sides count the tokens actually produced). Offline: `generate_ids` over all of
+them in batches of `--slots` rows, greedy. Served: a server with `--slots` decode slots in this process
+(`python -m valen_jax.serve` on 127.0.0.1, its own process), the requests streamed (`/v1/completions`, `stream: true`)
+by httpx clients at concurrency 1, 8 and 32. Every program is compiled before timing (one warm-up
+offline pass; each concurrency's pass run twice, the second timed).
+
+Figures per concurrency: output tokens/s (all tokens / wall time), time to first token (request sent →
+first streamed token) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
+p50/p95. `prefill` is the fastest of 3 single requests of the longest prompt asking one token (TTFT
+alone, HTTP included). Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: served tokens/s at
+concurrency 8 over offline tokens/s, and the TTFT p95 at concurrency 8 (goals: X >= 0.8, Y <= 2 x prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORDS = "the weather in wellington is windy and cold while oslo has snow and nairobi is cloudy".split()
+
+
+def prompts(count: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(4, 96, size=count)]
+
+
+def train_smoke(workdir: Path) -> None:
+    subprocess.run([sys.executable, "-m", "valen_jax.train", "--config=configs/chat.py:tiny", f"--workdir={workdir}",
+                    "--config.train.steps=4", "--config.train.checkpoint_every=4", "--config.eval.at_end=False"],
+                   cwd=ROOT, check=True, capture_output=True)
+
+
+def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent, stamps, tokens = time.perf_counter(), [], 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ttft": stamps[0] - sent if stamps else float("nan"),
+            "per_token": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and stamps else float("nan"), "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--slots", type=int, default=32)
+    parser.add_argument("--steps-per-sync", type=int, default=4)
+    args = parser.parse_args()
+    from valen_jax.decoding.engine import bucket, generate_ids
+    from valen_jax.serve import load_service
+
+    tmp = tempfile.TemporaryDirectory()
+    workdir = Path(args.workdir) if args.workdir else Path(tmp.name) / "chat-smoke"
+    if args.workdir is None:
+        train_smoke(workdir)
+    service = load_service(workdir, slots=args.slots, max_queue=max(args.requests, 64),
+                           steps_per_sync=args.steps_per_sync)
+    texts = prompts(args.requests)
+    ids = [np.asarray(service.tokenizer.encode(t, add_special_tokens=False), np.int32) for t in texts]
+    run = service.restored
+
+    def offline() -> int:
+        out = generate_ids(run.params, run.graphdef, [{"ids": i, "positions": np.arange(len(i), dtype=np.int32)}
+                                                      for i in ids],
+                           max_new_tokens=args.new_tokens, stop_ids=(service.eot,), vocab=len(service.tokenizer),
+                           local_batch=args.slots)
+        return sum(len(row) for row in out)
+
+    offline()  # compile
+    start = time.perf_counter()
+    offline_tokens = offline()
+    offline_rate = offline_tokens / (time.perf_counter() - start)
+    print(f"offline generate_ids (batches of {args.slots}): {offline_tokens} tokens, {offline_rate:.1f} tokens/s")
+
+    # The server in its own process, as deployed: the clients' threads must not share its interpreter lock.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "valen_jax.serve", f"--workdir={workdir}", f"--port={port}",
+                               f"--max-batch={args.slots}", f"--max-queue={max(args.requests, 64)}",
+                               f"--steps-per-sync={args.steps_per_sync}"], cwd=ROOT)
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+            break
+        except httpx.TransportError:
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited with {server.returncode} before it listened") from None
+            time.sleep(0.2)
+    url, model = f"http://127.0.0.1:{port}", service.name
+    for size in sorted({bucket(len(i)) for i in ids}):  # compile every prompt bucket and the decode step
+        stream_one(url, model, texts[next(k for k, i in enumerate(ids) if bucket(len(i)) == size)], 2)
+    longest = texts[int(np.argmax([len(i) for i in ids]))]
+    prefill = min(stream_one(url, model, longest, 1)["ttft"] for _ in range(3))
+    print(f"prefill of the longest prompt ({max(map(len, ids))} tokens, one token, HTTP included): "
+          f"{prefill * 1e3:.1f} ms")
+    results = {}
+    for concurrency in (1, 8, 32):
+        # Twice, the first untimed: requests admitted together share one prefill of [rows, bucket], and
+        # the first pass compiles the row counts and buckets this concurrency makes.
+        for _ in range(2):
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                got = list(pool.map(lambda t: stream_one(url, model, t, args.new_tokens), texts))
+            wall = time.perf_counter() - start
+        tokens = sum(g["tokens"] for g in got)
+        ttft = np.array([g["ttft"] for g in got]) * 1e3
+        per = np.array([g["per_token"] for g in got if g["tokens"] > 1]) * 1e3
+        results[concurrency] = (tokens / wall, np.percentile(ttft, 95))
+        print(f"concurrency {concurrency:2d}: {tokens} tokens, {tokens / wall:.1f} tokens/s "
+              f"({tokens / wall / offline_rate:.2f}x offline), TTFT p50 {np.percentile(ttft, 50):.1f} ms "
+              f"p95 {np.percentile(ttft, 95):.1f} ms, per token p50 {np.percentile(per, 50):.1f} ms "
+              f"p95 {np.percentile(per, 95):.1f} ms")
+    server.terminate()  # SIGTERM: stops accepting, finishes in-flight requests, exits
+    server.wait()
+    print(f"ttft_p95_c8 / prefill = {results[8][1] / (prefill * 1e3):.2f}")
+    print(f"serve_throughput_vs_offline={results[8][0] / offline_rate:.2f} ttft_p95_ms={results[8][1]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

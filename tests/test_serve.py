@@ -1,0 +1,217 @@
+"""`python -m valen_jax.serve` (issue 31): a real uvicorn server on 127.0.0.1 over the smoke chat workdir,
+driven by the `openai` client and by plain HTTP.
+
+Greedy answers are compared with the offline engine (`generate` / `decoding.engine.generate_ids` with
+the tokenizer's vocabulary and end-of-turn stop, as `generate_workdir` runs it): alone, and 16 at once
+of mixed lengths, each token for token. The tiny model's chat answers end at once (it learned the
+end-of-turn token first), so the mixed-length checks use `/v1/completions` on raw text, where it
+rambles until its budget.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from flax import nnx
+
+from tests.serve_server import Served
+from tests.smoke_workdirs import smoke_workdir
+from valen_jax.decoding.engine import GREEDY, generate_ids
+from valen_jax.decoding.sampling import Sampling
+from valen_jax.generate import generate
+
+MODEL = "smoke-workdir-chat-tiny---config.train.steps=4"
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
+    served = Served(workdir, slots=SLOTS, max_queue=32)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+def offline(served, texts, max_new: list[int], sampling=GREEDY, seed=0) -> list[list[int]]:
+    """Each raw-text prompt's ids from the offline engine, one call per prompt (its own budget)."""
+    service = served.service
+    run = service.restored
+    out = []
+    for text, budget in zip(texts, max_new, strict=True):
+        ids = np.asarray(service.tokenizer.encode(text, add_special_tokens=False), np.int32)
+        out += generate_ids(run.params, run.graphdef, [{"ids": ids, "positions": np.arange(len(ids), dtype=np.int32)}],
+                            max_new_tokens=budget, stop_ids=(service.eot,), vocab=len(service.tokenizer),
+                            sampling=sampling, seed=seed)
+    return out
+
+
+def text_of(served, ids: list[int]) -> str:
+    service = served.service
+    ids = ids[:-1] if ids and ids[-1] == service.eot else ids
+    return service.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def test_models_and_health(served, client):
+    (card,) = client.models.list().data
+    assert card.id == served.service.name == MODEL
+    assert card.valen["step"] == 4 and card.valen["drafter"] is None
+    assert httpx.get(served.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_equals_generate(served, client):
+    messages = [{"role": "user", "content": "What is 4 plus 23?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    run = served.service.restored
+    want = generate(nnx.merge(run.graphdef, run.params), [messages], tokenizer=run.tokenizer, max_new_tokens=12)[0]
+    assert answer.choices[0].message.content == want
+    assert answer.choices[0].finish_reason in {"stop", "length"}
+    prompt = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert answer.usage.prompt_tokens == len(prompt)
+
+
+def test_tools_rendered_by_the_template(served, client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Look up the weather",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=4)
+    tokenizer = served.service.tokenizer
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert answer.usage.prompt_tokens == len(prompt)  # the tools block was rendered into the prompt
+    assert "get_weather" in tokenizer.decode(prompt)
+
+
+def test_tool_calls_parsed_in_the_seed_003_shape(served):
+    """The reply side on a known text: generate's parser (`evaluation.chat.parse_tool_calls`)."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    message, finish = served.service.message(text, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["tool_calls"] == [{"id": "call_1", "type": "function",
+                                      "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    assert served.service.message("It is 2C.", "length") == ({"role": "assistant", "content": "It is 2C."}, "length")
+
+
+def test_completion_stream_equals_non_stream_and_generate(served, client):
+    prompt, budget = "The weather in Wellington is", 10
+    (want,) = offline(served, [prompt], [budget])
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=budget)
+    assert plain.choices[0].text == text_of(served, want)
+    assert plain.usage.completion_tokens == len(want)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=budget, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_chat_stream(client):
+    messages = [{"role": "user", "content": "Hello"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=5)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
+                                                 seed=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_seeded_sampling_repeats_and_equals_generate(served, client):
+    prompt = "What is 4 plus"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, top_p=0.95, seed=11)
+    first, second = (client.completions.create(**ask).choices[0].text for _ in range(2))
+    assert first == second
+    (want,) = offline(served, [prompt], [12], Sampling(temperature=0.9, top_p=0.95), seed=11)
+    assert first == text_of(served, want)
+    other = client.completions.create(**dict(ask, seed=12)).choices[0].text
+    assert other != first  # the seed is used
+
+
+def test_n_choices_and_stop_strings(served, client):
+    prompt = "The weather in Wellington is"
+    answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=3, n=3)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert len({c.text for c in answer.choices}) > 1  # each choice has its own stream
+    (full,) = offline(served, [prompt], [10])
+    text = text_of(served, full)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_greedy_requests_equal_offline(served, client):
+    prompts = [f"{word} " * (1 + i % 5) for i, word in enumerate(
+        ["Hello", "weather", "Oslo", "What", "is", "4", "plus", "23", "city", "snow", "It", "cloudy", "rain",
+         "Nairobi", "wind", "sun"])]
+    budgets = [3 + (7 * i) % 20 for i in range(16)]
+    want = offline(served, prompts, budgets)
+    steps = served.service.engine.steps
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda pb: client.completions.create(model=MODEL, prompt=pb[0], max_tokens=pb[1]),
+                            zip(prompts, budgets, strict=True)))
+    for answer, ids in zip(got, want, strict=True):
+        assert answer.choices[0].text == text_of(served, ids)
+        assert answer.usage.completion_tokens == len(ids)
+    # Slots were shared: far fewer decode steps than the tokens generated one request at a time.
+    assert served.service.engine.steps - steps < sum(len(ids) for ids in want) - 16
+
+
+def wait_idle(served) -> None:
+    """Until the engine holds nothing (bounded by pytest-timeout, not a deadline of ours)."""
+    while served.service.engine.busy():
+        time.sleep(0.01)
+
+
+def test_disconnect_mid_stream_frees_the_slot(served, client):
+    wait_idle(served)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())  # the answer is streaming: the request holds a slot
+        assert served.service.engine.busy() == 1
+    wait_idle(served)  # closed mid-stream: the slot is free long before 400 tokens
+    answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+
+
+def error_of(served, path, body) -> tuple[int, dict]:
+    response = httpx.post(served.url + path, json=body, timeout=60)
+    return response.status_code, response.json()["error"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": MODEL, "prompt": [1] * 600}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools[0].function.name"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+     400, "messages[0].content[1]"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0.5}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 2}}, 400, "logit_bias"),
+])
+def test_bad_requests_name_the_field(served, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    got, error = error_of(served, path, body)
+    assert (got, error["param"]) == (status, param), error
+    assert error["message"].startswith(param)
+
+
+def test_full_queue_answers_429_with_retry_after(served):
+    engine = served.service.engine
+    bound, engine.max_queue = engine.max_queue, 0  # no room to wait: the bound, without racing 33 clients
+    try:
+        response = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=60)
+    finally:
+        engine.max_queue = bound
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "overloaded"

@@ -1,0 +1,68 @@
+"""`python -m valen_jax.serve` as a user starts it (issue 31): a subprocess on 127.0.0.1 with an API key;
+SIGTERM while an answer streams lets that answer finish, then the process exits (with SIGTERM's status, uvicorn re-raising it once drained)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.smoke_workdirs import smoke_workdir
+from tests.train_runs import ROOT, env_with_devices
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "valen_jax.serve", f"--workdir={workdir}", f"--port={port}",
+                                "--max-batch=2", "--api-key=sesame"], cwd=ROOT, env=env_with_devices(1),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    while True:  # until it listens, or it exits (then say why); pytest-timeout bounds a hang
+        try:
+            httpx.get(url + "/health", timeout=5).raise_for_status()
+            break
+        except httpx.TransportError:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with {process.returncode}: {process.stderr.read()[-3000:]}")
+            try:
+                process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+    yield process, url, workdir.name
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def test_api_key_then_sigterm_drains(server):
+    process, url, model = server
+    body = {"model": model, "prompt": "Hello", "max_tokens": 24, "stream": True}
+    refused = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["param"] == "Authorization"
+    key = {"Authorization": "Bearer sesame"}
+    texts, finish = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=120) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        texts.append(json.loads(first[6:])["choices"][0]["text"])
+        process.send_signal(signal.SIGTERM)  # mid-answer: it must still complete
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                texts.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    assert finish in {"stop", "length"}
+    # uvicorn, once drained, re-raises the signal it caught: the exit status is SIGTERM's, as for any
+    # process a SIGTERM ends; what matters is that the answer above finished first.
+    assert process.wait(timeout=120) in {0, -signal.SIGTERM}
+    with pytest.raises(httpx.TransportError):  # no longer listening
+        httpx.get(url + "/health", timeout=5)

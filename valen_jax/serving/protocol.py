@@ -1,0 +1,83 @@
+"""The request bodies the server accepts (OpenAI's chat and completions shapes, validated by pydantic).
+
+Unknown fields are refused (`extra="forbid"`): a client asking for something this server does not do
+gets an error naming the field, not an answer that silently ignored it. Defaults differ from OpenAI's in
+one place: `temperature` defaults to 0 (greedy, as `python -m valen_jax.generate`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class Message(BaseModel):
+    # Assistant turns sent back carry fields (`refusal`, `annotations`, ...) clients echo; tolerated here
+    # since a message is conversation history, not an option of this request.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class Function(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class Sampled(_Strict):
+    model: str
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension (OpenAI has none): 0 is off
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int = Field(0, ge=0, lt=2 ** 32)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class ChatRequest(Sampled):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto"] | None = None  # "auto" is what the template renders; nothing else is honoured
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(Sampled):
+    prompt: str | list[int]
+    echo: Literal[False] = False

@@ -1,0 +1,147 @@
+"""One served workdir: the restored model, its tokenizer and chat template, and its slot engine.
+
+Turns a validated request into prompt ids and engine `Request`s, and generated ids back into text,
+tool calls (`evaluation.chat.parse_tool_calls`, the parser `generate` writes answers with) and a
+finish reason. Every refusal is an `APIError` naming the request's field."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from data_pipeline.chat_templates import template_family
+from data_pipeline.tokenizer import end_of_turn_id
+from valen_jax.decoding.engine import bucket
+from valen_jax.decoding.sampling import Sampling
+from valen_jax.evaluation.chat import parse_tool_calls
+from valen_jax.serving.errors import APIError
+from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled
+from valen_jax.serving.slots import QueueFull, Request, SlotEngine
+
+
+class Service:
+    def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4,
+                 warm: bool = True):
+        self.restored, self.tokenizer, self.api_key = restored, restored.tokenizer, api_key
+        self.name = Path(restored.workdir).name
+        self.context = int(restored.spec.seq_len)
+        self.eot = end_of_turn_id(self.tokenizer)
+        self.family = template_family(self.tokenizer.chat_template)
+        self.default_max = int(restored.config.eval.max_new_tokens)
+        # Every prompt bucket of a prompt within the context must fit the cache (kv_cache.from_prefill).
+        self.engine = SlotEngine(restored.params, restored.graphdef, vocab=len(self.tokenizer), stop_ids=(self.eot,),
+                                 slots=slots, cache_length=bucket(self.context), max_queue=max_queue,
+                                 steps_per_sync=steps_per_sync)
+        if warm:
+            self.engine.warm()
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",
+                "valen": {"workdir": str(self.restored.workdir), "step": self.restored.step,
+                          "tokenizer": str(getattr(self.tokenizer, "name_or_path", "")), "drafter": None,
+                          "context": self.context, "slots": self.engine.slots}}
+
+    def check_model(self, body: Sampled) -> None:
+        if body.model != self.name:
+            raise APIError(404, f"model: {body.model!r} is not served here (this server serves {self.name!r})",
+                           "model", "model_not_found")
+
+    # -- prompts --
+    def chat_ids(self, body: ChatRequest) -> np.ndarray:
+        messages = []
+        for i, message in enumerate(body.messages):
+            turn = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                texts = []
+                for j, part in enumerate(message.content):
+                    if part.type == "image_url":
+                        where = f"messages[{i}].content[{j}]"
+                        if self.restored.model_cfg.vision is None:
+                            raise APIError(400, f"{where}: an image part, but {self.name!r} is a text-only model",
+                                           where, "image_not_supported")
+                        raise APIError(400, f"{where}: image parts are not served yet (issue 31, images)",
+                                       where, "not_implemented")
+                    texts.append(part.text)
+                turn["content"] = "".join(texts)
+            messages.append(turn)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        except Exception as error:  # jinja: a message the template cannot render
+            raise APIError(400, f"messages: the chat template cannot render them: {error}", "messages") from None
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return np.asarray(ids, np.int32)
+
+    def completion_ids(self, body: CompletionRequest) -> np.ndarray:
+        if isinstance(body.prompt, str):
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
+        else:
+            ids = body.prompt
+            if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                raise APIError(400, f"prompt: token ids must be in [0, {len(self.tokenizer)})", "prompt")
+        if not ids:
+            raise APIError(400, "prompt: empty", "prompt")
+        return np.asarray(ids, np.int32)
+
+    # -- generation --
+    def budget(self, body: Sampled, ids: np.ndarray) -> int:
+        asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if len(ids) >= self.context:
+            field = "messages" if isinstance(body, ChatRequest) else "prompt"
+            raise APIError(400, f"{field}: {len(ids)} prompt tokens; the model's context is {self.context}",
+                           field, "context_length_exceeded")
+        if asked is None:
+            return min(self.default_max, self.context - len(ids))
+        if len(ids) + asked > self.context:
+            raise APIError(400, f"max_tokens: {len(ids)} prompt tokens + {asked} exceed the model's context of "
+                           f"{self.context}", "max_tokens", "context_length_exceeded")
+        return int(asked)
+
+    def sampling(self, body: Sampled) -> Sampling:
+        try:
+            return Sampling(temperature=float(body.temperature), top_k=int(body.top_k), top_p=float(body.top_p))
+        except ValueError as error:
+            param = "top_k" if body.top_k else "top_p"
+            raise APIError(400, f"{param}: {error}", param) from None
+
+    def submit(self, body: Sampled, ids: np.ndarray) -> tuple[list[Request], asyncio.Queue]:
+        """The request's `n` choices in the engine; their events (choice, token | None) on one queue."""
+        budget, sampling = self.budget(body, ids), self.sampling(body)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        requests = []
+        for choice in range(body.n):
+            def emit(token, choice=choice):
+                loop.call_soon_threadsafe(events.put_nowait, (choice, token))
+            requests.append(Request(ids, budget, sampling, int(body.seed), choice, emit))
+        try:
+            for request in requests:
+                self.engine.submit(request)
+        except QueueFull as error:
+            for request in requests:
+                self.engine.cancel(request)
+            status = 503 if self.engine._stopping else 429
+            raise APIError(status, str(error), None, "overloaded", "server_error", {"Retry-After": "1"}) from None
+        return requests, events
+
+    def text(self, request: Request) -> str:
+        ids = request.tokens[:-1] if request.finish_reason == "stop" else request.tokens
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice: tool calls as seed 003 writes them, and the reason."""
+        calls = [c for c in parse_tool_calls(text, self.family) if isinstance(c, dict) and "name" in c]
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"id": f"call_{k + 1}", "type": "function",
+                                "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+                               for k, c in enumerate(calls)]}, "tool_calls"
+
+
+def cut_at_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string starts in `text` (None: none there)."""
+    found = [text.find(s) for s in stops if s in text]
+    return min(found) if found else None

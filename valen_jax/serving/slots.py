@@ -1,0 +1,310 @@
+"""Continuous batching over a fixed number of decode slots.
+
+The cache is one `KVCache` of [L, S, K, C, H] (S slots, C = the model's context). Three compiled
+programs, each with static shapes, so an accelerator runs the same executables for the whole life of
+the server:
+
+- `prefill` of one prompt, right-padded to its length bucket (`engine.bucket`), written into a chosen
+  slot of the shared cache (the cache donated: updated in place), → the logits at its last token;
+  compiled once per prompt bucket;
+- `decode`: `steps_per_sync` tokens for every slot in one scan of `Transformer.decode_step` (each slot
+  its own cursor and position, its own stop and budget on the device), the cache donated; compiled once
+  per (S, C, sampling). An empty or finished slot still occupies its lane (static shapes); its writes
+  land in its own row, which the next prefill into it replaces whole;
+- `choose`: the next token of each slot from its logits (`sampling.sample`), once per distinct
+  `Sampling` among the live slots (the filters are static arguments of `sample`).
+
+Requests join between syncs (one prefill for all admitted ones, into free slots) and leave between them (their slot is
+marked free), so a long answer never holds back a short one. A slot's tokens depend only on its own
+cache row and its own random stream, which is the engine's: the token at output index i of choice j is
+drawn with `fold_in(fold_in(key(seed), j), i)` (`loop._row_keys` / `_keys_at`), so greedy and seeded
+answers equal `generate`'s for the same prompt whatever else is being served.
+
+The host syncs every `steps_per_sync` tokens (one device round trip for all slots): the price of letting
+requests in and out while others decode, where `generate`'s while_loop stays on the device for a whole
+batch. A larger value amortises the round trip; a smaller one lets a new request in sooner.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from valen_jax.decoding.engine import bucket
+from valen_jax.decoding.sampling import Sampling, sample
+from valen_jax.models.kv_cache import KVCache
+
+PREFILL_ROWS = 4  # rows of a prefill of several admitted requests (`SlotEngine._start`)
+
+
+class QueueFull(RuntimeError):
+    """The bounded queue of waiting requests is full (the route answers 429 with Retry-After)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One choice being generated. `emit(token | None)` is called from the engine thread once per sync:
+    the latest token (`tokens` may have grown by several since the last event), or None once finished
+    (`finish_reason` then set)."""
+
+    ids: np.ndarray
+    max_new: int
+    sampling: Sampling
+    seed: int
+    choice: int
+    emit: object
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    slot: int | None = None
+
+
+@functools.cache
+def _programs(graphdef, vocab: int, cache_length: int):
+    def prefill(params, cache, tokens, positions, lengths, slots):
+        """New requests [A, P] into their slots (a padding row's slot is out of range: dropped)."""
+        model = nnx.merge(graphdef, params)
+        logits, rows = model.prefill(tokens, positions, lengths, cache_length)
+        keys = cache.keys.at[:, slots].set(rows.keys, mode="drop")
+        values = cache.values.at[:, slots].set(rows.values, mode="drop")
+        return logits, KVCache(keys, values)
+
+    def empty(params, slots):
+        model = nnx.merge(graphdef, params)
+        tokens = jnp.zeros((slots, 1), jnp.int32)
+        return model.prefill(tokens, tokens, jnp.ones(slots, jnp.int32), cache_length)[1]
+
+    return jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,))
+
+
+def _key(seed, choice, count):
+    """The engine's stream (`loop._row_keys` then `_keys_at`): choice j's token i."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), count)
+
+
+@functools.cache
+def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int):
+    """`steps` decode steps of every slot in one program: the rows not `live` (free, finished, or of
+    another sampling) keep their token and cursor, and rewrite the same keys/values at their cursor."""
+    def decode(params, cache, last, cursor, seeds, choices, counts, live, budgets, stop_ids):
+        model = nnx.merge(graphdef, params)
+
+        def step(carry, _):
+            cache, last, cursor, counts, live = carry
+            # Text prompts: a token's position is its slot.
+            logits, cache = model.decode_step(last, cursor, cache, cursor)
+            token = sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
+            token = jnp.where(live, token, last)
+            moved = live.astype(jnp.int32)
+            counts = counts + moved
+            live = live & ~jnp.isin(token, stop_ids) & (counts < budgets)
+            return (cache, token, cursor + moved, counts, live), token
+
+        (cache, *_), tokens = jax.lax.scan(step, (cache, last, cursor, counts, live), None, length=steps)
+        return tokens, cache
+
+    return jax.jit(decode, donate_argnums=(1,))
+
+
+@functools.cache
+def _chooser(sampling: Sampling, vocab: int):
+    def choose(logits, seeds, choices, counts):
+        return sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
+    return jax.jit(choose)
+
+
+class SlotEngine:
+    """The decode slots of one model and the thread that steps them (module docstring)."""
+
+    def __init__(self, params, graphdef, *, vocab: int, stop_ids, slots: int, cache_length: int,
+                 max_queue: int, steps_per_sync: int = 4):
+        self.params, self.vocab, self.slots, self.cache_length = params, int(vocab), int(slots), int(cache_length)
+        self.graphdef, self.steps_per_sync = graphdef, int(steps_per_sync)
+        self.stop_ids = frozenset(int(s) for s in stop_ids)
+        self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
+        self.max_queue = int(max_queue)
+        self._prefill, empty = _programs(graphdef, self.vocab, self.cache_length)
+        self._cache = empty(params, self.slots)
+        self._live: list[Request | None] = [None] * self.slots
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self.steps = 0  # decode steps run (the tests read it to see slots shared)
+        self._thread = threading.Thread(target=self._run, name="valen-slots", daemon=True)
+        self._thread.start()
+
+    def warm(self) -> None:
+        """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
+        the greedy decode, so no request waits on a compile (on a CPU one stalls every slot for seconds).
+        Padding rows only: their slots are out of range, so the cache is untouched."""
+        sizes, size = [], bucket(1)
+        while size <= self.cache_length:
+            sizes.append(size)
+            size = bucket(size + 1)
+        for rows in sorted({1, min(PREFILL_ROWS, self.slots)}):
+            for size in sizes:
+                zeros = np.zeros((rows, size), np.int32)
+                logits, self._cache = self._prefill(self.params, self._cache, zeros, zeros, np.ones(rows, np.int32),
+                                                    np.full(rows, self.slots, np.int32))
+                _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
+                                                 np.zeros(rows, np.int32))
+        zeros = np.zeros(self.slots, np.int32)
+        decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync)
+        tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros.astype(np.uint32),
+                                     zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros, self._stops)
+        np.asarray(tokens)
+
+    # -- the request side (any thread) --
+    def submit(self, request: Request) -> None:
+        if len(request.ids) + request.max_new > self.cache_length:
+            raise ValueError(f"{len(request.ids)} prompt tokens + {request.max_new} new tokens exceed the "
+                             f"model's context of {self.cache_length} tokens")
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue)")
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client left: its slot is freed before the next step."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify()
+
+    def busy(self) -> int:
+        return sum(r is not None for r in self._live) + len(self._waiting)
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop taking requests; with `drain`, the thread finishes what it holds before it ends."""
+        with self._wake:
+            self._stopping = True
+            if not drain:
+                for request in self._waiting:
+                    request.cancelled = True
+            self._wake.notify()
+        self._thread.join()
+
+    # -- the engine thread --
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not any(self._live):
+                    self._wake.wait()
+                if self._stopping and not self._waiting and not any(self._live):
+                    return
+                admitted = self._admit()
+            if admitted:
+                self._start(admitted)
+            self._drop_cancelled()
+            if any(self._live):
+                self._step()
+
+    def _admit(self) -> list[Request]:
+        taken = []
+        free = [i for i, r in enumerate(self._live) if r is None]
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            if request.cancelled:
+                continue
+            request.slot = free.pop(0)
+            self._live[request.slot] = request
+            taken.append(request)
+        return taken
+
+    def _start(self, requests: list[Request]) -> None:
+        """Prefills for the requests admitted this round, `PREFILL_ROWS` at a time (one alone), the prompt
+        length padded to its bucket: two row counts, so a server compiles 2 x buckets prefill programs
+        (on a CPU each compile stalls every slot for seconds, so their number matters more than padding)."""
+        if len(requests) > 1:
+            for start in range(0, len(requests), PREFILL_ROWS):
+                self._prefill_rows(requests[start:start + PREFILL_ROWS], min(PREFILL_ROWS, self.slots))
+        else:
+            self._prefill_rows(requests, 1)
+
+    def _prefill_rows(self, requests: list[Request], rows: int) -> None:
+        padded = bucket(max(len(r.ids) for r in requests))
+        tokens = np.zeros((rows, padded), np.int32)
+        positions = np.zeros((rows, padded), np.int32)
+        lengths = np.ones(rows, np.int32)
+        slots = np.full(rows, self.slots, np.int32)  # out of range: the padding rows' writes are dropped
+        for row, request in enumerate(requests):
+            n = len(request.ids)
+            tokens[row, :n], positions[row, :n], lengths[row], slots[row] = request.ids, np.arange(n), n, request.slot
+        logits, self._cache = self._prefill(self.params, self._cache, tokens, positions, lengths, slots)
+        for request, token in zip(requests, self._choose(logits, requests), strict=True):
+            self._commit(request, token)
+
+    def _step(self) -> None:
+        """`steps_per_sync` tokens of every live slot: one program per sampling among them (the rare mixed
+        case runs the model once per sampling, each for its own rows)."""
+        live = [r for r in self._live if r is not None]
+        last = np.zeros(self.slots, np.int32)
+        cursor, counts, budgets = np.zeros_like(last), np.zeros_like(last), np.zeros_like(last)
+        seeds, choices = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32)
+        for r in live:
+            # The last token is not in the cache yet: it goes to the slot after the prompt and the others.
+            last[r.slot], cursor[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1
+            counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
+        for sampling in {r.sampling for r in live}:
+            mine = [r for r in live if r.sampling == sampling]
+            mask = np.zeros(self.slots, bool)
+            mask[[r.slot for r in mine]] = True
+            decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync)
+            tokens, self._cache = decode(self.params, self._cache, last, cursor, seeds, choices, counts, mask,
+                                         budgets, self._stops)
+            tokens = np.asarray(tokens)
+            self.steps += self.steps_per_sync
+            for r in mine:
+                for token in tokens[:, r.slot]:
+                    if r.finish_reason is not None or r.cancelled:
+                        break
+                    self._commit(r, token, notify=False)
+                if r.finish_reason is None:  # one event per sync (a finished one had its None)
+                    r.emit(r.tokens[-1])
+
+    def _choose(self, logits, requests: list[Request]) -> np.ndarray:
+        """The first token of each new request from its prompt's logits [rows, V] (rows >= requests: the
+        padded prefill's, so each sampling compiles once per row count, not per number admitted)."""
+        rows = logits.shape[0]
+        seeds, choices, counts = np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+        for i, r in enumerate(requests):
+            seeds[i], choices[i], counts[i] = r.seed, r.choice, len(r.tokens)
+        out = np.zeros(len(requests), np.int32)
+        for sampling in {r.sampling for r in requests}:
+            chosen = np.asarray(_chooser(sampling, self.vocab)(logits, seeds, choices, counts))
+            picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
+            out[picks] = chosen[picks]
+        return out
+
+    def _commit(self, request: Request, token: int, notify: bool = True) -> None:
+        """One token onto the request; `notify`: tell its route now (else the caller does, once per sync)."""
+        token = int(token)
+        request.tokens.append(token)
+        if token in self.stop_ids:
+            request.finish_reason = "stop"
+        elif len(request.tokens) >= request.max_new:
+            request.finish_reason = "length"
+        if request.finish_reason is not None:
+            self._free(request)
+        elif notify:
+            request.emit(token)
+
+    def _drop_cancelled(self) -> None:
+        with self._wake:
+            for request in self._live:
+                if request is not None and request.cancelled:
+                    request.finish_reason = request.finish_reason or "cancelled"
+                    self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self._live[request.slot] = None
+        request.emit(None)
