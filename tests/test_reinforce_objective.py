@@ -1,0 +1,47 @@
+"""Issue 32: advantages, the clipped loss and the rewards registry against hand-worked examples."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from valen_jax.reinforce import rewards as R
+from valen_jax.reinforce.objective import clipped_loss, group_advantages
+
+
+def test_group_advantages_by_hand():
+    # two groups of G=2: rewards (1, 0) -> mean .5, std .5 -> (+1, -1); (1, 1) -> zero variance -> (0, 0)
+    a = group_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
+    np.testing.assert_allclose(np.asarray(a), [1.0, -1.0, 0.0, 0.0], atol=1e-5)
+    # Dr.GRPO: no division by the std
+    a = group_advantages(jnp.array([1.0, 0.0, 3.0, 1.0]), 2, scale_by_std=False)
+    np.testing.assert_allclose(np.asarray(a), [0.5, -0.5, 1.0, -1.0], atol=1e-6)
+
+
+def test_clipped_loss_by_hand():
+    old = jnp.zeros((2, 2))
+    # seq 0, A=+1: ratios 1.5 (clipped to 1.2) and 1 -> terms -1.2, -1
+    # seq 1, A=-1: ratio 0.5 -> min(-0.5, 0.8*-1) = -0.8 -> term +0.8; its 2nd token is masked out
+    logp = jnp.log(jnp.array([[1.5, 1.0], [0.5, 7.0]]))
+    mask = jnp.array([[1, 1], [1, 0]])
+    loss, stats = clipped_loss(logp, old, jnp.array([1.0, -1.0]), mask, clip_eps=0.2)
+    np.testing.assert_allclose(float(loss), (-1.2 - 1.0 + 0.8) / 3, rtol=1e-6)  # token-level mean over 3 tokens
+    np.testing.assert_allclose(float(stats["clip_fraction"]), 2 / 3, rtol=1e-6)
+    # k3 KL to a reference equal to the policy is 0, and adds nothing
+    loss_kl, stats = clipped_loss(logp, old, jnp.array([1.0, -1.0]), mask, 0.2, ref_logp=logp, kl_coef=0.5)
+    np.testing.assert_allclose(float(loss_kl), float(loss), rtol=1e-6)
+    assert float(stats["kl"]) == 0.0
+
+
+def test_rewards_read_the_assistant_message():
+    gold = {"role": "assistant", "content": "42"}
+    assert R.exact("42", gold) == 1.0 and R.exact("42.", gold) == 0.0
+    assert R.normalised("42.", gold) == 1.0
+    assert R.json_equal('{"a": [1, 2]}', {"content": '{ "a":[1,2] }'}) == 1.0
+    assert R.json_equal("not json", gold) == 0.0
+    call = {"tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    assert R.tool_call('[{"name": "f", "arguments": {"x": 1}}]', call) == 1.0
+    assert R.tool_call('[{"name": "f", "arguments": {"x": 2}}]', call) == 0.0
+    total, each = R.score(R.resolve({"exact": 1.0, "format": 0.5}), "42", gold)
+    assert total == 1.5 and each == {"exact": 1.0, "format": 1.0}
+    with pytest.raises(ValueError, match="config.rl.rewards: unknown reward 'bleu'"):
+        R.resolve({"bleu": 1.0})
