@@ -45,3 +45,25 @@ def test_rewards_read_the_assistant_message():
     assert total == 1.5 and each == {"exact": 1.0, "format": 1.0}
     with pytest.raises(ValueError, match="config.rl.rewards: unknown reward 'bleu'"):
         R.resolve({"bleu": 1.0})
+
+
+def test_refusals_name_the_row(tmp_path):
+    from ml_collections import ConfigDict
+
+    from valen_jax.errors import ConfigError
+    from valen_jax.reinforce.refusals import check_not_prepared, prompts
+
+    config = ConfigDict({"data": {"format": "prepared", "eval_format": "prepared"}})
+    with pytest.raises(ConfigError, match="config.data.format='prepared': a reinforcement run reads prompts"):
+        check_not_prepared(config)
+    path = tmp_path / "train.jsonl"
+    ok = '{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n'
+    path.write_text(ok + '{"messages": [{"role": "user", "content": [{"type": "image", "path": "a.png"}]}]}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:2: message 0 holds an image"):
+        list(prompts(path))
+    path.write_text(ok + '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:2: no assistant message"):
+        list(prompts(path))
+    path.write_text(ok)
+    [(prompt, gold, where)] = list(prompts(path))
+    assert prompt == [{"role": "user", "content": "1+1"}] and gold["content"] == "2" and where == f"{path}:1"
