@@ -67,3 +67,18 @@ def test_refusals_name_the_row(tmp_path):
     path.write_text(ok)
     [(prompt, gold, where)] = list(prompts(path))
     assert prompt == [{"role": "user", "content": "1+1"}] and gold["content"] == "2" and where == f"{path}:1"
+
+
+def test_arithmetic_task_is_deterministic_and_disjoint():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rl_arith_make", "data/rl_arith/make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    train, eval_ = make.make(300, 50, seed=0)
+    assert (train, eval_) == make.make(300, 50, seed=0)
+    prompts = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    assert len(train) == 300 and len(eval_) == 50 and not prompts(train) & prompts(eval_)
+    for row in train[:20]:
+        question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
+        assert str(eval(question.rstrip("="))) == answer  # the gold answer is exact
