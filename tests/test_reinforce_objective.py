@@ -82,3 +82,28 @@ def test_arithmetic_task_is_deterministic_and_disjoint():
     for row in train[:20]:
         question, answer = row["messages"][0]["content"], row["messages"][1]["content"]
         assert str(eval(question.rstrip("="))) == answer  # the gold answer is exact
+
+
+def test_model_grader_on_a_scripted_grader():
+    from valen_jax.reinforce.grader import grade
+
+    seen = []
+
+    def scripted(conversations):  # grades by reading the completion and the gold out of the prompt
+        seen.extend(conversations)
+        out = []
+        for conv in conversations:
+            user = conv[1]["content"]
+            completion = user.split("Completion:\n")[1].split("\n\nGold answer:")[0]
+            gold = user.split("Gold answer:\n")[1].split("\n\nScore")[0]
+            out.append("Score: 1" if completion == gold else ("0.25 partly" if gold in completion else "no idea"))
+        return out
+
+    prompt = [{"role": "user", "content": "2+2="}]
+    gold = {"role": "assistant", "content": "4"}
+    scores, unparsed = grade(scripted, "Grade the answer.", [(prompt, "4", gold), (prompt, "it is 4", gold),
+                                                             (prompt, "5", gold)])
+    assert scores == [1.0, 0.25, 0.0] and unparsed == 1
+    assert seen[0][0] == {"role": "system", "content": "Grade the answer."} and "2+2=" in seen[0][1]["content"]
+    with pytest.raises(ValueError, match="grader_instructions is empty"):
+        grade(scripted, " ", [(prompt, "4", gold)])
