@@ -107,3 +107,23 @@ def test_model_grader_on_a_scripted_grader():
     assert seen[0][0] == {"role": "system", "content": "Grade the answer."} and "2+2=" in seen[0][1]["content"]
     with pytest.raises(ValueError, match="grader_instructions is empty"):
         grade(scripted, " ", [(prompt, "4", gold)])
+
+
+def test_rl_settings_checks_seeds_and_metrics():
+    from valen_jax.errors import ConfigError
+    from valen_jax.reinforce.settings import check, defaults, rollout_metrics, rollout_seeds
+
+    rl = defaults()
+    check(rl)
+    rl.group_size = 1
+    with pytest.raises(ConfigError, match="config.rl.group_size=1: group-relative"):
+        check(rl)
+    rl = defaults()
+    rl.rewards = {"bleu": 1.0}
+    with pytest.raises(ConfigError, match="config.rl.rewards.bleu: unknown reward"):
+        check(rl)
+    # a resumed run restores its step, hence its seeds
+    assert (rollout_seeds(0, 5, 4) == rollout_seeds(0, 5, 4)).all()
+    assert not (rollout_seeds(0, 5, 4) == rollout_seeds(0, 6, 4)).all()
+    m = rollout_metrics({"exact": [1, 0, 1, 1]}, [1, 0, 1, 1], [1, -1, 0, 0], [2, 4, 3, 3], group_size=2)
+    assert m["zero_variance_groups"] == 0.5 and m["reward/exact/mean"] == 0.75 and m["completion_length/mean"] == 3
