@@ -127,3 +127,17 @@ def test_rl_settings_checks_seeds_and_metrics():
     assert not (rollout_seeds(0, 5, 4) == rollout_seeds(0, 6, 4)).all()
     m = rollout_metrics({"exact": [1, 0, 1, 1]}, [1, 0, 1, 1], [1, -1, 0, 0], [2, 4, 3, 3], group_size=2)
     assert m["zero_variance_groups"] == 0.5 and m["reward/exact/mean"] == 0.75 and m["completion_length/mean"] == 3
+
+
+def test_token_log_probs_agree_with_the_supervised_loss():
+    import jax
+
+    from valen_jax.reinforce.objective import token_log_probs
+    from valen_jax.training.losses import token_losses
+
+    logits = jax.random.normal(jax.random.key(0), (2, 3, 5))
+    targets = jnp.array([[0, 4, 2], [1, 1, 3]])
+    weights = jnp.array([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    lp = token_log_probs(logits, targets)
+    np.testing.assert_allclose(-float((lp * weights).sum()), float(token_losses(logits, targets, weights)["ce"]),
+                               rtol=1e-6)

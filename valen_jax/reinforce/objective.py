@@ -9,6 +9,7 @@ independent of batch size. Pure jnp: traced into the compiled update, nothing ho
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -41,3 +42,12 @@ def clipped_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=Non
         per_token = per_token + kl_coef * kl
         stats["kl"] = (kl * mask).sum() / tokens
     return (per_token * mask).sum() / tokens, stats
+
+
+def token_log_probs(logits, targets):
+    """Per-token log p(target) [B, T] from logits [B, T, V] — the negated per-token term of
+    `training.losses.token_losses`' `ce` (same f32 log-normaliser), kept per token because the
+    policy-gradient ratio needs each one (the supervised loss only needs their weighted sum)."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
