@@ -141,3 +141,26 @@ def test_token_log_probs_agree_with_the_supervised_loss():
     lp = token_log_probs(logits, targets)
     np.testing.assert_allclose(-float((lp * weights).sum()), float(token_losses(logits, targets, weights)["ce"]),
                                rtol=1e-6)
+
+
+def test_the_objective_trains_a_toy_policy():
+    """A one-token policy over 4 answers, reward 1 for answer 2: rollouts of G=8, advantages, two
+    clipped steps per rollout with the old log-probs from rollout time; the right answer's
+    probability climbs from 1/4 past 0.9."""
+    import jax
+
+    from valen_jax.reinforce.objective import token_log_probs
+
+    theta = jnp.zeros(4)
+
+    def logp(theta, actions):
+        return token_log_probs(jnp.broadcast_to(theta, (actions.shape[0], 1, 4)), actions[:, None])
+
+    grad = jax.jit(jax.grad(lambda t, a, old, adv: clipped_loss(logp(t, a), old, adv, jnp.ones_like(old), 0.2)[0]))
+    for step in range(40):
+        actions = jax.random.categorical(jax.random.key(step), theta, shape=(8,))
+        old = logp(theta, actions)
+        adv = group_advantages((actions == 2).astype(jnp.float32), 8)
+        for _ in range(2):
+            theta = theta - 0.5 * grad(theta, actions, old, adv)
+    assert float(jax.nn.softmax(theta)[2]) > 0.9
