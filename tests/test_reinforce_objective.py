@@ -38,11 +38,13 @@ def test_rewards_read_the_assistant_message():
     assert R.normalised("42.", gold) == 1.0
     assert R.json_equal('{"a": [1, 2]}', {"content": '{ "a":[1,2] }'}) == 1.0
     assert R.json_equal("not json", gold) == 0.0
+    with pytest.raises(ValueError, match="reward 'json': the assistant message is not JSON"):
+        R.json_equal("{}", {"content": "forty-two"})
     call = {"tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
     assert R.tool_call('[{"name": "f", "arguments": {"x": 1}}]', call) == 1.0
     assert R.tool_call('[{"name": "f", "arguments": {"x": 2}}]', call) == 0.0
-    total, each = R.score(R.resolve({"exact": 1.0, "format": 0.5}), "42", gold)
-    assert total == 1.5 and each == {"exact": 1.0, "format": 1.0}
+    total, each = R.score(R.resolve({"exact": 1.0, "normalised": 0.5}), "42", gold)
+    assert total == 1.5 and each == {"exact": 1.0, "normalised": 1.0}
     with pytest.raises(ValueError, match="config.rl.rewards: unknown reward 'bleu'"):
         R.resolve({"bleu": 1.0})
 

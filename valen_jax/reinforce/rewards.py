@@ -26,11 +26,17 @@ def normalised(completion: str, gold: Mapping) -> float:
 
 
 def json_equal(completion: str, gold: Mapping) -> float:
-    """1 when the completion and the gold answer parse to equal JSON values (evaluate's equality)."""
+    """1 when the completion and the gold answer parse to equal JSON values (evaluate's equality); a gold
+    answer that is not JSON is the data's mistake, refused, not a reward of 0 for every completion."""
     try:
-        return float(canonical_json(json.loads(completion)) == canonical_json(json.loads(_gold_text(gold))))
+        reference = canonical_json(json.loads(_gold_text(gold)))
+    except (ValueError, ToolCallError) as error:
+        raise ValueError(f"reward 'json': the assistant message is not JSON ({error}): "
+                         f"{_gold_text(gold)[:80]!r}") from None
+    try:
+        return float(canonical_json(json.loads(completion)) == reference)
     except (ValueError, ToolCallError):
-        return 0.0  # an unparsable completion (or gold) earns nothing
+        return 0.0  # an unparsable completion earns nothing
 
 
 def tool_call(completion: str, gold: Mapping) -> float:
@@ -42,12 +48,6 @@ def tool_call(completion: str, gold: Mapping) -> float:
     except (ValueError, ToolCallError):
         return 0.0
     return float(preds == refs)
-
-
-def format_reward(completion: str, gold: Mapping) -> float:
-    """1 when the completion has any non-space text (the minimal format check; others can be registered)."""
-    del gold
-    return float(bool(completion.strip()))
 
 
 def _gold_text(gold: Mapping) -> str:
@@ -62,8 +62,7 @@ REWARDS: dict[str, Reward] = {
     "normalised": normalised,
     "json": json_equal,
     "tool_call": tool_call,
-    "format": format_reward,
-}
+}  # issue 32's format reward (an answer in the dataset's answer format) is not built yet
 
 
 def resolve(names_and_weights: Mapping[str, float]) -> list[tuple[str, Reward, float]]:
