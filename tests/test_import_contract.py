@@ -47,8 +47,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # evaluator reads a ModelRun, the drafter's task restores its target as one), and it needs nothing of
     # theirs: checkpoints, models and the row layout.
     ("run", ("valen_jax.run.*",)),
-    # One module per training mode (`tasks/`), the VFlash feature (`vflash/`), evaluation.
-    ("tasks/evaluation", ("valen_jax.tasks.*", "valen_jax.vflash.*", "valen_jax.evaluation.*")),
+    # One module per training mode (`tasks/`), the VFlash feature (`vflash/`), evaluation, and the parts of
+    # reinforcement runs (`reinforce/`: rewards read with evaluation's metric definitions).
+    ("tasks/evaluation", ("valen_jax.tasks.*", "valen_jax.vflash.*", "valen_jax.evaluation.*",
+                          "valen_jax.reinforce.*")),
     # What only the commands use: their logging set-up, the multi-process start, the one error boundary.
     ("cli support", ("valen_jax.cli.*",)),
     # The HTTP server `serve` runs (`serving/`: the slot engine, schemas, routes): above evaluation, whose
