@@ -47,12 +47,22 @@ def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _target_modules(cfg: ModelConfig) -> list[str] | str:
+    """PEFT's `target_modules`: the projection names for a text model; for a Qwen-VL model a regex (PEFT
+    full-matches a string against each module's path) held to the decoder, because its vision tower has
+    `gate_proj`/`up_proj`/`down_proj` too and a list of names would wrap those in fresh adapters."""
+    names = sorted(_MODULES[name].split(".")[-1] for name in cfg.lora.targets)
+    if cfg.mrope_section is None:
+        return names
+    return rf"model\.language_model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(names)})"
+
+
 def adapter_config(cfg: ModelConfig, base: str) -> dict:
     """adapter_config.json: the keys PEFT's LoraConfig reads to rebuild the same adapters."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": sorted(_MODULES[name].split(".")[-1] for name in cfg.lora.targets),
+        "target_modules": _target_modules(cfg),
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "modules_to_save": None, "inference_mode": True,
     }
