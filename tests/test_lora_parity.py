@@ -4,6 +4,7 @@ the base, give our logits (≤ 1e-4), per text family; the adapters perturbed so
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -96,3 +97,61 @@ def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(t
     # Only the decoder's linear layers are wrapped (the tower keeps its own qkv/proj untouched).
     assert len([m for m in adapted.modules() if isinstance(m, peft.tuners.lora.Linear)]) == 7 * cfg.num_layers
     assert np.abs(_hf_logits(adapted, ids, images, videos) - ours).max() <= 1e-4
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_an_adapter_peft_trained_is_read_back_with_peft_logits_and_a_mismatch_is_refused(scan_layers, tmp_path):
+    """`peft_adapter.load_adapter` (config.model.lora.init_adapter): an adapter PEFT itself made and saved
+    (get_peft_model, B randomised) read into our model gives PeftModel's logits; another rank, a tensor
+    missing, or one we do not adapt is refused naming the file and key."""
+    import json as json_lib
+    import shutil
+
+    from valen_jax.models import lora_init
+    from valen_jax.models.safetensors_io import SafetensorsFile, save_file
+
+    base = _random_hf_model("qwen2", tmp_path / "hf")
+    peft_model = peft.get_peft_model(base, peft.LoraConfig(
+        r=ADAPTERS.rank, lora_alpha=ADAPTERS.alpha, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn_like(parameter))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    ids = np.random.default_rng(4).integers(0, COMMON["vocab_size"], (1, 200))
+    expected = _torch_logits(peft_model.eval(), ids)
+
+    model, cfg = hf.from_pretrained(tmp_path / "hf", scan_layers=scan_layers, lora=ADAPTERS)
+    adapters = peft_adapter.load_adapter(cfg, tmp_path / "adapter", lora_init.adapter_shapes(cfg))
+    graphdef, state = nnx.split(model)
+    params = lora.with_adapters(nnx.to_pure_dict(state), jax.tree.map(jnp.asarray, adapters))
+    ours = _our_logits(nnx.merge(graphdef, params), ids)
+    assert np.abs(ours - expected).max() <= 1e-4
+    assert np.abs(ours - _our_logits(model, ids)).max() > 1e-2  # the adapters were read, not left fresh
+
+    def refused(edit, match):
+        broken = tmp_path / f"broken-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tmp_path / "adapter", broken)
+        edit(broken)
+        with pytest.raises(hf.HFImportError, match=match):
+            peft_adapter.load_adapter(cfg, broken, lora_init.adapter_shapes(cfg))
+
+    def rank(folder):
+        saved = json_lib.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json_lib.dumps({**saved, "r": 4}))
+
+    def tensors(folder, keep, extra=False):
+        stored = SafetensorsFile(folder / "adapter_model.safetensors")
+        kept = {k: np.array(stored.get(k)) for k in stored.keys() if keep(k)}  # copies: the file is rewritten
+        if extra:
+            kept["base_model.model.lm_head.lora_A.weight"] = np.zeros((8, 64), np.float32)
+        save_file(kept, folder / "adapter_model.safetensors")
+
+    refused(rank, r"adapter_config.json: r=4, where config.model.lora asks 8")
+    refused(lambda f: tensors(f, lambda k: "layers.1.mlp.down_proj.lora_B" not in k),
+            r"adapter_model.safetensors: no tensor 'base_model.model.model.layers.1.mlp.down_proj.lora_B.weight'")
+    refused(lambda f: tensors(f, lambda k: True, extra=True), r"'base_model.model.lm_head.lora_A.weight' is an adapter")
+    with pytest.raises(hf.HFImportError, match=r"no adapter_config.json"):
+        peft_adapter.load_adapter(cfg, tmp_path, lora_init.adapter_shapes(cfg))

@@ -134,6 +134,9 @@ def _lora() -> dict[str, Any]:
         # Regexes over '/'-joined parameter paths of base parameters that train beside the adapters (a new
         # head, say `lm_head`); each must match one. A Valen score head always trains.
         "trainable": (),
+        # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, ours or PEFT's) whose adapters
+        # a fresh run starts from instead of fresh ones: its rank, alpha and targets must be this group's.
+        "init_adapter": "",
     }
 
 

@@ -24,7 +24,7 @@ from data_pipeline import vocabulary
 from data_pipeline.tokenizer import number_token_ids, token_id
 from valen_jax.config.schema import ARCHITECTURE_KEYS, defaults
 from valen_jax.errors import ConfigError
-from valen_jax.models import hf, hf_vl, lora, lora_init
+from valen_jax.models import hf, hf_vl, lora, lora_init, peft_adapter
 from valen_jax.models.config import ModelConfig, VisionConfig, padded_vocab
 from valen_jax.models.transformer import Transformer, init_params
 
@@ -166,10 +166,15 @@ def fourier_coordinate_rows(table, ids, seed: int):
 
 def _with_adapters(config, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
     """A LoRA model's first parameters: the base exactly as a plain run would start (the HF checkpoint, or
-    fresh), then `lora_init.attach` (fresh adapters; NF4 under QLoRA)."""
+    fresh), then `lora_init.attach` (fresh adapters, or `config.model.lora.init_adapter`'s PEFT adapter; NF4
+    under QLoRA)."""
     base_cfg = lora.base_config(model_cfg)
+    adapters = None
+    if config.model.lora.init_adapter:  # read (and checked) before the base is loaded onto the devices
+        adapters = peft_adapter.load_adapter(model_cfg, config.model.lora.init_adapter,
+                                             lora_init.adapter_shapes(model_cfg))
     base = initial_params(config, base_cfg, tokenizer, lora_init.base_shardings(model_cfg, shardings))
-    return lora_init.attach(base, model_cfg, shardings, int(config.train.seed) + 1)
+    return lora_init.attach(base, model_cfg, shardings, int(config.train.seed) + 1, adapters)
 
 
 def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings) -> dict:

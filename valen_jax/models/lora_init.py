@@ -4,6 +4,7 @@ NF4 under QLoRA. One place for the HF import (`hf.from_pretrained`) and a run's 
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import nnx
 
 from valen_jax.models import lora, sharding
@@ -17,15 +18,26 @@ def base_shardings(model_cfg: ModelConfig, shardings) -> dict:
     return nnx.to_pure_dict(sharding.state_shardings(abstract_model(lora.base_config(model_cfg))[1], mesh))
 
 
-def attach(base: dict, model_cfg: ModelConfig, shardings, seed: int) -> dict:
-    """`base` (the parameters of `lora.base_config(model_cfg)`, donated) with fresh adapters (A uniform, B = 0:
-    the model starts as its base), quantised first when `model_cfg.lora.quantize_base` is nf4."""
+def adapter_shapes(model_cfg: ModelConfig) -> dict:
+    """The adapter leaves of `model_cfg`'s parameters as shapes (nothing allocated)."""
+    return lora.adapter_tree(nnx.to_pure_dict(abstract_model(model_cfg)[1]))
 
-    def adapters():
+
+def attach(base: dict, model_cfg: ModelConfig, shardings, seed: int, adapters: dict | None = None) -> dict:
+    """`base` (the parameters of `lora.base_config(model_cfg)`, donated) with fresh adapters (A uniform, B = 0:
+    the model starts as its base), or the host arrays `adapters` (a PEFT adapter read back,
+    `peft_adapter.load_adapter`), quantised first when `model_cfg.lora.quantize_base` is nf4."""
+
+    def fresh_adapters():
         return lora.adapter_tree(nnx.to_pure_dict(nnx.split(Transformer(model_cfg, nnx.Rngs(seed)))[1]))
 
-    # Only the adapters are outputs, so XLA never materialises the fresh base it traces past.
-    fresh = jax.jit(adapters, out_shardings=lora.adapter_tree(shardings))()
+    if adapters is None:
+        # Only the adapters are outputs, so XLA never materialises the fresh base it traces past.
+        fresh = jax.jit(fresh_adapters, out_shardings=lora.adapter_tree(shardings))()
+    else:
+        dtypes = adapter_shapes(model_cfg)
+        fresh = jax.tree.map(lambda x, s, d: jax.device_put(np.asarray(x, d.dtype), s), adapters,
+                             lora.adapter_tree(shardings), dtypes)
 
     def combine(b, a):
         if model_cfg.lora.quantize_base == "nf4":

@@ -1,5 +1,6 @@
 """LoRA adapters as a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) that
-`peft.PeftModel.from_pretrained(<transformers model of the base>, folder)` loads with our logits.
+`peft.PeftModel.from_pretrained(<transformers model of the base>, folder)` loads with our logits, and such
+a folder read back (`load_adapter`: `config.model.lora.init_adapter`, to continue training a PEFT adapter).
 
 PEFT names each adapter after the base module it wraps (`base_model.model.` + the transformers module
 path + `.lora_A.weight` [r, in] / `.lora_B.weight` [out, r]) and scales B·A by lora_alpha / r; our A and B
@@ -16,7 +17,8 @@ import numpy as np
 
 from valen_jax.models import lora
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.safetensors_io import save_file
+from valen_jax.models.hf_common import HFImportError
+from valen_jax.models.safetensors_io import SafetensorsFile, save_file
 
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
@@ -81,3 +83,74 @@ def save_adapter(cfg: ModelConfig, params: dict, path: str | Path, base: str = "
     save_file(adapter_tensors(cfg, params), path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base), indent=2) + "\n")
     return path
+
+
+def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
+    """The adapters of the PEFT folder `folder` as our adapter tree, shaped like `template` (a tree of
+    `lora.adapter_tree` leaves with `.shape`; unscanned or stacked layers): the inverse of `adapter_tensors`.
+    Refused in one line naming the file and the key: another rank, alpha or target set than the config's,
+    a PEFT feature we do not compute (rsLoRA, DoRA, bias, modules_to_save), a tensor missing, of another
+    shape, or one the config does not adapt."""
+    folder = Path(folder)
+    config_path, tensors_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    for path in (config_path, tensors_path):
+        if not path.is_file():
+            raise HFImportError(f"config.model.lora.init_adapter={str(folder)!r}: no {path.name} (a PEFT adapter "
+                                "folder holds adapter_config.json and adapter_model.safetensors)")
+    try:
+        saved = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise HFImportError(f"{config_path}: not JSON ({error})") from None
+    expected = adapter_config(cfg, "")
+    for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora", "modules_to_save"):
+        if saved.get(key, expected[key] if key in ("use_rslora", "use_dora", "modules_to_save") else None) \
+                != expected[key]:
+            raise HFImportError(f"{config_path}: {key}={saved.get(key)!r}, where config.model.lora asks "
+                                f"{expected[key]!r}")
+    stored = SafetensorsFile(tensors_path)
+    wanted = adapter_tensors(cfg, _zeros_like(cfg, template))
+    extra = sorted(set(stored.keys()) - set(wanted))
+    if extra:
+        raise HFImportError(f"{tensors_path}: {extra[0]!r} is an adapter config.model.lora.targets="
+                            f"{tuple(cfg.lora.targets)} does not have ({len(extra)} such tensors)")
+    tensors = {}
+    for name, zero in wanted.items():
+        if name not in stored.keys():
+            raise HFImportError(f"{tensors_path}: no tensor {name!r} (config.model.lora.targets="
+                                f"{tuple(cfg.lora.targets)})")
+        tensors[name] = np.array(stored.get(name), np.float32)  # a copy: not a view of the mapped file
+        if tensors[name].shape != zero.shape:
+            raise HFImportError(f"{tensors_path}: {name!r} has shape {tensors[name].shape}, the model's is "
+                                f"{zero.shape}")
+    return _adapter_tree(cfg, tensors, template)
+
+
+def _zeros_like(cfg: ModelConfig, template: dict) -> dict:
+    import jax
+    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), template)
+
+
+def _adapter_tree(cfg: ModelConfig, tensors: dict, template: dict) -> dict:
+    """`tensors` (PEFT's names) as our adapter tree shaped like `template`."""
+    def ours(i, name):
+        stem = f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}"
+        return tensors[f"{stem}.lora_A.weight"].T, tensors[f"{stem}.lora_B.weight"].T  # [in, r], [r, out]
+
+    if cfg.scan_layers:
+        layers = {}
+        for group, leaves in template["layers"].items():
+            layers[group] = {}
+            for key, leaf in leaves.items():
+                name, is_a = key[: -len(lora.SUFFIX_A)], key.endswith(lora.SUFFIX_A)
+                stacked = [ours(i, name)[0 if is_a else 1] for i in range(cfg.num_layers)]
+                layers[group][key] = np.stack(stacked).reshape(leaf.shape)
+        return {**template, "layers": layers}
+    layers = {}
+    for i, groups in template["layers"].items():
+        layers[i] = {}
+        for group, leaves in groups.items():
+            layers[i][group] = {}
+            for key, leaf in leaves.items():
+                name, is_a = key[: -len(lora.SUFFIX_A)], key.endswith(lora.SUFFIX_A)
+                layers[i][group][key] = ours(int(i), name)[0 if is_a else 1].reshape(leaf.shape)
+    return {**template, "layers": layers}
