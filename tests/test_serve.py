@@ -75,6 +75,7 @@ def test_chat_equals_generate(served, client):
     want = generate(nnx.merge(run.graphdef, run.params), [messages], tokenizer=run.tokenizer, max_new_tokens=12)[0]
     assert answer.choices[0].message.content == want
     assert answer.choices[0].finish_reason in {"stop", "length"}
+    assert "valen" not in answer.choices[0].model_dump()  # the VFlash extension only
     prompt = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     assert answer.usage.prompt_tokens == len(prompt)
