@@ -11,6 +11,7 @@ rambles until its budget.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -216,3 +217,33 @@ def test_full_queue_answers_429_with_retry_after(served):
         engine.max_queue = bound
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "overloaded"
+
+
+def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
+    """16 slots, 3 requests (slots 0-2, so each decode runs 8 slot rows of 16) of which one has a prompt
+    past 128 tokens (the cache prefix grows from 128 to 256 positions): token for token offline's."""
+    from valen_jax.serving.slots import Request, SlotEngine, _cover, _shape_buckets
+
+    assert _shape_buckets(32, 8) == [8, 16, 32] and _shape_buckets(4, 8) == [4]
+    assert _shape_buckets(512, 128) == [128, 256, 512] and _cover([128, 256, 512], 129) == 256
+    service = served.service
+    run = service.restored
+    engine = SlotEngine(run.params, run.graphdef, vocab=len(service.tokenizer), stop_ids=(service.eot,), slots=16,
+                        cache_length=service.engine.cache_length, max_queue=8)
+    try:
+        prompts = ["Hello " * 3, "weather in Oslo " * 40, "snow "]
+        budgets = [20, 24, 9]
+        want = offline(served, prompts, budgets)
+        assert len(service.tokenizer.encode(prompts[1], add_special_tokens=False)) > 128
+        done = [threading.Event() for _ in prompts]
+        requests = [Request(np.asarray(service.tokenizer.encode(p, add_special_tokens=False), np.int32), b, GREEDY,
+                            0, 0, lambda token, e=e: token is None and e.set())
+                    for p, b, e in zip(prompts, budgets, done, strict=True)]
+        for request in requests:
+            engine.submit(request)
+        for event in done:
+            assert event.wait(timeout=300)
+        assert [r.tokens for r in requests] == want
+        assert max(r.slot for r in requests) < 8
+    finally:
+        engine.stop()
