@@ -245,5 +245,15 @@ def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
             assert event.wait(timeout=300)
         assert [r.tokens for r in requests] == want
         assert max(r.slot for r in requests) < 8
+        # The tiny model barely reads its context, so the tokens alone would not notice lost cache writes:
+        # the keys the decode wrote past position 128 equal a prefill's of the prompt and its answer.
+        long = requests[1]
+        ids = np.concatenate([long.ids, np.asarray(long.tokens[:-1], np.int32)])
+        model = nnx.merge(run.graphdef, run.params)
+        _, rows = model.prefill(ids[None], np.arange(len(ids), dtype=np.int32)[None],
+                                np.asarray([len(ids)], np.int32), engine.cache_length)
+        start = len(long.ids)
+        np.testing.assert_allclose(np.asarray(engine._cache.keys[:, long.slot, :, start:len(ids)], np.float32),
+                                   np.asarray(rows.keys[:, 0, :, start:len(ids)], np.float32), atol=2e-2, rtol=2e-2)
     finally:
         engine.stop()
