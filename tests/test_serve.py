@@ -219,6 +219,7 @@ def test_full_queue_answers_429_with_retry_after(served):
     assert response.json()["error"]["code"] == "overloaded"
 
 
+@pytest.mark.slow
 def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
     """16 slots, 3 requests (slots 0-2, so each decode runs 8 slot rows of 16) of which one has a prompt
     past 128 tokens (the cache prefix grows from 128 to 256 positions): token for token offline's."""
