@@ -53,7 +53,7 @@ def train_smoke(workdir: Path) -> None:
 def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
-    sent, stamps, tokens = time.perf_counter(), [], 0
+    sent, stamps, tokens, first = time.perf_counter(), [], 0, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -62,9 +62,12 @@ def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
+            if first is None and chunk["choices"] and (chunk["choices"][0]["text"]
+                                                       or chunk["choices"][0]["finish_reason"]):
+                first = time.perf_counter()  # the first token's event, even an end-of-turn token with no text
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft": stamps[0] - sent if stamps else float("nan"),
+    return {"ttft": first - sent,
             "per_token": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and stamps else float("nan"), "tokens": tokens}
 
 
