@@ -12,7 +12,8 @@ by httpx clients at concurrency 1, 8 and 32. Every program is compiled before ti
 offline pass; each concurrency's pass run twice, the second timed).
 
 Figures per concurrency: output tokens/s (all tokens / wall time), time to first token (request sent →
-first streamed token) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
+first streamed chunk with text or a finish_reason: an answer that is only the end-of-turn token has no
+text) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
 p50/p95. `prefill` is the fastest of 3 single requests of the longest prompt asking one token (TTFT
 alone, HTTP included). Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: served tokens/s at
 concurrency 8 over offline tokens/s, and the TTFT p95 at concurrency 8 (goals: X >= 0.8, Y <= 2 x prefill).
