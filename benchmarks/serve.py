@@ -12,7 +12,8 @@ by httpx clients at concurrency 1, 8 and 32. Every program is compiled before ti
 offline pass; each concurrency's pass run twice, the second timed).
 
 Figures per concurrency: output tokens/s (all tokens / wall time), time to first token (request sent →
-first streamed token) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
+first streamed chunk with text or a finish_reason: an answer that is only the end-of-turn token has no
+text) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
 p50/p95. `prefill` is the fastest of 3 single requests of the longest prompt asking one token (TTFT
 alone, HTTP included). Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: served tokens/s at
 concurrency 8 over offline tokens/s, and the TTFT p95 at concurrency 8 (goals: X >= 0.8, Y <= 2 x prefill).
@@ -53,7 +54,7 @@ def train_smoke(workdir: Path) -> None:
 def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
-    sent, stamps, tokens = time.perf_counter(), [], 0
+    sent, stamps, tokens, first = time.perf_counter(), [], 0, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -62,9 +63,12 @@ def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
             chunk = json.loads(line[6:])
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
+            if first is None and chunk["choices"] and (chunk["choices"][0]["text"]
+                                                       or chunk["choices"][0]["finish_reason"]):
+                first = time.perf_counter()  # the first token's event, even an end-of-turn token with no text
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return {"ttft": stamps[0] - sent if stamps else float("nan"),
+    return {"ttft": first - sent,
             "per_token": (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 and stamps else float("nan"), "tokens": tokens}
 
 

@@ -11,6 +11,7 @@ rambles until its budget.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -75,6 +76,7 @@ def test_chat_equals_generate(served, client):
     want = generate(nnx.merge(run.graphdef, run.params), [messages], tokenizer=run.tokenizer, max_new_tokens=12)[0]
     assert answer.choices[0].message.content == want
     assert answer.choices[0].finish_reason in {"stop", "length"}
+    assert "valen" not in answer.choices[0].model_dump()  # the VFlash extension only
     prompt = run.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     assert answer.usage.prompt_tokens == len(prompt)
@@ -215,3 +217,44 @@ def test_full_queue_answers_429_with_retry_after(served):
         engine.max_queue = bound
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "overloaded"
+
+
+@pytest.mark.slow
+def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
+    """16 slots, 3 requests (slots 0-2, so each decode runs 8 slot rows of 16) of which one has a prompt
+    past 128 tokens (the cache prefix grows from 128 to 256 positions): token for token offline's."""
+    from valen_jax.serving.slots import Request, SlotEngine, _cover, _shape_buckets
+
+    assert _shape_buckets(32, 8) == [8, 16, 32] and _shape_buckets(4, 8) == [4]
+    assert _shape_buckets(512, 128) == [128, 256, 512] and _cover([128, 256, 512], 129) == 256
+    service = served.service
+    run = service.restored
+    engine = SlotEngine(run.params, run.graphdef, vocab=len(service.tokenizer), stop_ids=(service.eot,), slots=16,
+                        cache_length=service.engine.cache_length, max_queue=8)
+    try:
+        prompts = ["Hello " * 3, "weather in Oslo " * 40, "snow "]
+        budgets = [20, 24, 9]
+        want = offline(served, prompts, budgets)
+        assert len(service.tokenizer.encode(prompts[1], add_special_tokens=False)) > 128
+        done = [threading.Event() for _ in prompts]
+        requests = [Request(np.asarray(service.tokenizer.encode(p, add_special_tokens=False), np.int32), b, GREEDY,
+                            0, 0, lambda token, e=e: token is None and e.set())
+                    for p, b, e in zip(prompts, budgets, done, strict=True)]
+        for request in requests:
+            engine.submit(request)
+        for event in done:
+            assert event.wait(timeout=300)
+        assert [r.tokens for r in requests] == want
+        assert max(r.slot for r in requests) < 8
+        # The tiny model barely reads its context, so the tokens alone would not notice lost cache writes:
+        # the keys the decode wrote past position 128 equal a prefill's of the prompt and its answer.
+        long = requests[1]
+        ids = np.concatenate([long.ids, np.asarray(long.tokens[:-1], np.int32)])
+        model = nnx.merge(run.graphdef, run.params)
+        _, rows = model.prefill(ids[None], np.arange(len(ids), dtype=np.int32)[None],
+                                np.asarray([len(ids)], np.int32), engine.cache_length)
+        start = len(long.ids)
+        np.testing.assert_allclose(np.asarray(engine._cache.keys[:, long.slot, :, start:len(ids)], np.float32),
+                                   np.asarray(rows.keys[:, 0, :, start:len(ids)], np.float32), atol=2e-2, rtol=2e-2)
+    finally:
+        engine.stop()

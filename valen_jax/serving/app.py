@@ -95,11 +95,16 @@ async def _answer(service: Service, body, ids, http: Request, *, chat: bool):
         return {"prompt_tokens": len(ids) * len(requests), "completion_tokens": completion,
                 "total_tokens": len(ids) * len(requests) + completion}
 
+    def valen(choice: _Choice) -> dict:
+        extension = service.extension(choice.sent)
+        return {} if extension is None else {"valen": extension}
+
     def final(choice: _Choice, index: int) -> dict:
         if not chat:
-            return {"index": index, "text": choice.sent, "finish_reason": choice.finish, "logprobs": None}
+            return {"index": index, "text": choice.sent, "finish_reason": choice.finish, "logprobs": None,
+                    **valen(choice)}
         message, finish = service.message(choice.sent, choice.finish)
-        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, **valen(choice)}
 
     async def next_event():
         index, token = await events.get()
@@ -119,12 +124,13 @@ async def _answer(service: Service, body, ids, http: Request, *, chat: bool):
 
     chunk_head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
 
-    def chunk(index: int, text: str, finish=None, extra=None) -> str:
+    def chunk(index: int, text: str, finish=None, extra=None, tail=None) -> str:
         if chat:
             delta = dict({"content": text} if text or finish is None else {}, **(extra or {}))
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        choice.update(tail or {})  # the last chunk of a choice: its `valen` extension
         return f"data: {json.dumps(dict(chunk_head, choices=[choice]))}\n\n"
 
     async def stream():
@@ -151,7 +157,7 @@ async def _answer(service: Service, body, ids, http: Request, *, chat: bool):
                     message, finish = service.message(choice.sent, choice.finish)
                     if "tool_calls" in message:
                         extra = {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]}
-                yield chunk(index, "", finish, extra)
+                yield chunk(index, "", finish, extra, valen(choice))
             if (body.stream_options or {}).get("include_usage"):
                 yield f"data: {json.dumps(dict(chunk_head, choices=[], usage=usage()))}\n\n"
             yield "data: [DONE]\n\n"

@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.chat_templates import template_family
+from data_pipeline.format_registry import FORMATS
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.decoding.engine import bucket
 from valen_jax.decoding.sampling import Sampling
+from valen_jax.evaluation.answers import vflash_fields
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled
@@ -30,6 +32,8 @@ class Service:
         self.eot = end_of_turn_id(self.tokenizer)
         self.family = template_family(self.tokenizer.chat_template)
         self.default_max = int(restored.config.eval.max_new_tokens)
+        # A VFlash workdir's answers carry their parsed primitives (`extension`), as `generate` writes them.
+        self.vflash = FORMATS[restored.config.data.eval_format].family == "vflash"
         # Every prompt bucket of a prompt within the context must fit the cache (kv_cache.from_prefill).
         self.engine = SlotEngine(restored.params, restored.graphdef, vocab=len(self.tokenizer), stop_ids=(self.eot,),
                                  slots=slots, cache_length=bucket(self.context), max_queue=max_queue,
@@ -129,6 +133,13 @@ class Service:
     def text(self, request: Request) -> str:
         ids = request.tokens[:-1] if request.finish_reason == "stop" else request.tokens
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def extension(self, text: str) -> dict | None:
+        """The `valen` field of a finished choice: for a VFlash model, its primitives with dequantised
+        coordinates, its atomic_decoding calls and the parse error (`evaluation.answers.vflash_fields`,
+        the fields `python -m valen_jax.generate` writes; no dense_scale is known to a request, so dense
+        tokens get no metres); None for other models."""
+        return vflash_fields(text, None) if self.vflash else None
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
         """The assistant message of a finished choice: tool calls as seed 003 writes them, and the reason."""

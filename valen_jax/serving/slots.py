@@ -42,6 +42,8 @@ from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.models.kv_cache import KVCache
 
 PREFILL_ROWS = 4  # rows of a prefill of several admitted requests (`SlotEngine._start`)
+MIN_DECODE_ROWS = 8  # the smallest slot count a decode program runs (`_shape_buckets`)
+MIN_DECODE_LENGTH = 128  # the shortest cache prefix it attends over
 
 
 class QueueFull(RuntimeError):
@@ -90,11 +92,16 @@ def _key(seed, choice, count):
 
 
 @functools.cache
-def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int):
-    """`steps` decode steps of every slot in one program: the rows not `live` (free, finished, or of
-    another sampling) keep their token and cursor, and rewrite the same keys/values at their cursor."""
+def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, length: int):
+    """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
+    other slots and positions untouched): the rows not `live` (free, finished, or of another sampling)
+    keep their token and cursor, and rewrite the same keys/values at their cursor."""
     def decode(params, cache, last, cursor, seeds, choices, counts, live, budgets, stop_ids):
         model = nnx.merge(graphdef, params)
+        full = cache
+        cache = KVCache(full.keys[:, :rows, :, :length], full.values[:, :rows, :, :length])
+        last, cursor, seeds, choices, counts, live, budgets = (
+            x[:rows] for x in (last, cursor, seeds, choices, counts, live, budgets))
 
         def step(carry, _):
             cache, last, cursor, counts, live = carry
@@ -108,9 +115,25 @@ def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int):
             return (cache, token, cursor + moved, counts, live), token
 
         (cache, *_), tokens = jax.lax.scan(step, (cache, last, cursor, counts, live), None, length=steps)
-        return tokens, cache
+        keys = jax.lax.dynamic_update_slice(full.keys, cache.keys, (0, 0, 0, 0, 0))
+        values = jax.lax.dynamic_update_slice(full.values, cache.values, (0, 0, 0, 0, 0))
+        return tokens, KVCache(keys, values)
 
     return jax.jit(decode, donate_argnums=(1,))
+
+
+def _shape_buckets(limit: int, smallest: int) -> list[int]:
+    """Powers of two from `smallest` below `limit`, then `limit` itself: the decode's slot counts and
+    cache lengths (few, so a server compiles few decode programs)."""
+    sizes, size = [], smallest
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def _cover(sizes: list[int], n: int) -> int:
+    return next(s for s in sizes if s >= n)
 
 
 @functools.cache
@@ -131,6 +154,8 @@ class SlotEngine:
         self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         self.max_queue = int(max_queue)
         self._prefill, empty = _programs(graphdef, self.vocab, self.cache_length)
+        self._row_sizes = _shape_buckets(self.slots, MIN_DECODE_ROWS)
+        self._length_sizes = _shape_buckets(self.cache_length, MIN_DECODE_LENGTH)
         self._cache = empty(params, self.slots)
         self._live: list[Request | None] = [None] * self.slots
         self._waiting: collections.deque[Request] = collections.deque()
@@ -156,9 +181,12 @@ class SlotEngine:
                 _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
                                                  np.zeros(rows, np.int32))
         zeros = np.zeros(self.slots, np.int32)
-        decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync)
-        tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros.astype(np.uint32),
-                                     zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros, self._stops)
+        for rows in self._row_sizes:
+            for length in self._length_sizes:
+                decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync, rows, length)
+                tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros.astype(np.uint32),
+                                             zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
+                                             self._stops)
         np.asarray(tokens)
 
     # -- the request side (any thread) --
@@ -254,11 +282,15 @@ class SlotEngine:
             # The last token is not in the cache yet: it goes to the slot after the prompt and the others.
             last[r.slot], cursor[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1
             counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
+        # Only the slots up to the highest live one (slots are taken lowest first) and the cache positions
+        # the live cursors reach in this call: a light load computes a fraction of the cache.
+        rows = _cover(self._row_sizes, max(r.slot for r in live) + 1)
+        length = _cover(self._length_sizes, min(self.cache_length, int(cursor.max()) + self.steps_per_sync))
         for sampling in {r.sampling for r in live}:
             mine = [r for r in live if r.sampling == sampling]
             mask = np.zeros(self.slots, bool)
             mask[[r.slot for r in mine]] = True
-            decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync)
+            decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
             tokens, self._cache = decode(self.params, self._cache, last, cursor, seeds, choices, counts, mask,
                                          budgets, self._stops)
             tokens = np.asarray(tokens)
