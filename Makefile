@@ -42,8 +42,8 @@ train: setup
 # Two pytest-xdist workers, whole files to each (module fixtures that train are built once), heaviest files
 # first (tests/conftest.py, from tests/file_seconds.json; xdist's own reorder by test count is off); the
 # session-wide trained workdirs and checkpoints are built once per run for both (tests/once_per_run.py).
-# Measured on a fresh clone, 2 cores at load ~3: 1757 tests in 40 min 4 s (XLA's execution already uses
-# both cores, so the second worker mostly fills compile time); `test-fast` 1503 tests in 4 min 11 s (load ~3.5).
+# Measured on a fresh clone, 2 cores at load ~3.5: 1796 tests in 25 min 38 s (XLA's execution already uses
+# both cores, so the second worker mostly fills compile time); `test-fast` TEST_FAST_RESULT.
 TEST_WORKERS ?= 2
 test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25

@@ -99,7 +99,7 @@ def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(t
     assert np.abs(_hf_logits(adapted, ids, images, videos) - ours).max() <= 1e-4
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_adapter_peft_trained_is_read_back_with_peft_logits_and_a_mismatch_is_refused(scan_layers, tmp_path):
     """`peft_adapter.load_adapter` (config.model.lora.init_adapter): an adapter PEFT itself made and saved
     (get_peft_model, B randomised) read into our model gives PeftModel's logits; another rank, a tensor

@@ -43,6 +43,7 @@ def server(tmp_path_factory):
         process.wait()
 
 
+@pytest.mark.slow  # a cold `python -m valen_jax.serve` subprocess: restore, compile, serve (~30 s)
 def test_api_key_then_sigterm_drains(server):
     process, url, model = server
     body = {"model": model, "prompt": "Hello", "max_tokens": 24, "stream": True}
