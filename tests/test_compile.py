@@ -36,6 +36,7 @@ def tiny(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads(output.read_text())
 
 
+@pytest.mark.slow  # every program of the tiny config compiled for TPU (~33 s); the fast tier keeps the NF4 compile
 def test_tiny_compiles_for_v5e_with_splash(tiny):
     done, report = tiny
     assert report["topology"]["name"] == "v5e:2x2" and report["topology"]["chips"] == 4

@@ -105,6 +105,7 @@ def test_a_named_extra_and_the_score_head_train_beside_the_adapters_and_a_typo_i
         TrainLayout.from_config(model_cfg(trainable=("lm_haed",)), train_cfg(), mesh)
 
 
+@pytest.mark.slow  # two models' forwards, scanned, float and NF4 (~20 s)
 def test_fresh_adapters_leave_the_base_function_unchanged_and_nf4_computes_the_dequantised_base(scan=True):
     # Unscanned layers: tests/test_lora_parity.py checks fresh adapters against transformers' base.
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
