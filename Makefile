@@ -43,7 +43,7 @@ train: setup
 # first (tests/conftest.py, from tests/file_seconds.json; xdist's own reorder by test count is off); the
 # session-wide trained workdirs and checkpoints are built once per run for both (tests/once_per_run.py).
 # Measured on a fresh clone, 2 cores at load ~3.5: 1796 tests in 25 min 38 s (XLA's execution already uses
-# both cores, so the second worker mostly fills compile time); `test-fast` 1563 tests in 5 min 21 s (load ~2).
+# both cores, so the second worker mostly fills compile time); `test-fast` 1561 tests in 4 min 56 s (load ~2.5).
 TEST_WORKERS ?= 2
 test: setup-test
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
