@@ -9,8 +9,9 @@ independent of batch size. Pure jnp: traced into the compiled update, nothing ho
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from valen_jax.training.losses import log_z_and_target_logit
 
 
 def group_advantages(rewards, group_size: int, scale_by_std: bool = True, eps: float = 1e-6):
@@ -48,6 +49,5 @@ def token_log_probs(logits, targets):
     """Per-token log p(target) [B, T] from logits [B, T, V] — the negated per-token term of
     `training.losses.token_losses`' `ce` (same f32 log-normaliser), kept per token because the
     policy-gradient ratio needs each one (the supervised loss only needs their weighted sum)."""
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - log_z
+    log_z, target_logit = log_z_and_target_logit(logits, targets)
+    return target_logit - log_z

@@ -29,6 +29,14 @@ def token_cross_entropy(logits, targets, weights, z_loss: float = 0.0):
     return sums["ce"] + z_loss * sums["z"], sums["weight"], sums["correct"]
 
 
+def log_z_and_target_logit(logits, targets) -> tuple[jax.Array, jax.Array]:
+    """Per token, in f32: the softmax's log-normaliser log Z and the target's logit (log p(target) is their
+    difference). The one home of the token objective's normaliser: the supervised loss and the policy
+    ratio of reinforcement runs (`reinforce.objective.token_log_probs`) both read it."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
 def token_losses(logits, targets, weights) -> dict[str, jax.Array]:
     """Weighted sums of the token objective's parts over a batch.
 
@@ -36,10 +44,8 @@ def token_losses(logits, targets, weights) -> dict[str, jax.Array]:
     logits from drifting upward, which in bf16 costs precision, without changing the argmax);
     `weight`: the supervised-token count; `correct`: weighted argmax hits.
     """
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    log_z, target_logit = log_z_and_target_logit(logits, targets)
+    correct = (jnp.argmax(logits.astype(jnp.float32), axis=-1) == targets).astype(jnp.float32)
     return {"ce": jnp.sum((log_z - target_logit) * weights), "z": jnp.sum(jnp.square(log_z) * weights),
             "weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
