@@ -4,7 +4,6 @@ NF4 under QLoRA. One place for the HF import (`hf.from_pretrained`) and a run's 
 from __future__ import annotations
 
 import jax
-import numpy as np
 from flax import nnx
 
 from valen_jax.models import lora, sharding
@@ -34,10 +33,8 @@ def attach(base: dict, model_cfg: ModelConfig, shardings, seed: int, adapters: d
     if adapters is None:
         # Only the adapters are outputs, so XLA never materialises the fresh base it traces past.
         fresh = jax.jit(fresh_adapters, out_shardings=lora.adapter_tree(shardings))()
-    else:
-        dtypes = adapter_shapes(model_cfg)
-        fresh = jax.tree.map(lambda x, s, d: jax.device_put(np.asarray(x, d.dtype), s), adapters,
-                             lora.adapter_tree(shardings), dtypes)
+    else:  # already in the adapters' dtypes (`load_adapter` casts to its template's)
+        fresh = jax.device_put(adapters, lora.adapter_tree(shardings))
 
     def combine(b, a):
         if model_cfg.lora.quantize_base == "nf4":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from valen_jax.models import lora
@@ -23,6 +24,7 @@ from valen_jax.models.safetensors_io import SafetensorsFile, save_file
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _GROUP = {**dict.fromkeys(lora.ATTENTION, "attn"), **dict.fromkeys(lora.MLP, "mlp")}
+_OPTIONAL_KEYS = ("use_rslora", "use_dora", "modules_to_save")  # adapter_config.json keys PEFT may omit
 
 
 def _decoder_prefix(cfg: ModelConfig) -> str:
@@ -102,13 +104,13 @@ def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
     except json.JSONDecodeError as error:
         raise HFImportError(f"{config_path}: not JSON ({error})") from None
     expected = adapter_config(cfg, "")
-    for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora", "modules_to_save"):
-        if saved.get(key, expected[key] if key in ("use_rslora", "use_dora", "modules_to_save") else None) \
-                != expected[key]:
+    for key in ("peft_type", "r", "lora_alpha", "bias", *_OPTIONAL_KEYS):
+        # A key PEFT may leave out reads as its default, which is ours; a required one absent is a mismatch.
+        if saved.get(key, expected[key] if key in _OPTIONAL_KEYS else None) != expected[key]:
             raise HFImportError(f"{config_path}: {key}={saved.get(key)!r}, where config.model.lora asks "
                                 f"{expected[key]!r}")
     stored = SafetensorsFile(tensors_path)
-    wanted = adapter_tensors(cfg, _zeros_like(cfg, template))
+    wanted = adapter_tensors(cfg, jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), template))
     extra = sorted(set(stored.keys()) - set(wanted))
     if extra:
         raise HFImportError(f"{tensors_path}: {extra[0]!r} is an adapter config.model.lora.targets="
@@ -125,32 +127,17 @@ def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
     return _adapter_tree(cfg, tensors, template)
 
 
-def _zeros_like(cfg: ModelConfig, template: dict) -> dict:
-    import jax
-    return jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), template)
-
-
 def _adapter_tree(cfg: ModelConfig, tensors: dict, template: dict) -> dict:
-    """`tensors` (PEFT's names) as our adapter tree shaped like `template`."""
-    def ours(i, name):
-        stem = f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}"
-        return tensors[f"{stem}.lora_A.weight"].T, tensors[f"{stem}.lora_B.weight"].T  # [in, r], [r, out]
+    """`tensors` (PEFT's names) as our adapter tree shaped and typed like `template` (stacked over the
+    layers under `scan_layers`, else one subtree per layer index)."""
+    def leaf(path, like):
+        keys = [entry.key for entry in path]
+        name, which = keys[-1][: -len(lora.SUFFIX_A)], "lora_A" if keys[-1].endswith(lora.SUFFIX_A) else "lora_B"
 
-    if cfg.scan_layers:
-        layers = {}
-        for group, leaves in template["layers"].items():
-            layers[group] = {}
-            for key, leaf in leaves.items():
-                name, is_a = key[: -len(lora.SUFFIX_A)], key.endswith(lora.SUFFIX_A)
-                stacked = [ours(i, name)[0 if is_a else 1] for i in range(cfg.num_layers)]
-                layers[group][key] = np.stack(stacked).reshape(leaf.shape)
-        return {**template, "layers": layers}
-    layers = {}
-    for i, groups in template["layers"].items():
-        layers[i] = {}
-        for group, leaves in groups.items():
-            layers[i][group] = {}
-            for key, leaf in leaves.items():
-                name, is_a = key[: -len(lora.SUFFIX_A)], key.endswith(lora.SUFFIX_A)
-                layers[i][group][key] = ours(int(i), name)[0 if is_a else 1].reshape(leaf.shape)
-    return {**template, "layers": layers}
+        def of_layer(i):  # PEFT's A [r, in] / B [out, r], ours transposed
+            return tensors[f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}.{which}.weight"].T
+
+        value = np.stack([of_layer(i) for i in range(cfg.num_layers)]) if cfg.scan_layers else of_layer(int(keys[1]))
+        return value.reshape(like.shape).astype(like.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, template)
