@@ -92,6 +92,12 @@ def _row_keys(seed, rows):
     return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), rows)
 
 
+def token_key(seed, row, index):
+    """The key row `row` draws its token `index` with under `seed`, built from `_row_keys` and `_keys_at`
+    themselves, so a decoder that steps rows one at a time (the server's slots) draws this loop's stream."""
+    return _keys_at(_row_keys(seed, jnp.asarray(row)[None]), jnp.asarray(index)[None])[0]
+
+
 def _where(mask, new, old):
     return jax.tree.map(lambda a, b: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b), new, old)
 

@@ -17,7 +17,7 @@ the server:
 Requests join between syncs (one prefill for all admitted ones, into free slots) and leave between them (their slot is
 marked free), so a long answer never holds back a short one. A slot's tokens depend only on its own
 cache row and its own random stream, which is the engine's: the token at output index i of choice j is
-drawn with `fold_in(fold_in(key(seed), j), i)` (`loop._row_keys` / `_keys_at`), so greedy and seeded
+drawn with `fold_in(fold_in(key(seed), j), i)` (`loop.token_key`), so greedy and seeded
 answers equal `generate`'s for the same prompt whatever else is being served.
 
 The host syncs every `steps_per_sync` tokens (one device round trip for all slots): the price of letting
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from valen_jax.decoding import loop
 from valen_jax.decoding.engine import bucket
 from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.models.kv_cache import KVCache
@@ -86,11 +87,6 @@ def _programs(graphdef, vocab: int, cache_length: int):
     return jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,))
 
 
-def _key(seed, choice, count):
-    """The engine's stream (`loop._row_keys` then `_keys_at`): choice j's token i."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), choice), count)
-
-
 @functools.cache
 def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, length: int):
     """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
@@ -107,7 +103,7 @@ def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, le
             cache, last, cursor, counts, live = carry
             # Text prompts: a token's position is its slot.
             logits, cache = model.decode_step(last, cursor, cache, cursor)
-            token = sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
+            token = sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
             token = jnp.where(live, token, last)
             moved = live.astype(jnp.int32)
             counts = counts + moved
@@ -139,7 +135,7 @@ def _cover(sizes: list[int], n: int) -> int:
 @functools.cache
 def _chooser(sampling: Sampling, vocab: int):
     def choose(logits, seeds, choices, counts):
-        return sample(logits, jax.vmap(_key)(seeds, choices, counts), sampling, vocab)
+        return sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
     return jax.jit(choose)
 
 
