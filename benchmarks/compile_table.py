@@ -6,12 +6,19 @@ resumed; rows already in the file are skipped.
     python benchmarks/compile_table.py --output=benchmarks/compile_table.json                 # every row
     python benchmarks/compile_table.py --output=benchmarks/compile_table.json --rows=7b/v5p-64/8192
     python benchmarks/compile_table.py --output=benchmarks/compile_table.json --markdown      # print the table
+    python benchmarks/compile_table.py --output=benchmarks/compile_table.json --longest=7b    # longest row per slice
 
 Each row: full fine-tuning (f32 master weights, AdamW, remat=full, scanned layers, bf16 compute: the
 `:hf` variant), pure FSDP over the slice (`mesh.fsdp=-1`), one row per chip, `attention=auto` (splash on
 TPU); the model's shape from `benchmarks/shapes/NAME/config.json` (no weights). Only the train step is
 compiled (`--programs=train_step`): the other programs take several times longer on a CPU host and the
 memory and roofline goals are the train step's. Rows are listed biggest risk first.
+
+`--longest=MODEL` searches, per slice, the longest row (a multiple of 1024 tokens) whose train step fits:
+it starts from the rows already in the file, probes where a straight line through the two nearest
+measured totals meets the chip's HBM (memory grows about linearly in the row with remat and flash
+attention), and bisects the bracket until it is 1024 wide or --probes compiles were spent; every probe
+is a row of the file, so the search resumes too. A bracket left wider is reported as such.
 """
 
 from __future__ import annotations
@@ -94,6 +101,83 @@ def run_row(row: str) -> dict:
         return result
 
 
+GRANULE = 1024  # the longest-row search's step in tokens per row
+
+
+def _row_gib(result: dict) -> float | None:
+    """The per-chip GiB a measured row needed: the tool's total, or the temporaries the TPU compiler said it
+    needed when it refused the program itself (arguments then unknown: a lower bound)."""
+    if "gib_per_chip" in result:
+        return result["gib_per_chip"]["total"]
+    found = re.search(r"HLO temporaries \((\S+?)G\)", result.get("error") or "")
+    return float(found.group(1)) if found else None
+
+
+def bracket(model: str, topology: str, results: dict) -> tuple[int | None, int | None]:
+    """(longest measured row that fits, shortest measured row that does not) of `model` on `topology`."""
+    fit, unfit = None, None
+    for row, result in results.items():
+        m, t, length = row.split("/")
+        if (m, t) != (model, topology) or "fits" not in result:
+            continue
+        if result["fits"]:
+            fit = max(fit or 0, int(length))
+        else:
+            unfit = min(unfit or 10 ** 9, int(length))
+    return fit, unfit
+
+
+def next_probe(model: str, topology: str, results: dict, hbm_gib: float) -> int | None:
+    """The next row length to compile in the longest-row search, or None when the bracket is one granule."""
+    fit, unfit = bracket(model, topology, results)
+    if fit is None and unfit is None:
+        return LENGTHS[0]
+    if fit is None:  # nothing fits yet: halve
+        return unfit // 2 if unfit // 2 >= GRANULE else None
+    if unfit is None:  # everything fits so far: extrapolate, at least doubling
+        return 2 * fit
+    if unfit - fit <= GRANULE:
+        return None
+    g_fit = _row_gib(results[f"{model}/{topology}/{fit}"])
+    g_unfit = _row_gib(results[f"{model}/{topology}/{unfit}"])
+    guess = (fit + unfit) // 2
+    if g_fit is not None and g_unfit is not None and g_unfit > g_fit:
+        guess = int(fit + (hbm_gib - g_fit) * (unfit - fit) / (g_unfit - g_fit))
+    guess = guess // GRANULE * GRANULE
+    return min(max(guess, fit + GRANULE), unfit - GRANULE)
+
+
+def search_longest(model: str, results: dict, output: Path, probes: int) -> None:
+    from valen_jax.tasks.aot import HBM_PER_CHIP
+
+    for topology in SLICES:
+        hbm_gib = HBM_PER_CHIP[topology.split("-")[0]] / 2 ** 30
+        for _ in range(probes):
+            length = next_probe(model, topology, results, hbm_gib)
+            if length is None:
+                break
+            row = f"{model}/{topology}/{length}"
+            results[row] = run_row(row)
+            output.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"{row}: fits={results[row].get('fits')} ({results[row]['seconds']:.0f} s)", flush=True)
+        fit, unfit = bracket(model, topology, results)
+        print(f"longest {model}/{topology}: fits at {fit}, not at {unfit}", flush=True)
+
+
+def longest_lines(results: dict) -> list[str]:
+    """One line per model and slice searched: the longest fitting row measured and the shortest that is not."""
+    lines = []
+    for model in MODELS:
+        for topology in SLICES:
+            lengths = {int(row.split("/")[2]) for row in results if row.startswith(f"{model}/{topology}/")}
+            if not lengths - set(LENGTHS) - {8192}:
+                continue  # not searched
+            fit, unfit = bracket(model, topology, results)
+            lines.append(f"- {MODELS[model]} on {topology}: the longest row that fits is {fit or 'none'} tokens"
+                         + (f" ({unfit} does not)" if unfit else " (no longer row was compiled)"))
+    return lines
+
+
 def census(collectives: dict) -> str:
     parts = []
     for name, short in (("all-gather", "AG"), ("reduce-scatter", "RS"), ("all-reduce", "AR"),
@@ -131,10 +215,15 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--rows", default="", help="comma-separated model/slice/length (default: all)")
     parser.add_argument("--markdown", action="store_true", help="print the table from --output and stop")
+    parser.add_argument("--longest", choices=tuple(MODELS), help="search the longest row that fits, per slice")
+    parser.add_argument("--probes", type=int, default=4, help="compiles per slice for --longest")
     args = parser.parse_args()
     results = json.loads(args.output.read_text()) if args.output.is_file() else {}
     if args.markdown:
-        print(markdown(results))
+        print("\n".join([markdown(results), "", *longest_lines(results)]))
+        return
+    if args.longest:
+        search_longest(args.longest, results, args.output, args.probes)
         return
     for row in [r for r in args.rows.split(",") if r] or all_rows():
         if row in results:
