@@ -8,8 +8,9 @@ prompts as `decoding.engine.generate_ids` (what `generate` runs), measured in th
 answer earlier: both sides count the tokens actually produced). Offline: `generate_ids` over all of
 them in batches of `--slots` rows, greedy. Served: a server with `--slots` decode slots in this process
 (`python -m valen_jax.serve` on 127.0.0.1, its own process), the requests streamed (`/v1/completions`, `stream: true`)
-by httpx clients at concurrency 1, 8 and 32. Every program is compiled before timing (one warm-up
-offline pass; each concurrency's pass run twice, the second timed).
+by httpx clients at concurrency 1, 8 and 32, each client keeping its connection. Every program is
+compiled before timing (one warm-up offline pass; the server compiles at start-up); offline is the best
+of 3 passes, each concurrency the faster of 2 timed passes after an untimed one.
 
 Figures per concurrency: output tokens/s (all tokens / wall time), time to first token (request sent →
 first streamed chunk with text or a finish_reason: an answer that is only the end-of-turn token has no
@@ -102,9 +103,12 @@ def main() -> None:
         return sum(len(row) for row in out)
 
     offline()  # compile
-    start = time.perf_counter()
-    offline_tokens = offline()
-    offline_rate = offline_tokens / (time.perf_counter() - start)
+    walls = []
+    for _ in range(3):  # the best of 3: on a shared host one pass can lose its CPU to others
+        start = time.perf_counter()
+        offline_tokens = offline()
+        walls.append(time.perf_counter() - start)
+    offline_rate = offline_tokens / min(walls)
     print(f"offline generate_ids (batches of {args.slots}): {offline_tokens} tokens, {offline_rate:.1f} tokens/s")
 
     # The server in its own process, as deployed: the clients' threads must not share its interpreter lock.
@@ -144,13 +148,15 @@ def main() -> None:
           f"{prefill * 1e3:.1f} ms")
     results = {}
     for concurrency in (1, 8, 32):
-        # Twice, the first untimed: requests admitted together share one prefill of [rows, bucket], and
-        # the first pass compiles the row counts and buckets this concurrency makes.
-        for _ in range(2):
+        # Three times, the first untimed (it warms this concurrency's connections), then the faster of two
+        # (as offline's best of 3: a pass on a shared host can lose its CPU to others).
+        passes = []
+        for _ in range(3):
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 got = list(pool.map(lambda t: request(t, args.new_tokens), texts))
-            wall = time.perf_counter() - start
+            passes.append((time.perf_counter() - start, got))
+        wall, got = min(passes[1:], key=lambda p: p[0])
         tokens = sum(g["tokens"] for g in got)
         ttft = np.array([g["ttft"] for g in got]) * 1e3
         per = np.array([g["per_token"] for g in got if g["tokens"] > 1]) * 1e3
