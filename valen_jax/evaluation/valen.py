@@ -35,7 +35,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.shards import Example
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
-from valen_jax.errors import UsageError
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
@@ -312,5 +312,5 @@ def predict_valen_data(restored: ModelRun, data, mode: str | None = None, batch_
         examples, _, _ = load_examples("valen", data, shards_root or restored.workdir,
                                        checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
         if not examples:
-            raise UsageError(f"{data}: no records")
+            raise EvaluationError(f"{data}: no records")
         return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))
