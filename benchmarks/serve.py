@@ -8,8 +8,9 @@ prompts as `decoding.engine.generate_ids` (what `generate` runs), measured in th
 answer earlier: both sides count the tokens actually produced). Offline: `generate_ids` over all of
 them in batches of `--slots` rows, greedy. Served: a server with `--slots` decode slots in this process
 (`python -m valen_jax.serve` on 127.0.0.1, its own process), the requests streamed (`/v1/completions`, `stream: true`)
-by httpx clients at concurrency 1, 8 and 32. Every program is compiled before timing (one warm-up
-offline pass; each concurrency's pass run twice, the second timed).
+by httpx clients at concurrency 1, 8 and 32, each client keeping its connection. Every program is
+compiled before timing (one warm-up offline pass; the server compiles at start-up); offline is the best
+of 3 passes, each concurrency the faster of 2 timed passes after an untimed one.
 
 Figures per concurrency: output tokens/s (all tokens / wall time), time to first token (request sent →
 first streamed chunk with text or a finish_reason: an answer that is only the end-of-turn token has no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import queue
 import socket
 import subprocess
 import sys
@@ -51,11 +53,11 @@ def train_smoke(workdir: Path) -> None:
                    cwd=ROOT, check=True, capture_output=True)
 
 
-def stream_one(url: str, model: str, prompt: str, new_tokens: int) -> dict:
+def stream_one(client: httpx.Client, url: str, model: str, prompt: str, new_tokens: int) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     sent, stamps, tokens, first = time.perf_counter(), [], 0, None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -88,7 +90,7 @@ def main() -> None:
     if args.workdir is None:
         train_smoke(workdir)
     service = load_service(workdir, slots=args.slots, max_queue=max(args.requests, 64),
-                           steps_per_sync=args.steps_per_sync)
+                           steps_per_sync=args.steps_per_sync, warm=False)  # offline only: the server warms its own
     texts = prompts(args.requests)
     ids = [np.asarray(service.tokenizer.encode(t, add_special_tokens=False), np.int32) for t in texts]
     run = service.restored
@@ -101,9 +103,12 @@ def main() -> None:
         return sum(len(row) for row in out)
 
     offline()  # compile
-    start = time.perf_counter()
-    offline_tokens = offline()
-    offline_rate = offline_tokens / (time.perf_counter() - start)
+    walls = []
+    for _ in range(3):  # the best of 3: on a shared host one pass can lose its CPU to others
+        start = time.perf_counter()
+        offline_tokens = offline()
+        walls.append(time.perf_counter() - start)
+    offline_rate = offline_tokens / min(walls)
     print(f"offline generate_ids (batches of {args.slots}): {offline_tokens} tokens, {offline_rate:.1f} tokens/s")
 
     # The server in its own process, as deployed: the clients' threads must not share its interpreter lock.
@@ -122,21 +127,36 @@ def main() -> None:
                 raise SystemExit(f"the server exited with {server.returncode} before it listened") from None
             time.sleep(0.2)
     url, model = f"http://127.0.0.1:{port}", service.name
+    # Each client keeps its connection (as the openai client's pool does): a new httpx.Client per request
+    # costs 30-90 ms of the benchmark's own CPU (its SSL context), which this measured instead of the server.
+    clients = queue.SimpleQueue()
+    for _ in range(32):
+        clients.put(httpx.Client())
+
+    def request(prompt: str, new_tokens: int) -> dict:
+        client = clients.get()
+        try:
+            return stream_one(client, url, model, prompt, new_tokens)
+        finally:
+            clients.put(client)
+
     for size in sorted({bucket(len(i)) for i in ids}):  # compile every prompt bucket and the decode step
-        stream_one(url, model, texts[next(k for k, i in enumerate(ids) if bucket(len(i)) == size)], 2)
+        request(texts[next(k for k, i in enumerate(ids) if bucket(len(i)) == size)], 2)
     longest = texts[int(np.argmax([len(i) for i in ids]))]
-    prefill = min(stream_one(url, model, longest, 1)["ttft"] for _ in range(3))
+    prefill = min(request(longest, 1)["ttft"] for _ in range(3))
     print(f"prefill of the longest prompt ({max(map(len, ids))} tokens, one token, HTTP included): "
           f"{prefill * 1e3:.1f} ms")
     results = {}
     for concurrency in (1, 8, 32):
-        # Twice, the first untimed: requests admitted together share one prefill of [rows, bucket], and
-        # the first pass compiles the row counts and buckets this concurrency makes.
-        for _ in range(2):
+        # Three times, the first untimed (it warms this concurrency's connections), then the faster of two
+        # (as offline's best of 3: a pass on a shared host can lose its CPU to others).
+        passes = []
+        for _ in range(3):
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                got = list(pool.map(lambda t: stream_one(url, model, t, args.new_tokens), texts))
-            wall = time.perf_counter() - start
+                got = list(pool.map(lambda t: request(t, args.new_tokens), texts))
+            passes.append((time.perf_counter() - start, got))
+        wall, got = min(passes[1:], key=lambda p: p[0])
         tokens = sum(g["tokens"] for g in got)
         ttft = np.array([g["ttft"] for g in got]) * 1e3
         per = np.array([g["per_token"] for g in got if g["tokens"] > 1]) * 1e3
@@ -145,6 +165,8 @@ def main() -> None:
               f"({tokens / wall / offline_rate:.2f}x offline), TTFT p50 {np.percentile(ttft, 50):.1f} ms "
               f"p95 {np.percentile(ttft, 95):.1f} ms, per token p50 {np.percentile(per, 50):.1f} ms "
               f"p95 {np.percentile(per, 95):.1f} ms")
+    while not clients.empty():
+        clients.get().close()
     server.terminate()  # SIGTERM: stops accepting, finishes in-flight requests, exits
     server.wait()
     print(f"ttft_p95_c8 / prefill = {results[8][1] / (prefill * 1e3):.2f}")

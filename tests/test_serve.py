@@ -10,7 +10,10 @@ rambles until its budget.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import json
+import shutil
 import threading
 import time
 
@@ -22,9 +25,11 @@ from flax import nnx
 
 from tests.serve_server import Served
 from tests.smoke_workdirs import smoke_workdir
+from tests.train_runs import ROOT
 from valen_jax.decoding.engine import GREEDY, generate_ids
 from valen_jax.decoding.sampling import Sampling
-from valen_jax.generate import generate
+from valen_jax.generate import generate, generate_workdir
+from valen_jax.serving.protocol import ChatRequest
 
 MODEL = "smoke-workdir-chat-tiny---config.train.steps=4"
 SLOTS = 4
@@ -197,7 +202,7 @@ def error_of(served, path, body) -> tuple[int, dict]:
     ({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
-     400, "messages[0].content[1]"),
+     400, "messages[0].content[1].image_url.url"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0.5}, 400, "top_p"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"1": 2}}, 400, "logit_bias"),
 ])
@@ -258,3 +263,49 @@ def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
                                    np.asarray(rows.keys[:, 0, :, start:len(ids)], np.float32), atol=2e-2, rtol=2e-2)
     finally:
         engine.stop()
+
+
+def test_valen_scoring_refused_without_a_score_head(served):
+    got, error = error_of(served, "/v1/valen/score", {"model": MODEL, "records": [{"group_id": "g"}]})
+    assert (got, error["param"], error["code"]) == (400, "model", "no_score_head"), error
+
+
+IMAGE = ROOT / "data/smoke/chat/images/shape_1003.png"
+QUESTION = "What color is the shape?"
+
+
+def image_message(image) -> dict:
+    url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+    return {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}]}
+
+
+def test_an_image_part_answers_as_generate_on_the_same_record(served, client, tmp_path):
+    """The smoke chat model has a vision tower: the image goes through the workdir's processor and
+    media_kwargs as `generate`'s does (its record beside the image file); sampled with a seed, so the
+    answer's tokens depend on the image's logits (greedy, this model only ends its turn)."""
+    shutil.copy(IMAGE, tmp_path / "shape.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
+                                                        {"type": "image", "path": "shape.png"}]},
+                           {"role": "assistant", "content": "A red circle."}]}
+    (tmp_path / "one.jsonl").write_text(json.dumps(record) + "\n")
+    sampling, budget = Sampling(temperature=1.0), 12
+    (line,) = generate_workdir(served.service.restored.workdir, tmp_path / "one.jsonl", max_new_tokens=budget,
+                               sampling=sampling, seed=7)
+    answer = client.chat.completions.create(model=MODEL, messages=[image_message(IMAGE)], max_tokens=budget,
+                                            temperature=1.0, seed=7)
+    assert line["text"] and answer.choices[0].message.content == line["text"]
+    assert answer.usage.completion_tokens == line["generated_tokens"]
+    text_only = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=1)
+    assert answer.usage.prompt_tokens > text_only.usage.prompt_tokens  # the image's tokens are in the prompt
+    # The pixels reach the model: another image, other patches in the prompt (this model barely reads them yet).
+    prompts = [served.service.chat_prompt(ChatRequest(model=MODEL, messages=[image_message(path)]))
+               for path in (IMAGE, ROOT / "data/smoke/chat/images/shape_007.png")]
+    assert prompts[0]["vision"]["patches"].shape == prompts[1]["vision"]["patches"].shape
+    assert not np.array_equal(prompts[0]["vision"]["patches"], prompts[1]["vision"]["patches"])
+
+
+def test_an_image_url_that_is_not_inline_is_refused(served):
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}
+    got, error = error_of(served, "/v1/chat/completions", {"model": MODEL, "messages": [message]})
+    assert (got, error["param"]) == (400, "messages[0].content[0].image_url.url"), error

@@ -60,8 +60,8 @@ def test_lm_eval_exact_match_equals_evaluate(tmp_path_factory, tmp_path):
     workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
     served = Served(workdir, slots=4, max_queue=32)
     sent = []  # the conversations lm-eval posted, as the server read them
-    chat_ids = served.service.chat_ids
-    served.service.chat_ids = lambda body: sent.append(body.model_dump(exclude_none=True)["messages"]) or chat_ids(body)
+    chat_prompt = served.service.chat_prompt
+    served.service.chat_prompt = lambda body: sent.append(body.model_dump(exclude_none=True)["messages"]) or chat_prompt(body)
     try:
         model = served.service.name
         results = simple_evaluate(

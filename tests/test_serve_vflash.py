@@ -10,6 +10,7 @@ that text, both for the plain and the streamed answer; a known primitive answer 
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
@@ -20,6 +21,7 @@ from flax import nnx
 from data_pipeline.primitives import coordinates, parse_answer
 from tests.serve_server import Served
 from tests.smoke_workdirs import smoke_workdir
+from tests.train_runs import ROOT
 from valen_jax.evaluation.answers import vflash_fields
 from valen_jax.generate import generate
 
@@ -78,8 +80,15 @@ def test_vflash_extension_dequantises_a_primitive_answer(served):
     assert served.service.extension("<point><902></point>") == {"primitives": [], "atomic_decoding": [], "parse_error": "at char 0: <point> needs 2 numbers (x, y), got 1"}
 
 
-def test_vflash_image_part_is_refused(served):
-    content = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
-    refused = post(served, {"messages": [{"role": "user", "content": content}]})
-    assert refused.status_code == 400
-    assert refused.json()["error"]["code"] == "not_implemented"
+def test_vflash_image_parts_are_served_and_a_bad_one_names_its_field(served):
+    bad = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+    refused = post(served, {"messages": [{"role": "user", "content": bad}]})
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["param"]) == (400, "invalid_image",
+                                                                    "messages[0].content[1].image_url.url")
+    url = "data:image/png;base64," + base64.b64encode((ROOT / "data/smoke/chat/images/shape_003.png").read_bytes()).decode()
+    good = [{"type": "text", "text": PROMPT}, {"type": "image_url", "image_url": {"url": url}}]
+    answer = post(served, {"messages": [{"role": "user", "content": good}], "max_tokens": MAX_NEW})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["valen"] == vflash_fields(choice["message"]["content"] or "", None)

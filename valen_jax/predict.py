@@ -44,7 +44,7 @@ from valen_jax.data.references import resolve_cli_data
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.evaluation.valen import predict_valen
+from valen_jax.evaluation.valen import predict_valen, predict_valen_data
 from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
 
@@ -56,6 +56,8 @@ def predict_workdir(workdir: str | Path, data: str | Path, step: int | None = No
     """(the Valen mode used, or GENERATION; the answer lines in data order; complete on process 0)."""
     restored = restore_model(workdir, step)
     fmt, options = eval_workdir.data_format(restored, fmt)
+    if fmt == "valen" and not Path(data).is_dir():  # a Valen JSONL: what the server's /v1/valen/score runs too
+        return predict_valen_data(restored, data, mode, batch_size)
     if FORMATS[fmt].family == "valen":
         eval_workdir.require_score_head(restored, str(data))  # before the data is converted
     else:

@@ -35,14 +35,22 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline.shards import Example
 from valen_jax.data.assemble import RowSpec
 from valen_jax.data.valen_rows import MODES, QuestionSpec, has_labels, row_needs, valen_row
-from valen_jax.errors import UsageError
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import hosts, image_reliance
 from valen_jax.evaluation.metrics import shown
 from valen_jax.evaluation.metrics.valen import ValenStats
-from valen_jax.evaluation.workdir import host_local, local_batch_size, stack
+from valen_jax.evaluation.workdir import (
+    data_format,
+    host_local,
+    load_examples,
+    local_batch_size,
+    require_score_head,
+    stack,
+)
 from valen_jax.models import sharding
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.run import ModelRun
+from valen_jax.training import checkpoint
 from valen_jax.training.step import vision_inputs
 
 if TYPE_CHECKING:
@@ -290,3 +298,19 @@ def predict_valen(restored: ModelRun, examples: list[Example], mode: str | None,
     own = [[i, answer_line(examples[i], probs)] for i, probs in score_records(restored, examples, qspec, batch_size)]
     gathered = sorted((pair for part in hosts.gather_json(own) for pair in part), key=lambda pair: pair[0])
     return qspec.mode, [line for _, line in gathered]
+
+
+def predict_valen_data(restored: ModelRun, data, mode: str | None = None, batch_size: int | None = None,
+                       shards_root=None) -> tuple[str, list[dict]]:
+    """(the mode used, the answer lines `python -m valen_jax.predict` writes) for a seed-000 Valen JSONL,
+    through the same conversion (`workdir.load_examples`, the checkpoint's Valen options) and scoring
+    (`predict_valen`). `shards_root`: the folder whose `eval_shards/` the JSONL converts into (default the
+    workdir; the server converts each request in a folder of its own)."""
+    require_score_head(restored, str(data))
+    _, options = data_format(restored, "valen")
+    with jax.set_mesh(restored.mesh):
+        examples, _, _ = load_examples("valen", data, shards_root or restored.workdir,
+                                       checkpoint.tokenizer_dir(restored.workdir), restored.fingerprint, options)
+        if not examples:
+            raise EvaluationError(f"{data}: no records")
+        return predict_valen(restored, examples, mode, int(batch_size or restored.config.eval.batch_size))

@@ -1,10 +1,12 @@
-"""The FastAPI routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+"""The FastAPI routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, and the Valen
+extension `/v1/valen/score` (seed-000 records in, `predict`'s answer lines out).
 
 Streaming answers are server-sent events (`data: {chunk}` lines, then `data: [DONE]`). A client that
 disconnects cancels its choices: their slots are free before the next decode step."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -14,9 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from valen_jax.serving import errors
+from valen_jax.serving.detokenize import IncrementalText, StopCut
 from valen_jax.serving.errors import APIError
-from valen_jax.serving.protocol import ChatRequest, CompletionRequest
-from valen_jax.serving.service import Service, cut_at_stop
+from valen_jax.serving.protocol import ChatRequest, CompletionRequest, ScoreRequest
+from valen_jax.serving.service import Service
 
 
 def build_app(service: Service) -> FastAPI:
@@ -48,44 +51,60 @@ def build_app(service: Service) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         service.check_model(body)
-        return await _answer(service, body, service.chat_ids(body), request, chat=True)
+        if service.has_images(body):
+            prompt = await asyncio.to_thread(service.chat_prompt, body)  # converts and processes its images
+        else:
+            prompt = service.chat_prompt(body)
+        return await _answer(service, body, prompt, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body)
-        return await _answer(service, body, service.completion_ids(body), request, chat=False)
+        return await _answer(service, body, service.completion_prompt(body), request, chat=False)
+
+    @app.post("/v1/valen/score")
+    async def valen_score(body: ScoreRequest):
+        service.check_model(body)
+        return await asyncio.to_thread(service.score, body)
 
     return app
 
 
 class _Choice:
-    """One choice's text as tokens arrive; stop strings end it early (its slot then freed)."""
+    """One choice's text as tokens arrive (`detokenize`: only the new tokens decoded, half characters and
+    the start of a possible stop string held back); a stop string ends it early (its slot then freed)."""
 
-    def __init__(self, service: Service, request, stops: list[str]):
-        self.service, self.request, self.stops = service, request, stops
+    def __init__(self, service: Service, request, stops: list[str], live: bool):
+        self.service, self.request = service, request
+        self.text, self.cut = IncrementalText(service.tokenizer), StopCut(stops)
+        # A non-streamed answer without stop strings needs its text once, at the end.
+        self.live = live or bool(stops)
         self.sent, self.finish = "", None
 
     def advance(self, token) -> str:
-        """The new text to send after an event (the tail that could still start a stop string held back)."""
-        request = self.request
-        text = self.service.text(request)
-        if token is None and self.finish is None:
-            self.finish = request.finish_reason
-        cut = cut_at_stop(text, self.stops)
-        if cut is not None and self.finish in (None, "stop", "length"):
-            text, self.finish = text[:cut], "stop"
-            self.service.engine.cancel(request)
-        elif self.finish is None and self.stops:
-            text = text[:max(len(self.sent), len(text) - max(map(len, self.stops)) + 1)]
-        elif self.finish is None and text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
-            text = self.sent
-        new, self.sent = text[len(self.sent):], text
+        """The new text to send after an event (token None: the choice ended)."""
+        if self.finish is not None:  # cut at a stop string: what the engine still sends is dropped
+            return ""
+        ended = token is None
+        if not ended and not self.live:
+            return ""
+        ids = self.request.tokens[:len(self.request.tokens)]  # a snapshot: the engine thread appends
+        if ids and ids[-1] in self.service.engine.stop_ids:  # a stop token is never text
+            ids = ids[:-1]
+        new = self.cut.feed(self.text.finish(ids) if ended else self.text.add(ids), final=ended)
+        if self.cut.stopped:
+            self.finish = "stop"
+            self.service.engine.cancel(self.request)
+        elif ended:
+            self.finish = self.request.finish_reason
+        self.sent += new
         return new
 
 
-async def _answer(service: Service, body, ids, http: Request, *, chat: bool):
-    requests, events = service.submit(body, ids)
-    choices = [_Choice(service, r, body.stops()) for r in requests]
+async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: bool):
+    requests, events = service.submit(body, prompt)
+    ids = prompt["ids"]
+    choices = [_Choice(service, r, body.stops(), body.stream) for r in requests]
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": service.name}
@@ -133,34 +152,40 @@ async def _answer(service: Service, body, ids, http: Request, *, chat: bool):
         choice.update(tail or {})  # the last chunk of a choice: its `valen` extension
         return f"data: {json.dumps(dict(chunk_head, choices=[choice]))}\n\n"
 
+    def sse(index: int, text: str, done: set) -> list[str]:
+        """The chunks one event makes (none while its text is held back)."""
+        choice = choices[index]
+        if choice.finish is None:
+            return [chunk(index, text)] if text else []
+        if index in done:
+            return []
+        done.add(index)
+        finish, extra = choice.finish, None
+        if chat:
+            message, finish = service.message(choice.sent, choice.finish)
+            if "tool_calls" in message:
+                extra = {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]}
+        return [*([chunk(index, text)] if text else []), chunk(index, "", finish, extra, valen(choice))]
+
     async def stream():
+        # Every event already waiting is sent in one write (the role chunks go with the first, the usage and
+        # [DONE] with the last): each write is a send on the socket, and under load they were most of the
+        # event loop's time; the chunks themselves, one per event, are unchanged.
         try:
-            if chat:
-                for i in range(len(choices)):
-                    yield chunk(i, "", extra={"role": "assistant"})
-            done = set()
+            out = [chunk(i, "", extra={"role": "assistant"}) for i in range(len(choices))] if chat else []
+            done: set[int] = set()
             while len(done) < len(choices):
-                index, text = await next_event()
-                choice = choices[index]
-                if choice.finish is None:
-                    if text:
-                        yield chunk(index, text)
-                    continue
-                if index in done:
-                    continue
-                done.add(index)
-                if text:
-                    yield chunk(index, text)
-                finish = choice.finish
-                extra = None
-                if chat:
-                    message, finish = service.message(choice.sent, choice.finish)
-                    if "tool_calls" in message:
-                        extra = {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]}
-                yield chunk(index, "", finish, extra, valen(choice))
+                pending = [await events.get()]
+                while not events.empty():
+                    pending.append(events.get_nowait())
+                for index, token in pending:
+                    out += sse(index, choices[index].advance(token), done)
+                if out and len(done) < len(choices):
+                    yield "".join(out)
+                    out = []
             if (body.stream_options or {}).get("include_usage"):
-                yield f"data: {json.dumps(dict(chunk_head, choices=[], usage=usage()))}\n\n"
-            yield "data: [DONE]\n\n"
+                out.append(f"data: {json.dumps(dict(chunk_head, choices=[], usage=usage()))}\n\n")
+            yield "".join([*out, "data: [DONE]\n\n"])
         finally:  # the client went away (the generator is closed) or the answer is complete
             cancel_all()
 

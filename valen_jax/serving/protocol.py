@@ -81,3 +81,11 @@ class ChatRequest(Sampled):
 class CompletionRequest(Sampled):
     prompt: str | list[int]
     echo: Literal[False] = False
+
+
+class ScoreRequest(_Strict):
+    """`POST /v1/valen/score`: seed-000 Valen records (as lines of a Valen JSONL), scored as `predict` does."""
+
+    model: str
+    records: list[dict] = Field(min_length=1, max_length=256)
+    mode: Literal["question", "shared_state"] | None = None  # default: the checkpoint's data.valen_mode

@@ -7,19 +7,26 @@ finish reason. Every refusal is an `APIError` naming the request's field."""
 from __future__ import annotations
 
 import asyncio
+import json
+import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from data_pipeline.chat_templates import template_family
 from data_pipeline.format_registry import FORMATS
+from data_pipeline.formats.errors import FormatError
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.decoding.engine import bucket
 from valen_jax.decoding.sampling import Sampling
+from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation.answers import vflash_fields
 from valen_jax.evaluation.chat import parse_tool_calls
+from valen_jax.evaluation.valen import predict_valen_data
+from valen_jax.serving import images
 from valen_jax.serving.errors import APIError
-from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled
+from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 
 
@@ -40,6 +47,7 @@ class Service:
                                  steps_per_sync=steps_per_sync)
         if warm:
             self.engine.warm()
+        self._scoring = threading.Lock()  # one scoring request at a time (each converts and compiles its rows)
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",
@@ -47,39 +55,42 @@ class Service:
                           "tokenizer": str(getattr(self.tokenizer, "name_or_path", "")), "drafter": None,
                           "context": self.context, "slots": self.engine.slots}}
 
-    def check_model(self, body: Sampled) -> None:
+    def check_model(self, body: Sampled | ScoreRequest) -> None:
         if body.model != self.name:
             raise APIError(404, f"model: {body.model!r} is not served here (this server serves {self.name!r})",
                            "model", "model_not_found")
 
     # -- prompts --
-    def chat_ids(self, body: ChatRequest) -> np.ndarray:
-        messages = []
-        for i, message in enumerate(body.messages):
-            turn = message.model_dump(exclude_none=True)
-            if isinstance(message.content, list):
-                texts = []
-                for j, part in enumerate(message.content):
-                    if part.type == "image_url":
-                        where = f"messages[{i}].content[{j}]"
-                        if self.restored.model_cfg.vision is None:
-                            raise APIError(400, f"{where}: an image part, but {self.name!r} is a text-only model",
-                                           where, "image_not_supported")
-                        raise APIError(400, f"{where}: image parts are not served yet (issue 31, images)",
-                                       where, "not_implemented")
-                    texts.append(part.text)
-                turn["content"] = "".join(texts)
-            messages.append(turn)
+    @staticmethod
+    def has_images(body: ChatRequest) -> bool:
+        return any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content) for m in body.messages)
+
+    def chat_prompt(self, body: ChatRequest) -> dict:
+        """{"ids"} of a text conversation (the chat template with the generation prompt, as `generate`), or
+        {"ids", "positions", "vision"} of one with image parts (`images.vision_prompt`, `generate`'s path:
+        blocking, the route runs it in a worker thread)."""
+        messages = [message.model_dump(exclude_none=True) for message in body.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        if self.has_images(body):
+            if self.restored.model_cfg.vision is None:
+                i, j = next((i, j) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+                            for j, part in enumerate(m["content"]) if part["type"] == "image_url")
+                where = f"messages[{i}].content[{j}]"
+                raise APIError(400, f"{where}: an image part, but {self.name!r} is a text-only model",
+                               where, "image_not_supported")
+            return images.vision_prompt(self.restored, messages, tools)
+        for turn in messages:
+            if isinstance(turn.get("content"), list):
+                turn["content"] = "".join(part["text"] for part in turn["content"])
         try:
             ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as error:  # jinja: a message the template cannot render
             raise APIError(400, f"messages: the chat template cannot render them: {error}", "messages") from None
         if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
-        return np.asarray(ids, np.int32)
+        return {"ids": np.asarray(ids, np.int32)}
 
-    def completion_ids(self, body: CompletionRequest) -> np.ndarray:
+    def completion_prompt(self, body: CompletionRequest) -> dict:
         if isinstance(body.prompt, str):
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
         else:
@@ -88,7 +99,7 @@ class Service:
                 raise APIError(400, f"prompt: token ids must be in [0, {len(self.tokenizer)})", "prompt")
         if not ids:
             raise APIError(400, "prompt: empty", "prompt")
-        return np.asarray(ids, np.int32)
+        return {"ids": np.asarray(ids, np.int32)}
 
     # -- generation --
     def budget(self, body: Sampled, ids: np.ndarray) -> int:
@@ -111,15 +122,17 @@ class Service:
             param = "top_k" if body.top_k else "top_p"
             raise APIError(400, f"{param}: {error}", param) from None
 
-    def submit(self, body: Sampled, ids: np.ndarray) -> tuple[list[Request], asyncio.Queue]:
+    def submit(self, body: Sampled, prompt: dict) -> tuple[list[Request], asyncio.Queue]:
         """The request's `n` choices in the engine; their events (choice, token | None) on one queue."""
+        ids = prompt["ids"]
         budget, sampling = self.budget(body, ids), self.sampling(body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         requests = []
         for choice in range(body.n):
             def emit(token, choice=choice):
                 loop.call_soon_threadsafe(events.put_nowait, (choice, token))
-            requests.append(Request(ids, budget, sampling, int(body.seed), choice, emit))
+            requests.append(Request(ids, budget, sampling, int(body.seed), choice, emit,
+                                    positions=prompt.get("positions"), vision=prompt.get("vision")))
         try:
             for request in requests:
                 self.engine.submit(request)
@@ -130,9 +143,26 @@ class Service:
             raise APIError(status, str(error), None, "overloaded", "server_error", {"Retry-After": "1"}) from None
         return requests, events
 
-    def text(self, request: Request) -> str:
-        ids = request.tokens[:-1] if request.finish_reason == "stop" else request.tokens
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    # -- Valen scoring --
+    def score(self, body: ScoreRequest) -> dict:
+        """The answer lines `python -m valen_jax.predict` writes for these records (`evaluation.valen.
+        predict_valen_data`, predict's own conversion and scoring), in request order. Blocking: the route
+        runs it in a worker thread, beside the slot engine."""
+        if not self.restored.model_cfg.score_head:
+            raise APIError(400, f"model: {self.name!r} has no Valen score head (trained with loss.weights.branches"
+                           "=0); Valen records are scored by a configs/valen.py run", "model", "no_score_head")
+        with self._scoring, tempfile.TemporaryDirectory(prefix="valen-score-") as folder:
+            data = Path(folder) / "records.jsonl"
+            data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in body.records), encoding="utf-8")
+            try:
+                mode, lines = predict_valen_data(self.restored, data, body.mode, shards_root=folder)
+            except FormatError as error:  # seed 000's validation, its line k is records[k - 1]
+                first = error.problems[0]
+                where = f"records[{first.line - 1}]" + (f".{first.field}" if first.field != "record" else "")
+                raise APIError(400, f"{where}: {first.message}", where) from None
+            except (EvaluationError, UsageError) as error:
+                raise APIError(400, f"records: {error}", "records") from None
+        return {"object": "valen.scores", "model": self.name, "mode": mode, "data": lines}
 
     def extension(self, text: str) -> dict | None:
         """The `valen` field of a finished choice: for a VFlash model, its primitives with dequantised
@@ -151,8 +181,3 @@ class Service:
                                 "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
                                for k, c in enumerate(calls)]}, "tool_calls"
 
-
-def cut_at_stop(text: str, stops: list[str]) -> int | None:
-    """Where the first stop string starts in `text` (None: none there)."""
-    found = [text.find(s) for s in stops if s in text]
-    return min(found) if found else None

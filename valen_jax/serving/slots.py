@@ -38,11 +38,15 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.decoding import loop
-from valen_jax.decoding.engine import bucket
+from valen_jax.decoding.engine import batch_arrays, bucket
 from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.models.kv_cache import KVCache
 
 PREFILL_ROWS = 4  # rows of a prefill of several admitted requests (`SlotEngine._start`)
+# Prompt tokens (rows x bucket) one prefill may pad to: a CPU runs 4 rows of 384 tokens ~7x slower than one
+# (measured, tiny model), so it batches short prompts only; an accelerator's matmuls fill at thousands.
+PREFILL_TOKENS = {"cpu": 512}
+PREFILL_TOKENS_ACCELERATOR = 4096
 MIN_DECODE_ROWS = 8  # the smallest slot count a decode program runs (`_shape_buckets`)
 MIN_DECODE_LENGTH = 128  # the shortest cache prefix it attends over
 
@@ -67,14 +71,20 @@ class Request:
     finish_reason: str | None = None
     cancelled: bool = False
     slot: int | None = None
+    # An image prompt (`Service.vision_prompt`, the prompt `generate` builds): its positions (M-RoPE ones
+    # [n, 3] for a Qwen-VL model) and `assemble.vision_arrays`; None for text, whose positions are 0..n-1.
+    positions: np.ndarray | None = None
+    vision: dict | None = None
+    offset: int = 0  # a generated token's position minus its cache slot (M-RoPE prompts with media: not 0)
 
 
 @functools.cache
 def _programs(graphdef, vocab: int, cache_length: int):
-    def prefill(params, cache, tokens, positions, lengths, slots):
-        """New requests [A, P] into their slots (a padding row's slot is out of range: dropped)."""
+    def prefill(params, cache, tokens, positions, lengths, slots, vision):
+        """New requests [A, P] into their slots (a padding row's slot is out of range: dropped); `vision`
+        (patches, their positions and segments, padded) or None: a separate program for image prompts."""
         model = nnx.merge(graphdef, params)
-        logits, rows = model.prefill(tokens, positions, lengths, cache_length)
+        logits, rows = model.prefill(tokens, positions, lengths, cache_length, vision)
         keys = cache.keys.at[:, slots].set(rows.keys, mode="drop")
         values = cache.values.at[:, slots].set(rows.values, mode="drop")
         return logits, KVCache(keys, values)
@@ -92,17 +102,17 @@ def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, le
     """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
     other slots and positions untouched): the rows not `live` (free, finished, or of another sampling)
     keep their token and cursor, and rewrite the same keys/values at their cursor."""
-    def decode(params, cache, last, cursor, seeds, choices, counts, live, budgets, stop_ids):
+    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids):
         model = nnx.merge(graphdef, params)
         full = cache
         cache = KVCache(full.keys[:, :rows, :, :length], full.values[:, :rows, :, :length])
-        last, cursor, seeds, choices, counts, live, budgets = (
-            x[:rows] for x in (last, cursor, seeds, choices, counts, live, budgets))
+        last, cursor, offsets, seeds, choices, counts, live, budgets = (
+            x[:rows] for x in (last, cursor, offsets, seeds, choices, counts, live, budgets))
 
         def step(carry, _):
             cache, last, cursor, counts, live = carry
-            # Text prompts: a token's position is its slot.
-            logits, cache = model.decode_step(last, cursor, cache, cursor)
+            # A generated token's position is its slot plus the prompt's offset (0 but for M-RoPE media).
+            logits, cache = model.decode_step(last, cursor + offsets, cache, cursor)
             token = sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
             token = jnp.where(live, token, last)
             moved = live.astype(jnp.int32)
@@ -150,6 +160,10 @@ class SlotEngine:
         self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         self.max_queue = int(max_queue)
         self._prefill, empty = _programs(graphdef, self.vocab, self.cache_length)
+        self.model_cfg = nnx.merge(graphdef, params).cfg
+        self.mrope = self.model_cfg.mrope_section is not None
+        platform = next(iter(jax.tree.leaves(params)[0].devices())).platform  # where the model runs, not the host
+        self.prefill_tokens = PREFILL_TOKENS.get(platform, PREFILL_TOKENS_ACCELERATOR)
         self._row_sizes = _shape_buckets(self.slots, MIN_DECODE_ROWS)
         self._length_sizes = _shape_buckets(self.cache_length, MIN_DECODE_LENGTH)
         self._cache = empty(params, self.slots)
@@ -171,16 +185,19 @@ class SlotEngine:
             size = bucket(size + 1)
         for rows in sorted({1, min(PREFILL_ROWS, self.slots)}):
             for size in sizes:
+                if rows > 1 and rows * size > self.prefill_tokens:
+                    continue  # `_start` never runs this one
                 zeros = np.zeros((rows, size), np.int32)
-                logits, self._cache = self._prefill(self.params, self._cache, zeros, zeros, np.ones(rows, np.int32),
-                                                    np.full(rows, self.slots, np.int32))
+                positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
+                logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
+                                                    np.full(rows, self.slots, np.int32), None)
                 _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
                                                  np.zeros(rows, np.int32))
         zeros = np.zeros(self.slots, np.int32)
         for rows in self._row_sizes:
             for length in self._length_sizes:
                 decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync, rows, length)
-                tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros.astype(np.uint32),
+                tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros, zeros.astype(np.uint32),
                                              zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
                                              self._stops)
         np.asarray(tokens)
@@ -245,25 +262,36 @@ class SlotEngine:
         return taken
 
     def _start(self, requests: list[Request]) -> None:
-        """Prefills for the requests admitted this round, `PREFILL_ROWS` at a time (one alone), the prompt
-        length padded to its bucket: two row counts, so a server compiles 2 x buckets prefill programs
-        (on a CPU each compile stalls every slot for seconds, so their number matters more than padding)."""
-        if len(requests) > 1:
-            for start in range(0, len(requests), PREFILL_ROWS):
-                self._prefill_rows(requests[start:start + PREFILL_ROWS], min(PREFILL_ROWS, self.slots))
-        else:
-            self._prefill_rows(requests, 1)
+        """Prefills for the requests admitted this round, shortest prompt first, each group's first tokens
+        sent as soon as its prefill ends (a short prompt does not wait for a long one's prefill, nor pay its
+        padding). A group is `PREFILL_ROWS` requests of one prompt bucket when that many rows fit the
+        prefill token budget (`prefill_tokens`), else one: two row counts, so a server compiles
+        2 x buckets prefill programs (a compile while serving stalls every slot)."""
+        requests = sorted(requests, key=lambda r: len(r.ids))
+        wide = min(PREFILL_ROWS, self.slots)
+        while requests:
+            size = bucket(len(requests[0].ids))
+            group = [r for r in requests[:wide] if bucket(len(r.ids)) == size]
+            if len(group) == 1 or wide * size > self.prefill_tokens or any(r.vision for r in group):
+                group = group[:1]
+            self._prefill_rows(group, wide if len(group) > 1 else 1)
+            requests = requests[len(group):]
 
     def _prefill_rows(self, requests: list[Request], rows: int) -> None:
-        padded = bucket(max(len(r.ids) for r in requests))
-        tokens = np.zeros((rows, padded), np.int32)
-        positions = np.zeros((rows, padded), np.int32)
-        lengths = np.ones(rows, np.int32)
+        """One prefill of `requests` padded to `rows` rows and their prompt bucket, the host arrays built by
+        `engine.batch_arrays` (generate's; an image row with its patches, their count unpadded as generate's, so
+        an image prompt's program is compiled per patch count: a processor's `max_pixels` keeps them few)."""
+        patches = max((len(r.vision["patches"]) for r in requests if r.vision), default=0)
+        chunk = [(r.ids, np.arange(len(r.ids), dtype=np.int32) if r.positions is None else r.positions)
+                 for r in requests]
+        arrays = batch_arrays(chunk, [r.vision for r in requests], rows, bucket(max(len(r.ids) for r in requests)),
+                              patches, self.model_cfg, self.mrope)
         slots = np.full(rows, self.slots, np.int32)  # out of range: the padding rows' writes are dropped
         for row, request in enumerate(requests):
-            n = len(request.ids)
-            tokens[row, :n], positions[row, :n], lengths[row], slots[row] = request.ids, np.arange(n), n, request.slot
-        logits, self._cache = self._prefill(self.params, self._cache, tokens, positions, lengths, slots)
+            slots[row], request.offset = request.slot, int(arrays["next_position"][row]) - len(request.ids)
+        vision = ((arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None)
+        logits, self._cache = self._prefill(self.params, self._cache, arrays["tokens"], arrays["positions"],
+                                            arrays["lengths"], slots, vision)
         for request, token in zip(requests, self._choose(logits, requests), strict=True):
             self._commit(request, token)
 
@@ -272,11 +300,11 @@ class SlotEngine:
         case runs the model once per sampling, each for its own rows)."""
         live = [r for r in self._live if r is not None]
         last = np.zeros(self.slots, np.int32)
-        cursor, counts, budgets = np.zeros_like(last), np.zeros_like(last), np.zeros_like(last)
+        cursor, offsets, counts, budgets = (np.zeros_like(last) for _ in range(4))
         seeds, choices = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32)
         for r in live:
             # The last token is not in the cache yet: it goes to the slot after the prompt and the others.
-            last[r.slot], cursor[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1
+            last[r.slot], cursor[r.slot], offsets[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1, r.offset
             counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
         # Only the slots up to the highest live one (slots are taken lowest first) and the cache positions
         # the live cursors reach in this call: a light load computes a fraction of the cache.
@@ -287,7 +315,7 @@ class SlotEngine:
             mask = np.zeros(self.slots, bool)
             mask[[r.slot for r in mine]] = True
             decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
-            tokens, self._cache = decode(self.params, self._cache, last, cursor, seeds, choices, counts, mask,
+            tokens, self._cache = decode(self.params, self._cache, last, cursor, offsets, seeds, choices, counts, mask,
                                          budgets, self._stops)
             tokens = np.asarray(tokens)
             self.steps += self.steps_per_sync
