@@ -16,6 +16,7 @@ from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import DrafterConfig, abstract_drafter
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.models.transformer import abstract_model
+from valen_jax.training import adapter_checkpoint
 from valen_jax.training.losses import (
     branch_cross_entropy,
     combine,
@@ -254,6 +255,9 @@ class TrainLayout:
                              "step": jax.ShapeDtypeStruct((), jnp.int32)}
         self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}
         self.replicated = replicated
+        # A LoRA run's checkpoints hold the params it trains and no base (training/adapter_checkpoint.py).
+        lora_run = model_cfg is not None and model_cfg.lora is not None
+        self.saved_paths = adapter_checkpoint.trained_paths(frozen) if lora_run else None
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, train_cfg, mesh: Mesh) -> TrainLayout:
@@ -278,6 +282,17 @@ class TrainLayout:
     def abstract_state(self):
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.state_shapes, self.state_shardings)
+
+    def saved(self, state):
+        """What a checkpoint of `state` holds: all of it, or under LoRA the optimizer state, the step and the
+        trained params alone (the frozen base is recorded by its fingerprints instead)."""
+        if self.saved_paths is None:
+            return state
+        return {**state, "params": adapter_checkpoint.select(state["params"], lambda path: path in self.saved_paths)}
+
+    def saved_abstract_state(self):
+        """`saved` of the abstract state: what a resume restores from a checkpoint of this layout."""
+        return self.saved(self.abstract_state())
 
 
 def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *inputs):
