@@ -24,9 +24,8 @@ def _command(module: str, *args: str):
 
 def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_exports(tmp_path):
     import jax
-    import transformers
-
     import orbax.checkpoint as ocp
+    import transformers
 
     from valen_jax.models import lora
     from valen_jax.run import restore
