@@ -93,7 +93,8 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig | None:
     if group is None:
         return None
     return lora.LoraConfig(rank=int(group.rank), alpha=float(group.alpha), targets=tuple(group.targets),
-                           quantize_base=str(group.quantize_base), trainable=tuple(group.trainable))
+                           quantize_base=str(group.quantize_base), trainable=tuple(group.trainable),
+                           dropout=float(group.dropout))
 
 
 def _vl_model_config(config: ml_collections.ConfigDict, hf_config: dict, tokenizer, common: dict) -> ModelConfig:
