@@ -246,3 +246,26 @@ def test_a_frozen_lora_base_may_be_bf16_while_its_adapters_stay_f32_master_weigh
     shapes = {path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     assert {shapes[p].dtype for p in shapes if lora.is_adapter(p)} == {np.dtype(np.float32)}
     assert shapes["layers/0/attn/q"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("stored,compute", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_a_cast_weight_has_autodiffs_gradients_bit_for_bit(stored, compute):
+    """`layers.cast_dense` (a weight stored in one dtype, multiplied in another: a bf16 LoRA base in an f32
+    step, f32 masters in a bf16 step) casts again in its backward instead of keeping the cast copy; its
+    gradients are those of autodiff through the plain cast-then-matmul."""
+    from valen_jax.models.layers import cast_dense, dense
+
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 8, 4, 16), compute)  # in_dims=2: the o projection's [N, H] input
+    w = jax.random.normal(kw, (4, 16, 32), jnp.float32).astype(stored)
+    g = jax.random.normal(kg, (2, 8, 32), compute)
+
+    def plain(w, x):
+        return dense(x, w.astype(compute), 2)
+
+    ours, ours_vjp = jax.vjp(lambda w, x: cast_dense(w, x, compute, 2), w, x)
+    theirs, theirs_vjp = jax.vjp(plain, w, x)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+    for a, b in zip(jax.jit(ours_vjp)(g), jax.jit(theirs_vjp)(g), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

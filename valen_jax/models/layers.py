@@ -38,6 +38,17 @@ def dense(x, w, in_dims: int = 1):
     return y.reshape(*lead, *out)
 
 
+def _after(grad, dtype):
+    """An exact 1 in `dtype` computed from the backward's incoming gradient. A weight the backward rebuilds
+    (cast or dequantised again) multiplied by it is tied to that gradient: XLA can neither merge the rebuild
+    with the forward's identical one (CSE; an optimization barrier does not survive to the schedule on
+    XLA:CPU) nor schedule it before the backward reaches the layer, either of which keeps every layer's
+    full-size weight alive from the forward to the backward. (0·g + 1 is not folded: XLA keeps IEEE
+    semantics. A non-finite g[0] makes it NaN, but such a gradient is fatal to the step anyway: the global
+    norm clip turns every update NaN, and the loop stops on a non-finite loss.)"""
+    return jnp.zeros((), dtype) * grad.reshape(-1)[0].astype(dtype) + jnp.ones((), dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def nf4_dense(codes, absmax, x, shape, dtype, in_dims: int):
     """x · (a QLoRA base weight dequantised from NF4 in `dtype`). The backward keeps only the codes, the
@@ -62,6 +73,32 @@ def _nf4_dense_backward(shape, dtype, in_dims, residuals, grad):
 nf4_dense.defvjp(_nf4_dense_forward, _nf4_dense_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def cast_dense(w, x, dtype, in_dims: int):
+    """x · w cast to the compute `dtype` (a bf16 LoRA base in an f32 step; f32 masters in a bf16 step). The
+    backward keeps w as stored and casts it again (`_after`): autodiff of a plain cast-then-matmul keeps the
+    cast copy of every layer's weight for x's gradient, which in an f32 step on a bf16 base is twice the
+    base's own memory (benchmarks/lora.py: 86 MiB of the dim-512 model's 119 MiB state). w's gradient is
+    autodiff's; XLA drops it for a frozen weight, whose gradient nothing reads."""
+    return dense(x, w.astype(dtype), in_dims)
+
+
+def _cast_dense_forward(w, x, dtype, in_dims):
+    return cast_dense(w, x, dtype, in_dims), (w, x)
+
+
+def _cast_dense_backward(dtype, in_dims, residuals, grad):
+    w, x = residuals
+    w2 = (w.astype(dtype) * _after(grad, dtype)).reshape(math.prod(w.shape[:in_dims]), -1)
+    g2 = grad.reshape(-1, w2.shape[1]).astype(dtype)
+    dx = (g2 @ w2.T).reshape(x.shape).astype(x.dtype)
+    dw = (x.reshape(-1, w2.shape[0]).astype(dtype).T @ g2).reshape(w.shape).astype(w.dtype)
+    return dw, dx
+
+
+cast_dense.defvjp(_cast_dense_forward, _cast_dense_backward)
+
+
 def linear(module, name: str, x, in_dims: int = 1, lora_key=None):
     """x · module.<name> in the module's compute dtype, plus the weight's low-rank adapter when it has one
     (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4). `lora_key`: a training
@@ -69,8 +106,10 @@ def linear(module, name: str, x, in_dims: int = 1, lora_key=None):
     weight = getattr(module, name)
     if isinstance(weight, adapters.NF4Weight):
         y = nf4_dense(weight.codes[...], weight.absmax[...], x, weight.shape, module.dtype, in_dims)
+    elif weight.dtype != module.dtype:
+        y = cast_dense(weight[...], x, module.dtype, in_dims)
     else:
-        y = dense(x, weight[...].astype(module.dtype), in_dims)
+        y = dense(x, weight[...], in_dims)
     if module.lora_scale is not None:
         update = adapters.delta(module, name, x, dense, module.lora_scale, module.dtype, module.lora_dropout,
                                 lora_key)
