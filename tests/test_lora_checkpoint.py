@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from valen_jax.evaluation import report as report_module
+from tests.fixture_runs import read_training_data_here
 from valen_jax.evaluation.report import evaluate_workdir
 from valen_jax.models import lora, sharding
 from valen_jax.models.config import ModelConfig
@@ -111,15 +111,7 @@ def test_a_schema_2_lora_checkpoint_holding_its_base_evaluates_to_the_report_its
         mgr.close()
     assert meta["model"]["lora"]["rank"] == 2 and adapter_checkpoint.BASE_KEY not in meta
     assert "params/embed (2176, 16) float32" in meta["state_layout"]  # schema 2: the base is in its state
-    restore = report_module.restore_model
-
-    def restore_here(*args, **kwargs):
-        restored = restore(*args, **kwargs)
-        assert restored.config.data.train == TRAINED_ON
-        restored.config.data.train = str(ROOT / "data" / "smoke" / "vflash" / "recipe.json")
-        return restored
-
-    monkeypatch.setattr(report_module, "restore_model", restore_here)
+    read_training_data_here(monkeypatch, TRAINED_ON)
     report = evaluate_workdir(legacy, EVAL, max_examples=4)
     expected = json.loads((FIXTURE / "report.json").read_text())
     for key in ("loss", "accuracy", "target_tokens", "metrics", "examples"):

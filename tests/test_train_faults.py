@@ -68,14 +68,18 @@ def reference(tmp_path_factory) -> Path:
     return workdir
 
 
-def test_kill_9_while_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
-    workdir = tmp_path / "killed"
-    process, _ = start(workdir, *STEPS)
+def killed_after_step_5(workdir: Path, config: str = TINY) -> None:
+    """`config` trained in `workdir` with STEPS, killed with -9 once it has logged step 5 (before step 8)."""
+    process, _ = start(workdir, *STEPS, config=config)
     wait_for(lambda: logged_steps(workdir) >= 5, process)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert logged_steps(workdir) < 8, "the run finished before it was killed"
 
+
+def test_kill_9_while_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
+    workdir = tmp_path / "killed"
+    killed_after_step_5(workdir)
     result = run_train(TINY, workdir, *STEPS)
     assert "resumed from step" in result.stderr
     assert_same_run(workdir, reference)
@@ -95,11 +99,7 @@ def test_kill_9_of_a_lora_run_resumes_bitwise_from_its_adapter_only_checkpoint(t
     """A LoRA checkpoint holds no base: the resume rebuilds it (here fresh, from the recorded seed), checks
     its fingerprints and puts the adapters and their moments back; the run goes on as if never stopped."""
     workdir = tmp_path / "killed-lora"
-    process, _ = start(workdir, *STEPS, config=LORA)
-    wait_for(lambda: logged_steps(workdir) >= 5, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    assert logged_steps(workdir) < 8, "the run finished before it was killed"
+    killed_after_step_5(workdir, LORA)
     latest = max(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
     meta = json.loads((workdir / "checkpoints" / str(latest) / "meta" / "metadata").read_text())
     assert "params/embed" not in " ".join(meta["state_layout"]) and "embed" in meta["lora_base"]["leaves"]
