@@ -6,7 +6,8 @@
 A transformers Qwen2 checkpoint of the issue's shape (dim 512, 8 layers, 8 heads / 2 key-value heads,
 MLP 1408, vocabulary 32000, untied head) is written to a temporary directory and imported three times by the
 library (`hf.from_pretrained`): whole (every parameter trains: full fine-tuning), with LoRA r=16 on every
-linear layer of the decoder, and with QLoRA (the same adapters on an NF4 base). Each trains with the same
+linear layer of the decoder on a bf16 base, and with QLoRA (the same adapters on an NF4 base, its
+untargeted leaves in bf16). Each trains with the same
 AdamW step on the same token batch (`step_setup.compiled_step`, the layout's frozen mask applied).
 Step time: the mean of `--steps` steps after one warm-up. Peak memory: what XLA plans for one step
 (arguments + outputs − donated aliases + temporaries: the train state, gradients, moments and
@@ -59,8 +60,11 @@ def batch(size: int, seq: int) -> dict:
 
 
 def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps: int) -> tuple[float, int, int]:
-    """(seconds per step, planned peak bytes of one step, of which the train state and batch: the arguments)."""
-    model, cfg = hf.from_pretrained(directory, **({"lora": adapters} if adapters else {}))
+    """(seconds per step, planned peak bytes of one step, of which the train state and batch: the arguments).
+    Full fine-tuning keeps f32 master weights; under (Q)LoRA the frozen base is stored in bf16 (what the issue
+    asks and `config.model.param_dtype=bfloat16` gives a LoRA run), the adapters in f32, the step in f32."""
+    param_dtype = "float32" if adapters is None else "bfloat16"
+    model, cfg = hf.from_pretrained(directory, param_dtype=param_dtype, **({"lora": adapters} if adapters else {}))
     mesh, tx, _, layout = train_layout(cfg, learning_rate=1e-4)
     params = nnx.to_pure_dict(nnx.state(model))
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
@@ -86,7 +90,8 @@ def main():
             print(f"{name:6s} step {seconds:7.3f} s   peak {peak / 2**20:8.1f} MiB (state + batch {state / 2**20:7.1f} MiB)"
                   f"   load {os.getloadavg()[0]:.2f}", flush=True)
     full, low, quantised = results["full"], results["lora"], results["qlora"]
-    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32, "
+    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32 steps "
+          "(full: f32 weights; LoRA: bf16 base, f32 adapters), "
           f"{jax.devices()[0].platform}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"lora_step_vs_full={low[0] / full[0]:.3f} lora_memory_vs_full={low[1] / full[1]:.3f} "
           f"qlora_step_vs_lora={quantised[0] / low[0]:.3f}")

@@ -93,6 +93,71 @@ def test_a_step_changes_only_the_adapters_and_adam_holds_moments_for_them_alone(
     assert moments == 2 * adapter_size
 
 
+def test_adapter_dropout_acts_with_a_key_alone_and_each_key_draws_its_own_masks():
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    cfg = model_cfg(dropout=0.5)
+    params = lora_params(cfg, mesh, TrainLayout.from_config(cfg, train_cfg(), mesh).param_shardings)
+    data = batch()
+
+    @jax.jit
+    def hidden(params, key):
+        model = nnx.merge(abstract_model(cfg)[0], params)
+        return model.hidden(data["tokens"], data["positions"], data["segment_ids"], lora_key=key)
+
+    @jax.jit
+    def plain(params):
+        return nnx.merge(abstract_model(model_cfg())[0], params).hidden(data["tokens"], data["positions"],
+                                                                        data["segment_ids"])
+
+    with jax.set_mesh(mesh):
+        one, again, other = (np.asarray(hidden(params, jax.random.key(k))) for k in (1, 1, 2))
+        evaluated = np.asarray(hidden(params, None))
+        without = np.asarray(plain(params))
+    assert not np.allclose(one, without, atol=1e-3) and not np.allclose(one, other, atol=1e-3)
+    np.testing.assert_array_equal(one, again)
+    np.testing.assert_array_equal(evaluated, without)  # no key (evaluation, decoding): no dropout
+
+
+@pytest.mark.slow  # three train-step compiles (~30 s each on a loaded CPU)
+@pytest.mark.parametrize("scan", [False, True])
+def test_adapter_dropout_changes_the_training_forward_per_step_and_never_evaluation(scan):
+    """config.model.lora.dropout: the train step's loss depends on its dropout masks (drawn from the seed and
+    the step: the same step gives the same masks, another step others), while the model evaluation and
+    decoding call (no key) computes what a model without dropout computes."""
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    dropped, plain = model_cfg(scan=scan, dropout=0.5), model_cfg(scan=scan)
+    layout = TrainLayout.from_config(dropped, train_cfg(), mesh)
+    params = lora_params(dropped, mesh, layout.param_shardings)
+    data = batch()
+
+    def losses(cfg, seed, steps):
+        """The train step's loss at each of `steps` (one compile), from the same params and batch."""
+        options = StepOptions(frozen=layout.frozen, lora_dropout_seed=seed)
+        train_step = jax.jit(make_train_step(abstract_model(cfg)[0], layout.tx, layout.schedule, options))
+        opt_state = layout.tx.init(params)
+        with jax.set_mesh(mesh):
+            return [float(train_step({"params": params, "opt_state": opt_state, "step": jnp.asarray(step, jnp.int32)},
+                                     data)[1]["loss"]) for step in steps]
+
+    without = losses(plain, None, [3])[0]
+    at_3, again_3, at_4 = losses(dropped, 0, [3, 3, 4])
+    assert at_3 != without and at_3 == again_3 and at_4 != at_3
+
+    def logits(cfg):
+        model = nnx.merge(abstract_model(cfg)[0], params)
+        with jax.set_mesh(mesh):
+            return np.asarray(model(data["tokens"], data["positions"], data["segment_ids"]))
+
+    np.testing.assert_array_equal(logits(dropped), logits(plain))
+    # StepOptions reads the rate from the config: a dropout stream only when the rate is > 0.
+    config = ml_collections.ConfigDict({"loss": {"weights": {"tokens": 1.0}, "z_loss": 0.0, "loss_reduction": "state_mean"},
+                                        "train": {"grad_accum_steps": 1, "steps": 4, "seed": 5},
+                                        "model": {"lora": {"dropout": 0.1}}})
+    assert StepOptions.from_config(config).lora_dropout_seed == 5
+    config.model.lora.dropout = 0.0
+    assert StepOptions.from_config(config).lora_dropout_seed is None
+
+
 def test_a_named_extra_and_the_score_head_train_beside_the_adapters_and_a_typo_is_refused():
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     cfg = model_cfg(score_head=True, trainable=("lm_head",))
@@ -143,7 +208,7 @@ def _config(**lora_values) -> ml_collections.ConfigDict:
 @pytest.mark.parametrize("values,message", [
     (dict(rank=0), r"config.model.lora.rank must be an integer ≥ 1, got 0"),
     (dict(alpha=float("nan")), r"model.lora.alpha"),
-    (dict(dropout=0.1), r"config.model.lora.dropout=0.1: adapter dropout is not implemented"),
+    (dict(dropout=1.0), r"config.model.lora.dropout=1.0: a probability in \[0, 1\)"),
     (dict(targets=("q", "qkv")), r"config.model.lora.targets=\('q', 'qkv'\)"),
     (dict(quantize_base="int4"), r"config.model.lora.quantize_base='int4'; choose one of none, nf4"),
     (dict(trainable=("(",)), r"config.model.lora.trainable\[0\]='\(' is not a regex"),
@@ -181,3 +246,26 @@ def test_a_frozen_lora_base_may_be_bf16_while_its_adapters_stay_f32_master_weigh
     shapes = {path_of(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     assert {shapes[p].dtype for p in shapes if lora.is_adapter(p)} == {np.dtype(np.float32)}
     assert shapes["layers/0/attn/q"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("stored,compute", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_a_cast_weight_has_autodiffs_gradients_bit_for_bit(stored, compute):
+    """`layers.cast_dense` (a weight stored in one dtype, multiplied in another: a bf16 LoRA base in an f32
+    step, f32 masters in a bf16 step) casts again in its backward instead of keeping the cast copy; its
+    gradients are those of autodiff through the plain cast-then-matmul."""
+    from valen_jax.models.layers import cast_dense, dense
+
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 8, 4, 16), compute)  # in_dims=2: the o projection's [N, H] input
+    w = jax.random.normal(kw, (4, 16, 32), jnp.float32).astype(stored)
+    g = jax.random.normal(kg, (2, 8, 32), compute)
+
+    def plain(w, x):
+        return dense(x, w.astype(compute), 2)
+
+    ours, ours_vjp = jax.vjp(lambda w, x: cast_dense(w, x, compute, 2), w, x)
+    theirs, theirs_vjp = jax.vjp(plain, w, x)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+    for a, b in zip(jax.jit(ours_vjp)(g), jax.jit(theirs_vjp)(g), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

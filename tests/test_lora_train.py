@@ -1,6 +1,7 @@
 """A LoRA run end to end: `configs/vflash.py:hf,lora` from a tiny Qwen2 checkpoint built here trains its
-adapters (the loss falls, the base leaves in the checkpoint are the imported ones), and evaluate and
-generate work on its workdir."""
+adapters (the loss falls; its checkpoint holds the adapters and their moments, no base leaf; the base
+restored from the HF checkpoint is the imported one, bit for bit), evaluate, predict and generate work on
+its workdir, and once a tensor of that HF checkpoint is changed they refuse it in one line."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ def _command(module: str, *args: str):
 
 def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_exports(tmp_path):
     import jax
+    import orbax.checkpoint as ocp
     import transformers
 
     from valen_jax.models import lora
     from valen_jax.run import restore
+    from valen_jax.training import checkpoint
     from valen_jax.training.optim import path_of
 
     base = tmp_path / "base"
@@ -41,6 +44,16 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
               "--config.data.seq_len=512", "--config.media_kwargs.max_frames=3")
     losses = [m["loss"] for m in metrics(workdir)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.05, losses
+    # The saved tree (Orbax's own metadata of the state item): adapters and their moments, nothing of the base.
+    saved = checkpoint.paths_of(ocp.PyTreeCheckpointer().metadata(workdir / "checkpoints" / "8" / "state")
+                                .item_metadata.tree)
+    params = [p for p in saved if p.startswith("params/")]
+    assert params and all(lora.is_adapter(p) for p in params), params
+    assert all(lora.is_adapter(p) or p.endswith("/count") for p in saved if p.startswith("opt_state/")), saved
+    assert {f"opt_state/1/inner_states/group0/inner_state/0/{m}/{p[len('params/'):]}" for m in ("mu", "nu")
+            for p in params} <= set(saved)
+    meta = json.loads((workdir / "checkpoints" / "8" / "meta" / "metadata").read_text())
+    assert meta["lora_base"]["init_from"] == str(base) and "layers/attn/q" in meta["lora_base"]["leaves"]
     run = restore(workdir, devices=jax.devices()[:1])
     assert run.model_cfg.lora == lora.LoraConfig(rank=4, alpha=32.0)
     # The imported decoder weight is unchanged after 8 steps; its adapter moved.
@@ -55,7 +68,23 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
     _command("valen_jax.generate", f"--workdir={workdir}", f"--data={eval_data}", f"--output={tmp_path / 'a.jsonl'}",
              "--max-new-tokens=4")
     assert (tmp_path / "a.jsonl").read_text().strip()
+    _command("valen_jax.predict", f"--workdir={workdir}", f"--data={eval_data}", f"--output={tmp_path / 'p.jsonl'}")
+    assert (tmp_path / "p.jsonl").read_text().strip()
     # A text checkpoint under a VL config gets a fresh (frozen) tower of our own: no HF form, refused in one line.
     refused = run_module("valen_jax.export", f"--workdir={workdir}", f"--output={tmp_path / 'adapter'}", "--adapter",
                          check=False)
     assert refused.returncode == 1 and "vision tower is family 'valen'" in refused.stderr, refused.stderr[-2000:]
+
+    # One tensor of the HF checkpoint the adapters were trained on changes: every command refuses the base.
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(base / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.weight"][0, 0] += 0.5
+    save_file(tensors, base / "model.safetensors", metadata={"format": "pt"})
+    for module, output in (("valen_jax.evaluate", "r2.json"), ("valen_jax.predict", "p2.jsonl")):
+        refused = run_module(module, f"--workdir={workdir}", f"--data={eval_data}", f"--output={tmp_path / output}",
+                             check=False)
+        line = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode == 1 and f"checkpoint 8: the base rebuilt from config.model.init_from={str(base)!r} " \
+            "differs from the one the adapters were trained on: leaf layers/attn/q has fingerprint " in line, \
+            refused.stderr[-2000:]
+        assert meta["lora_base"]["leaves"]["layers/attn/q"] in line and not (tmp_path / output).exists()

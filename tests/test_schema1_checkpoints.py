@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import pytest
 
-from valen_jax.evaluation import report as report_module
+from tests.fixture_runs import read_training_data_here
 from valen_jax.evaluation.report import evaluate_workdir
 from valen_jax.models import sharding
 from valen_jax.run import check_target, target_record
@@ -73,17 +73,7 @@ TRAINED_ON = "/tmp/wt/data/smoke/vflash/recipe.json"  # the checkout the fixture
 @pytest.mark.slow
 def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs, monkeypatch):
     target, _ = runs
-    restore = report_module.restore_model
-
-    def restore_here(*args, **kwargs):
-        """The step, its recorded training data read from this checkout (the report's text-only baseline
-        is fitted on it): the same bundled smoke recipe the fixture was trained on elsewhere."""
-        restored = restore(*args, **kwargs)
-        assert restored.config.data.train == TRAINED_ON
-        restored.config.data.train = str(ROOT / "data" / "smoke" / "vflash" / "recipe.json")
-        return restored
-
-    monkeypatch.setattr(report_module, "restore_model", restore_here)
+    read_training_data_here(monkeypatch, TRAINED_ON)
     report = evaluate_workdir(target, EVAL, max_examples=4)
     assert report["text_only_baseline"]["value"] is not None, report["text_only_baseline"]
     assert _comparable(report) == _comparable(json.loads((FIXTURE / "target-report.json").read_text()))

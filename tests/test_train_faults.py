@@ -36,12 +36,12 @@ def assert_same_run(workdir: Path, reference: Path) -> None:
     assert [m["loss"] for m in metrics(workdir)] == [m["loss"] for m in metrics(reference)]
 
 
-def start(workdir: Path, *overrides: str, devices: int = 1, hold_write_of: int | None = None):
+def start(workdir: Path, *overrides: str, devices: int = 1, hold_write_of: int | None = None, config: str = TINY):
     """`valen_jax.train` in the background; with `hold_write_of`, that step's checkpoint write is held
     open until the process is killed (tests/hold_checkpoint_write.py)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = open(workdir.parent / f"{workdir.name}.log", "w")
-    command = train_command(TINY, workdir, *overrides)
+    command = train_command(config, workdir, *overrides)
     if hold_write_of is not None:
         command = [sys.executable, "-m", "tests.hold_checkpoint_write", str(hold_write_of), *command[3:]]
     process = subprocess.Popen(command, cwd=ROOT, env=env_with_devices(devices),
@@ -68,17 +68,45 @@ def reference(tmp_path_factory) -> Path:
     return workdir
 
 
-def test_kill_9_while_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
-    workdir = tmp_path / "killed"
-    process, _ = start(workdir, *STEPS)
+def killed_after_step_5(workdir: Path, config: str = TINY) -> None:
+    """`config` trained in `workdir` with STEPS, killed with -9 once it has logged step 5 (before step 8)."""
+    process, _ = start(workdir, *STEPS, config=config)
     wait_for(lambda: logged_steps(workdir) >= 5, process)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert logged_steps(workdir) < 8, "the run finished before it was killed"
 
+
+def test_kill_9_while_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
+    workdir = tmp_path / "killed"
+    killed_after_step_5(workdir)
     result = run_train(TINY, workdir, *STEPS)
     assert "resumed from step" in result.stderr
     assert_same_run(workdir, reference)
+
+
+LORA = "configs/vflash.py:tiny,lora"
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("lora-reference") / "run"
+    run_train(LORA, workdir, *STEPS)
+    return workdir
+
+
+def test_kill_9_of_a_lora_run_resumes_bitwise_from_its_adapter_only_checkpoint(tmp_path, lora_reference):
+    """A LoRA checkpoint holds no base: the resume rebuilds it (here fresh, from the recorded seed), checks
+    its fingerprints and puts the adapters and their moments back; the run goes on as if never stopped."""
+    workdir = tmp_path / "killed-lora"
+    killed_after_step_5(workdir, LORA)
+    latest = max(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+    meta = json.loads((workdir / "checkpoints" / str(latest) / "meta" / "metadata").read_text())
+    assert "params/embed" not in " ".join(meta["state_layout"]) and "embed" in meta["lora_base"]["leaves"]
+
+    result = run_train(LORA, workdir, *STEPS)
+    assert "resumed from step" in result.stderr
+    assert_same_run(workdir, lora_reference)
 
 
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_complete_one(tmp_path, reference):

@@ -124,7 +124,8 @@ def _lora() -> dict[str, Any]:
     return {
         # Adapter rank r and alpha: the update is (alpha / r)·A·B (PEFT's scaling; use_rslora off).
         "rank": 16, "alpha": 32.0,
-        # Dropout on the adapters' input: only 0.0 is implemented (the forward has no dropout stream yet).
+        # Dropout on each adapter's input (PEFT's lora_dropout) in training only, its masks drawn per step from
+        # config.train.seed (a resume draws the same); evaluation and decoding run without it.
         "dropout": 0.0,
         # Which of the decoder's linear layers get adapters (every layer's): attention q/k/v/o, MLP gate/up/down.
         "targets": LORA_TARGETS,
@@ -314,8 +315,8 @@ def _validate_lora(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.model.lora.rank must be an integer ≥ 1, got {lora.rank!r}")
     if not _finite("model.lora.alpha", lora.alpha) > 0:
         raise ConfigError(f"config.model.lora.alpha must be a finite number > 0, got {lora.alpha!r}")
-    if float(lora.dropout) != 0.0:
-        raise ConfigError(f"config.model.lora.dropout={lora.dropout!r}: adapter dropout is not implemented; set 0.0")
+    if not 0.0 <= _finite("model.lora.dropout", lora.dropout) < 1.0:
+        raise ConfigError(f"config.model.lora.dropout={lora.dropout!r}: a probability in [0, 1)")
     targets = tuple(lora.targets)
     if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
         raise ConfigError(f"config.model.lora.targets={targets!r}: distinct names among {', '.join(LORA_TARGETS)}")

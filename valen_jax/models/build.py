@@ -10,6 +10,7 @@ training tokenizer's added tokens (rows by `hf.extend_rows`), never shrinks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -92,7 +93,8 @@ def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig | None:
     if group is None:
         return None
     return lora.LoraConfig(rank=int(group.rank), alpha=float(group.alpha), targets=tuple(group.targets),
-                           quantize_base=str(group.quantize_base), trainable=tuple(group.trainable))
+                           quantize_base=str(group.quantize_base), trainable=tuple(group.trainable),
+                           dropout=float(group.dropout))
 
 
 def _vl_model_config(config: ml_collections.ConfigDict, hf_config: dict, tokenizer, common: dict) -> ModelConfig:
@@ -164,15 +166,14 @@ def fourier_coordinate_rows(table, ids, seed: int):
     return table.at[jnp.asarray(ids)].set(rows.astype(table.dtype))
 
 
-def _with_adapters(config, model_cfg: ModelConfig, tokenizer, shardings) -> dict:
+def _with_adapters(config, model_cfg: ModelConfig, tokenizer, shardings, init_adapter: str) -> dict:
     """A LoRA model's first parameters: the base exactly as a plain run would start (the HF checkpoint, or
-    fresh), then `lora_init.attach` (fresh adapters, or `config.model.lora.init_adapter`'s PEFT adapter; NF4
-    under QLoRA)."""
+    fresh), then `lora_init.attach` (fresh adapters, or the PEFT adapter folder `init_adapter`; NF4 under
+    QLoRA)."""
     base_cfg = lora.base_config(model_cfg)
     adapters = None
-    if config.model.lora.init_adapter:  # read (and checked) before the base is loaded onto the devices
-        adapters = peft_adapter.load_adapter(model_cfg, config.model.lora.init_adapter,
-                                             lora_init.adapter_shapes(model_cfg))
+    if init_adapter:  # read (and checked) before the base is loaded onto the devices
+        adapters = peft_adapter.load_adapter(model_cfg, init_adapter, lora_init.adapter_shapes(model_cfg))
     base = initial_params(config, base_cfg, tokenizer, lora_init.base_shardings(model_cfg, shardings))
     return lora_init.attach(base, model_cfg, shardings, int(config.train.seed) + 1, adapters)
 
@@ -181,7 +182,7 @@ def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, to
     """Fresh parameters, or the configured HF checkpoint's with added-token rows by rule (and LoRA's
     adapters when the model has them)."""
     if model_cfg.lora is not None:
-        return _with_adapters(config, model_cfg, tokenizer, shardings)
+        return _with_adapters(config, model_cfg, tokenizer, shardings, config.model.lora.init_adapter)
     if not config.model.init_from:
         params = init_params(model_cfg, config.train.seed, shardings)
         if config.model.get("coordinate_embeddings", "random") == "fourier":
@@ -202,3 +203,14 @@ def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, to
     fresh = fresh_subtrees(model_cfg, config.train.seed, shardings, ("score_head",) if whole else ("vision", "score_head"))
     load = hf_vl.load_params if whole else hf.load_params
     return load(directory, model_cfg, shardings, pieces, fresh=fresh)
+
+
+def lora_base(config: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer, shardings, seed: int) -> dict:
+    """A LoRA run's base rebuilt as its start built it (`config.model.init_from`, or fresh parts drawn from
+    `seed`, the run's first `config.train.seed`; NF4 under QLoRA), with fresh adapters in place: a checkpoint
+    holds the trained leaves alone (`training.adapter_checkpoint`), which the caller puts in after checking
+    the base. The PEFT `init_adapter` a run started from is not read again: the checkpoint's adapters replace it."""
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.train.seed = int(seed)
+    return _with_adapters(config, model_cfg, tokenizer, shardings, init_adapter="")

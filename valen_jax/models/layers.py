@@ -38,6 +38,17 @@ def dense(x, w, in_dims: int = 1):
     return y.reshape(*lead, *out)
 
 
+def _after(grad, dtype):
+    """An exact 1 in `dtype` computed from the backward's incoming gradient. A weight the backward rebuilds
+    (cast or dequantised again) multiplied by it is tied to that gradient: XLA can neither merge the rebuild
+    with the forward's identical one (CSE; an optimization barrier does not survive to the schedule on
+    XLA:CPU) nor schedule it before the backward reaches the layer, either of which keeps every layer's
+    full-size weight alive from the forward to the backward. (0·g + 1 is not folded: XLA keeps IEEE
+    semantics. A non-finite g[0] makes it NaN, but such a gradient is fatal to the step anyway: the global
+    norm clip turns every update NaN, and the loop stops on a non-finite loss.)"""
+    return jnp.zeros((), dtype) * grad.reshape(-1)[0].astype(dtype) + jnp.ones((), dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def nf4_dense(codes, absmax, x, shape, dtype, in_dims: int):
     """x · (a QLoRA base weight dequantised from NF4 in `dtype`). The backward keeps only the codes, the
@@ -62,16 +73,46 @@ def _nf4_dense_backward(shape, dtype, in_dims, residuals, grad):
 nf4_dense.defvjp(_nf4_dense_forward, _nf4_dense_backward)
 
 
-def linear(module, name: str, x, in_dims: int = 1):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def cast_dense(w, x, dtype, in_dims: int):
+    """x · w cast to the compute `dtype` (a bf16 LoRA base in an f32 step; f32 masters in a bf16 step). The
+    backward keeps w as stored and casts it again (`_after`): autodiff of a plain cast-then-matmul keeps the
+    cast copy of every layer's weight for x's gradient, which in an f32 step on a bf16 base is twice the
+    base's own memory (benchmarks/lora.py: 86 MiB of the dim-512 model's 119 MiB state). w's gradient is
+    autodiff's; XLA drops it for a frozen weight, whose gradient nothing reads."""
+    return dense(x, w.astype(dtype), in_dims)
+
+
+def _cast_dense_forward(w, x, dtype, in_dims):
+    return cast_dense(w, x, dtype, in_dims), (w, x)
+
+
+def _cast_dense_backward(dtype, in_dims, residuals, grad):
+    w, x = residuals
+    w2 = (w.astype(dtype) * _after(grad, dtype)).reshape(math.prod(w.shape[:in_dims]), -1)
+    g2 = grad.reshape(-1, w2.shape[1]).astype(dtype)
+    dx = (g2 @ w2.T).reshape(x.shape).astype(x.dtype)
+    dw = (x.reshape(-1, w2.shape[0]).astype(dtype).T @ g2).reshape(w.shape).astype(w.dtype)
+    return dw, dx
+
+
+cast_dense.defvjp(_cast_dense_forward, _cast_dense_backward)
+
+
+def linear(module, name: str, x, in_dims: int = 1, lora_key=None):
     """x · module.<name> in the module's compute dtype, plus the weight's low-rank adapter when it has one
-    (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4)."""
+    (`models/lora.py`; the base dequantised first when QLoRA holds it as NF4). `lora_key`: a training
+    step's key for this layer, which turns on the adapters' dropout (none without it)."""
     weight = getattr(module, name)
     if isinstance(weight, adapters.NF4Weight):
         y = nf4_dense(weight.codes[...], weight.absmax[...], x, weight.shape, module.dtype, in_dims)
+    elif weight.dtype != module.dtype:
+        y = cast_dense(weight[...], x, module.dtype, in_dims)
     else:
-        y = dense(x, weight[...].astype(module.dtype), in_dims)
+        y = dense(x, weight[...], in_dims)
     if module.lora_scale is not None:
-        update = adapters.delta(module, name, x, dense, module.lora_scale, module.dtype)
+        update = adapters.delta(module, name, x, dense, module.lora_scale, module.dtype, module.lora_dropout,
+                                lora_key)
         if update is not None:
             y = y + update
     return y
@@ -80,6 +121,7 @@ def linear(module, name: str, x, in_dims: int = 1):
 def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype) -> None:
     """Give `module`'s weights `names` that `lora` targets their adapters (and NF4 storage under QLoRA)."""
     module.lora_scale = lora.scale if lora is not None else None
+    module.lora_dropout = float(lora.dropout) if lora is not None else 0.0
     if lora is None:
         return
     for name in names:
@@ -225,10 +267,10 @@ class Attention(nnx.Module):
         self.implementation = implementation
         adapt(self, adapters.ATTENTION, rngs, lora, param_dtype)
 
-    def _project(self, x, positions):
+    def _project(self, x, positions, lora_key=None):
         """Queries [B, T, N, H] and keys, values [B, T, K, H], normed and rotated as the model attends them."""
         x = x.astype(self.dtype)
-        q, k, v = linear(self, "q", x), linear(self, "k", x), linear(self, "v", x)
+        q, k, v = (linear(self, name, x, lora_key=lora_key) for name in ("q", "k", "v"))
         if self.bias:
             q = q + self.q_bias[...].astype(self.dtype)
             k = k + self.k_bias[...].astype(self.dtype)
@@ -243,18 +285,18 @@ class Attention(nnx.Module):
             k = rope(k, positions, self.rope_theta, self.rope_scaling)
         return constrain(q, ("batch", "length", "act_heads", None)), k, v
 
-    def _output(self, out):
-        return linear(self, "o", out, in_dims=2)
+    def _output(self, out, lora_key=None):
+        return linear(self, "o", out, in_dims=2, lora_key=lora_key)
 
     def __call__(self, x, positions, segment_ids, branch_ids=None):
         """x: [B, T, D]; positions: [B, T] (or [B, T, A]); segment_ids, branch_ids: int [B, T] (`attention.attend`)."""
         return self.prefill(x, positions, segment_ids, branch_ids)[0]
 
-    def prefill(self, x, positions, segment_ids, branch_ids=None):
-        """`__call__`, also returning the keys and values [B, T, K, H] a KV cache keeps."""
-        q, k, v = self._project(x, positions)
+    def prefill(self, x, positions, segment_ids, branch_ids=None, lora_key=None):
+        """`__call__`, also returning the keys and values [B, T, K, H] a KV cache keeps (`lora_key`: `linear`)."""
+        q, k, v = self._project(x, positions, lora_key)
         out = attend(q, k, v, segment_ids, branch_ids, causal=self.causal, implementation=self.implementation)
-        return self._output(out), k, v
+        return self._output(out, lora_key), k, v
 
     def decode(self, x, positions, cache: kv_cache.KVCache, layer, cursor):
         """One token per row. x: [B, 1, D]; positions [B, 1] (or [B, 1, 3]); the token's keys and values go
@@ -302,11 +344,11 @@ class SwiGLU(nnx.Module):
         self.dtype = dtype
         adapt(self, adapters.MLP, rngs, lora, param_dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, lora_key=None):
         x = x.astype(self.dtype)
-        gate, up = linear(self, "gate", x), linear(self, "up", x)
+        gate, up = linear(self, "gate", x, lora_key=lora_key), linear(self, "up", x, lora_key=lora_key)
         hidden = constrain(gated_silu(gate, up), ("batch", "length", "act_mlp"))
-        return linear(self, "down", hidden)
+        return linear(self, "down", hidden, lora_key=lora_key)
 
 
 class Block(nnx.Module):
@@ -323,18 +365,19 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs, lora=lora)
 
-    def __call__(self, x, positions, segment_ids, branch_ids=None):
-        return self.prefill(x, positions, segment_ids, branch_ids)[0]
+    def __call__(self, x, positions, segment_ids, branch_ids=None, lora_key=None):
+        """`lora_key`: a training step's key for this layer (its adapters' dropout; `linear`)."""
+        return self.prefill(x, positions, segment_ids, branch_ids, lora_key)[0]
 
-    def _finish(self, x, attended):
+    def _finish(self, x, attended, lora_key=None):
         x = x + attended.astype(x.dtype)
         x = constrain(x, ("batch", "length", "act_embed"))
-        return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        return x + self.mlp(self.mlp_norm(x), lora_key).astype(x.dtype)
 
-    def prefill(self, x, positions, segment_ids, branch_ids=None):
+    def prefill(self, x, positions, segment_ids, branch_ids=None, lora_key=None):
         """The block's output and its attention's keys and values [B, T, K, H] (`Attention.prefill`)."""
-        attended, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids, branch_ids)
-        return self._finish(x, attended), k, v
+        attended, k, v = self.attn.prefill(self.attn_norm(x), positions, segment_ids, branch_ids, lora_key)
+        return self._finish(x, attended, lora_key), k, v
 
     def decode(self, x, positions, cache, layer, cursor):
         """One token per row against the KV cache (`Attention.decode`) → (output [B, 1, D], cache)."""

@@ -34,6 +34,7 @@ from valen_jax.models import nf4
 # weight (`layers.dense`'s in_dims): q, k, v [D, N|K, H]; o [N, H, D]; gate, up [D, F]; down [F, D].
 TARGETS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
+_STREAM = {name: index for index, name in enumerate(TARGETS)}  # each target's dropout stream within a layer
 QUANTIZE_BASE = ("none", "nf4")
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
@@ -49,6 +50,8 @@ class LoraConfig:
     # Regexes (full '/'-joined paths) of base parameters trained beside the adapters, e.g. a new head;
     # the score head, when the model has one, always trains (it starts fresh).
     trainable: tuple[str, ...] = ()
+    # Dropout on each adapter's input (PEFT's lora_dropout), in training only: a step passes its key.
+    dropout: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -60,6 +63,8 @@ class LoraConfig:
             raise ValueError(f"lora quantize_base={self.quantize_base!r}; choose one of {', '.join(QUANTIZE_BASE)}")
         if not (isinstance(self.rank, int) and self.rank >= 1):
             raise ValueError(f"lora rank must be an integer ≥ 1, got {self.rank!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
 
     @property
     def scale(self) -> float:
@@ -93,11 +98,16 @@ class NF4Weight(nnx.Module):
         self.absmax = nnx.Param(jnp.ones((size // nf4.BLOCK,), jnp.float32), logical_axes=("nf4",))
 
 
-def delta(module, name: str, x, dense, scale: float, dtype):
-    """(alpha / r)·(x·A)·B of weight `name`'s adapter, or None when it has none."""
+def delta(module, name: str, x, dense, scale: float, dtype, dropout: float = 0.0, key=None):
+    """(alpha / r)·(drop(x)·A)·B of weight `name`'s adapter, or None when it has none. `key` (a training
+    step's, per layer) draws the dropout mask of this adapter's input, each target its own stream as
+    PEFT's separate dropout modules would; without a key (evaluation, decoding) there is no dropout."""
     a = getattr(module, name + SUFFIX_A, None)
     if a is None:
         return None
+    if key is not None and dropout > 0:
+        keep = jax.random.bernoulli(jax.random.fold_in(key, _STREAM[name]), 1.0 - dropout, x.shape)
+        x = jnp.where(keep, x / jnp.asarray(1.0 - dropout, x.dtype), jnp.zeros((), x.dtype))
     low = dense(x, a[...].astype(dtype), in_dims=TARGETS[name])
     return dense(low, getattr(module, name + SUFFIX_B)[...].astype(dtype)) * jnp.asarray(scale, dtype)
 

@@ -65,7 +65,7 @@ def adapter_config(cfg: ModelConfig, base: str) -> dict:
     """adapter_config.json: the keys PEFT's LoraConfig reads to rebuild the same adapters."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": 0.0, "bias": "none",
+        "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout, "bias": "none",
         "target_modules": _target_modules(cfg),
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "modules_to_save": None, "inference_mode": True,

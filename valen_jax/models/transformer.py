@@ -64,26 +64,36 @@ class Transformer(nnx.Module):
                              "scan_layers=True is not implemented for them")
         self.score_head = ScoreHead(cfg.dim, pdt, rngs) if cfg.score_head else None
 
-    def _run_layers(self, x, positions, ids, deepstack=()):
+    def _run_layers(self, x, positions, ids, deepstack=(), lora_key=None):
         """`ids`: (segment_ids, branch_ids or None), from which each layer's attention builds its mask.
-        `deepstack`: [B, T, D] additions after layers 0, 1, ... (Qwen3-VL; zero outside media slots)."""
-        def run(block, h):
-            return block(h, positions, *ids)
+        `deepstack`: [B, T, D] additions after layers 0, 1, ... (Qwen3-VL; zero outside media slots).
+        `lora_key`: a training step's key, split into one per layer (the same split scanned or not)."""
+        keys = None if lora_key is None else jax.random.split(lora_key, self.cfg.num_layers)
+
+        def run(block, h, key):
+            return block(h, positions, *ids, lora_key=key)
 
         if self.cfg.remat != "none":  # models/remat.py: what each layer keeps for the backward
             run = nnx.remat(run, policy=checkpoint_policy(self.cfg.remat))
         if not self.cfg.scan_layers:
             for i, layer in enumerate(self.layers):
-                x = run(layer, x)
+                x = run(layer, x, None if keys is None else keys[i])
                 if i < len(deepstack):
                     x = x + deepstack[i]
             return x
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def scan(h, block):
-            return run(block, h)
+        if keys is None:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def scan(h, block):
+                return run(block, h, None)
 
-        return scan(x, self.layers)
+            return scan(x, self.layers)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def scan_with_keys(h, block, key):
+            return run(block, h, key)
+
+        return scan_with_keys(x, self.layers, keys)
 
     def embed_tokens(self, tokens, vision_inputs=None):
         """Token embeddings, with media slots filled by vision tokens.
@@ -125,12 +135,13 @@ class Transformer(nnx.Module):
             raise ValueError(f"an M-RoPE model fed media needs positions [B, T, 3] (models.mrope.rope_index), "
                              f"got shape {positions.shape}")
 
-    def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None):
-        """Final-norm hidden states [B, T, D] (what heads read)."""
+    def hidden(self, tokens, positions, segment_ids, vision_inputs=None, branch_ids=None, lora_key=None):
+        """Final-norm hidden states [B, T, D] (what heads read). `lora_key`: a training step's key, which turns
+        on the adapters' dropout (config.model.lora.dropout); evaluation and decoding pass none."""
         self._check_positions(positions, vision_inputs)
         x, deepstack = self._embed(tokens, vision_inputs)
         x = constrain(x, ("batch", "length", "act_embed"))
-        x = self._run_layers(x, positions, (segment_ids, branch_ids), deepstack)
+        x = self._run_layers(x, positions, (segment_ids, branch_ids), deepstack, lora_key)
         return self.final_norm(x)
 
     def head_matrix(self):

@@ -2,7 +2,10 @@
 
 Every restore here reads the params alone (the optimizer moments stay on disk: twice the params'
 memory) and verifies them against their save-time digests: CorruptCheckpoint names a damaged step,
-with no fallback to another one. A run's weights are identified by those digests
+with no fallback to another one. A LoRA checkpoint holds its trained leaves alone: the base is rebuilt
+from the run's `config.model.init_from` (or its seed) and checked against the fingerprints its meta
+recorded before the adapters go on it (`training.adapter_checkpoint`); a LoRA checkpoint of meta schema 2
+holds the base too and is read whole. A run's weights are identified by those digests
 (`checkpoint.params_identity`), never by gathering the weights.
 """
 
@@ -20,10 +23,11 @@ from jax.sharding import Mesh
 from valen_jax.data.assemble import RowSpec
 from valen_jax.models import drafter as block_drafter
 from valen_jax.models import sharding
+from valen_jax.models.build import lora_base
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import abstract_model
 from valen_jax.run.mesh import evaluation_mesh
-from valen_jax.training import checkpoint
+from valen_jax.training import adapter_checkpoint, checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +103,29 @@ def restore_model(workdir: str | Path, step: int | None = None, devices=None, *,
         mesh = mesh if mesh is not None else evaluation_mesh(config.mesh, devices)
         graphdef, abstract = abstract_model(model_cfg)
         shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-        params = checkpoint.restore_params_verified(
-            mgr, step, meta, checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings))
+        wanted = checkpoint.abstract_with(nnx.to_pure_dict(abstract), shardings)
+        base = meta.get(adapter_checkpoint.BASE_KEY)
+        if base is not None:  # a LoRA checkpoint: its trained leaves alone
+            held = adapter_checkpoint.saved_paths(meta)
+            wanted = adapter_checkpoint.select(wanted, lambda path: path in held)
+        params = checkpoint.restore_params_verified(mgr, step, meta, wanted)
     finally:
         mgr.close()
+    if base is not None:
+        params = _on_base(workdir, step, config, model_cfg, tokenizer, shardings, base, params)
     spec = RowSpec.of(meta["row"]["seq_len"], meta["row"]["max_patches"], tokenizer, model_cfg,
                       meta["media_kwargs"])
     return ModelRun(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params,
                     checkpoint.params_identity(meta, f"{workdir}: checkpoint {step}"))
+
+
+def _on_base(workdir: Path, step: int, config, model_cfg: ModelConfig, tokenizer, shardings, base: dict,
+             trained: dict) -> dict:
+    """A LoRA checkpoint's `trained` leaves on its base, rebuilt as the run's start built it and refused
+    unless every frozen leaf has the fingerprint its meta recorded (`training.adapter_checkpoint`)."""
+    params = lora_base(config, model_cfg, tokenizer, shardings, base["seed"])
+    adapter_checkpoint.check_base(base, params, f"{workdir}: checkpoint {step}")
+    return adapter_checkpoint.with_trained(params, trained)
 
 
 def restore_drafter(workdir: str | Path, step: int | None = None, devices=None) -> DrafterRun:

@@ -20,8 +20,10 @@ from valen_jax.data.pipeline import TokenAssembly, component_seed
 from valen_jax.data.sources import mixture_of, sampling_indices
 from valen_jax.evaluation.periodic import PeriodicEval
 from valen_jax.evaluation.report import evaluate_params, write_report
-from valen_jax.models.build import initial_params
+from valen_jax.models.build import initial_params, lora_base
 from valen_jax.run import ModelRun
+from valen_jax.training import adapter_checkpoint
+from valen_jax.training.checkpoint import CheckpointError
 from valen_jax.training.metrics import model_flops_per_step
 from valen_jax.training.step import StepOptions, TrainLayout, compile_step, make_train_step
 from valen_jax.training.task import Evaluation, Task
@@ -43,12 +45,38 @@ class ModelTask(Task):
     """A task that trains the model itself: its state is the model's params and optimizer state."""
 
     mode = "ar"
+    base: dict | None = None  # a LoRA run's meta.lora_base: the frozen base its params hold
 
     def layout(self) -> TrainLayout:
         return TrainLayout.from_config(self.model_cfg, self.config.train, self.setup.mesh)
 
     def initial_params(self, layout):
-        return initial_params(self.config, self.model_cfg, self.setup.tokenizer, layout.param_shardings)
+        params = initial_params(self.config, self.model_cfg, self.setup.tokenizer, layout.param_shardings)
+        if layout.saved_paths is not None:
+            self.base = adapter_checkpoint.base_record(params, layout.saved_paths, self.config.model.init_from,
+                                                       int(self.config.train.seed))
+        return params
+
+    def check_resume(self, step: int, saved: dict) -> None:
+        if self.model_cfg.lora is not None and adapter_checkpoint.BASE_KEY not in saved:
+            raise CheckpointError(
+                f"{self.setup.workdir}: checkpoint {step} is a LoRA checkpoint from before adapter-only "
+                "checkpoints (meta schema 2: its state holds the base too), which training does not continue; "
+                "evaluate, predict, generate and export still read it. To train on, export its adapters "
+                "(python -m valen_jax.export --adapter) and start a new workdir from them "
+                "(--config.model.lora.init_adapter=FOLDER)")
+
+    def resumed_state(self, layout, state, step: int, saved: dict):
+        if layout.saved_paths is None:
+            return state
+        record = saved[adapter_checkpoint.BASE_KEY]
+        base = lora_base(self.config, self.model_cfg, self.setup.tokenizer, layout.param_shardings, record["seed"])
+        adapter_checkpoint.check_base(record, base, f"{self.setup.workdir}: checkpoint {step}")
+        self.base = record
+        return {**state, "params": adapter_checkpoint.with_trained(base, state["params"])}
+
+    def meta(self) -> dict:
+        return {adapter_checkpoint.BASE_KEY: self.base} if self.base is not None else {}
 
     def compile(self, layout, batch_shapes: dict):
         options = StepOptions.from_config(self.config, layout.frozen, self.setup.tokenizer)

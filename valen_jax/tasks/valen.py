@@ -30,7 +30,7 @@ class ValenTask(ModelTask):
         return assembly
 
     def meta(self) -> dict:
-        return {"records_without_labels": self.unlabeled}
+        return {**super().meta(), "records_without_labels": self.unlabeled}
 
     def result(self) -> dict:
         return {"records_without_labels": self.unlabeled}

@@ -200,30 +200,34 @@ def _leaf_digest(x):
     1 − 2⁻³², changes it; only a permutation of whole words would not. One reduction: integer
     reductions are slow on XLA:CPU, and this runs on every save.
     """
+    return jnp.sum(words_of(x), dtype=jnp.uint32)
+
+
+def words_of(x):
+    """The array's bits as uint32 words: one per element of 1, 2 or 4 bytes, two (a trailing axis) of 8."""
     if x.dtype == jnp.bool_ or x.dtype.itemsize == 1:
-        words = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 2:
-        words = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    else:  # 4 bytes, or 8 as a trailing axis of two words
-        words = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.sum(words, dtype=jnp.uint32)
+        return x.astype(jnp.uint32)
+    if x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
 
 
 _digest = jax.jit(lambda tree: jax.tree.map(_leaf_digest, tree))
 
 
-def _paths(tree) -> list[str]:
+def paths_of(tree) -> list[str]:
+    """The '/'-joined path of every leaf of `tree`, in its leaves' order."""
     return ["/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def state_digest(state: Any) -> dict[str, int]:
-    return _PendingDigests(_paths(state), _digest(state)).resolve()
+    return _PendingDigests(paths_of(state), _digest(state)).resolve()
 
 
 def state_layout(abstract_state: Any) -> list[str]:
     """`path shape dtype` of every state array: what a restore needs to find unchanged."""
-    return [f"{p} {tuple(x.shape)} {x.dtype}" for p, x in zip(_paths(abstract_state), jax.tree.leaves(abstract_state),
+    return [f"{p} {tuple(x.shape)} {x.dtype}" for p, x in zip(paths_of(abstract_state), jax.tree.leaves(abstract_state),
                                                               strict=True)]
 
 
@@ -238,7 +242,7 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.Data
     The state digests are dispatched to the devices here (reading the arrays before the next
     step may donate them) and fetched by the background `meta` write (`MetaHandler`).
     """
-    pending = _PendingDigests(_paths(state), _digest(state))
+    pending = _PendingDigests(paths_of(state), _digest(state))
     meta = {**meta, "digest": {"state": pending, "data": iterator_digest(iterator)}}
     return mgr.save(step, force=force, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(state),
@@ -251,8 +255,11 @@ def save(mgr: ocp.CheckpointManager, step: int, state: Any, iterator: grain.Data
 # 1 (no `schema_version`): written before it was recorded; `config.train.mode` may be missing (ar runs)
 #   and a drafter's target record holds `params_sha256` (see `same_weights`);
 # 2: `schema_version`; every run records `config.train.mode`; a drafter's target record holds
-#   `params_identity` (`params_identity`).
-META_SCHEMA = 2
+#   `params_identity` (`params_identity`);
+# 3: a LoRA run's `state.params` holds only its trained leaves and `lora_base` records the base they were
+#   trained on (`adapter_checkpoint`). A schema-2 LoRA meta reads as it is: no `lora_base`, its state holds
+#   the base too (restores read it whole; a resume is refused, `tasks.token_lm`).
+META_SCHEMA = 3
 
 
 def migrate_meta(meta: dict[str, Any], where: str = "checkpoint") -> dict[str, Any]:
@@ -461,7 +468,7 @@ def params_sha256(params: Any) -> str:
     """sha256 over every parameter's path, dtype, shape and bytes, in path order: the identity of a set of
     weights whatever mesh holds them (a drafter's meta records its target's; issue 16)."""
     digest = hashlib.sha256()
-    for path, leaf in zip(_paths(params), jax.tree.leaves(params), strict=True):
+    for path, leaf in zip(paths_of(params), jax.tree.leaves(params), strict=True):
         if not leaf.is_fully_addressable:  # another host holds part of it: gather the whole array here
             leaf = multihost_utils.process_allgather(leaf, tiled=True)
         value = jax.device_get(leaf)
@@ -470,10 +477,11 @@ def params_sha256(params: Any) -> str:
     return digest.hexdigest()
 
 
-def _identity(layout: list[str], digests: dict[str, int]) -> str:
+def _identity(layout: list[str], digests: dict[str, int], base: dict | None = None) -> str:
     params = {path: digests[path] for path in sorted(digests) if path.startswith("params/")}
     entries = sorted(entry for entry in layout if entry.startswith("params/"))
-    return hashlib.sha256(json.dumps({"layout": entries, "digests": params}, sort_keys=True).encode()).hexdigest()
+    held = {"layout": entries, "digests": params, **({"base": base["leaves"]} if base else {})}
+    return hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()
 
 
 def params_identity(meta: dict[str, Any], where: str = "checkpoint") -> str:
@@ -489,7 +497,8 @@ def params_identity(meta: dict[str, Any], where: str = "checkpoint") -> str:
         raise CheckpointError(f"{where}: its meta has no state digests (written by a valen_jax before they were "
                               "recorded), so its weights have no identity; train it again, or resume it once to "
                               "write a checkpoint that has them")
-    return _identity(meta.get("state_layout", []), digests)
+    # A LoRA checkpoint holds the trained leaves alone: the base's fingerprints (meta.lora_base) are its too.
+    return _identity(meta.get("state_layout", []), digests, meta.get("lora_base"))
 
 
 def params_identity_of(params: Any) -> str:

@@ -185,6 +185,21 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     batch_shapes = assembly.batch_shapes(train_spec, config.data.global_batch)
     iterator = iter(dataset)
 
+    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
+                             compress=bool(config.train.checkpoint_compression))
+    # A checkpoint holds `layout.saved(state)`: the whole state, or a LoRA run's without its frozen base.
+    restored = checkpoint.restore_intact(mgr, workdir, layout.saved_abstract_state(), iterator,
+                                         compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest, task),
+                                         allow_fresh_start=bool(config.train.allow_fresh_start))
+    if restored is not None:
+        state = task.resumed_state(layout, restored[1], restored[0], restored[2])
+        log.info("resumed from step %d", restored[0])
+    else:
+        checkpoint.save_tokenizer(workdir, tokenizer)
+        params = task.initial_params(layout)
+        opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
     meta = {
         "schema_version": checkpoint.META_SCHEMA,
         "project_version": valen_jax.__version__,
@@ -196,23 +211,9 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
         **({"train_eval_overlap": overlap} if overlap else {}),
         "row": {"seq_len": spec.seq_len, "max_patches": spec.max_patches},
         "config": json.loads(config.to_json_best_effort()),
-        "state_layout": checkpoint.state_layout(layout.abstract_state()),
-        **task.meta(),
+        "state_layout": checkpoint.state_layout(layout.saved_abstract_state()),
+        **task.meta(),  # after the state: a LoRA run's records the base it holds
     }
-    mgr = checkpoint.manager(workdir, max_to_keep=config.train.keep_checkpoints,
-                             compress=bool(config.train.checkpoint_compression))
-    restored = checkpoint.restore_intact(mgr, workdir, layout.abstract_state(), iterator,
-                                         compatibility_check(workdir, fingerprint, model_cfg, train_set.manifest, task),
-                                         allow_fresh_start=bool(config.train.allow_fresh_start))
-    if restored is not None:
-        state = restored[1]
-        log.info("resumed from step %d", restored[0])
-    else:
-        checkpoint.save_tokenizer(workdir, tokenizer)
-        params = task.initial_params(layout)
-        opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
-        state = {"params": params, "opt_state": opt_state,
-                 "step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)}
 
     started = time.perf_counter()
     compiled = task.compile(layout, batch_shapes)
@@ -267,7 +268,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
                 # save's copy off the devices does anyway).
                 if not math.isfinite(loss := float(metrics["loss"])):
                     _stop_on_non_finite_loss(step, loss, mgr, metrics_log)
-                checkpoint.save(mgr, step, state, iterator, meta, force=True)
+                checkpoint.save(mgr, step, layout.saved(state), iterator, meta, force=True)
             if preempted.requested:
                 log.warning("%s: saved step %d, stopping", signal.Signals(preempted.signal).name, step)
                 break

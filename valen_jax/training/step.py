@@ -16,6 +16,7 @@ from valen_jax.models.config import ModelConfig
 from valen_jax.models.drafter import DrafterConfig, abstract_drafter
 from valen_jax.models.heads import branch_log_probs
 from valen_jax.models.transformer import abstract_model
+from valen_jax.training import adapter_checkpoint
 from valen_jax.training.losses import (
     branch_cross_entropy,
     combine,
@@ -57,6 +58,9 @@ class StepOptions:
     coordinate_sigma: float = 0.0
     coordinate_sigma_final: float | None = None
     coordinate_sigma_steps: int = 1
+    # config.model.lora.dropout > 0: the seed of its masks, one stream per step (fold_in(seed, step)), so a
+    # resumed run draws the masks the uninterrupted one would; None: no dropout.
+    lora_dropout_seed: int | None = None
 
     @classmethod
     def from_config(cls, config, frozen=None, tokenizer=None) -> StepOptions:
@@ -69,7 +73,9 @@ class StepOptions:
 
             ids = tuple(number_token_ids(tokenizer))
         final = config.loss.get("coordinate_sigma_final")
-        return cls(loss_weights=dict(config.loss.weights), z_loss=float(config.loss.z_loss),
+        lora = config.model.get("lora")
+        dropout_seed = int(config.train.seed) if lora is not None and float(lora.dropout) > 0 else None
+        return cls(lora_dropout_seed=dropout_seed, loss_weights=dict(config.loss.weights), z_loss=float(config.loss.z_loss),
                    grad_accum_steps=int(config.train.grad_accum_steps), frozen=frozen,
                    loss_reduction=str(config.loss.loss_reduction), coordinate_ids=ids, coordinate_sigma=sigma,
                    coordinate_sigma_final=None if final is None else float(final),
@@ -126,10 +132,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         trained, frozen = iter(trained), iter(frozen)
         return jax.tree.unflatten(treedef, [next(frozen) if f else next(trained) for f in frozen_leaves])
 
-    def sums_of(params, batch, sigma=None):
+    def sums_of(params, batch, sigma=None, lora_key=None):
         model = nnx.merge(graphdef, params)
         hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"], vision_inputs(batch),
-                              batch.get("branch_ids"))
+                              batch.get("branch_ids"), lora_key=lora_key)
         sums = {}
         if weights.get("tokens", 0.0) > 0 or "score_positions" not in batch:
             coordinates = None if coordinate_ids is None else (coordinate_ids, sigma)
@@ -152,7 +158,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
         total = combine(objectives, weights) + options.z_loss * parts.get("loss_z", 0.0)
         return total, {**{f"loss_{name}": value for name, value in objectives.items()}, **parts}
 
-    def grads_and_sums(params, batch, sigma=None):
+    def grads_and_sums(params, batch, sigma=None, lora_key=None):
         # Denominators come from the whole global batch's labels and weights, before any split.
         # An all-zero-weight batch gives loss 0, not NaN.
         denominators = {"tokens": jnp.maximum(jnp.sum(batch["target_weights"]), 1.0)}
@@ -163,23 +169,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
         trained, frozen, treedef = split(params)
 
-        def micro_loss(t, micro):
-            sums = sums_of(join(t, frozen, treedef), micro, sigma)
+        def micro_loss(t, micro, key):
+            sums = sums_of(join(t, frozen, treedef), micro, sigma, key)
             return total_of(sums, denominators)[0], sums
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
         if accum == 1:
-            grads, sums = grad_fn(trained, batch)
+            grads, sums = grad_fn(trained, batch, lora_key)
         else:
-            def body(carry, micro):
-                grads, sums = grad_fn(trained, micro)
+            def body(carry, micro_and_index):
+                micro, index = micro_and_index  # each micro-batch its own dropout masks
+                grads, sums = grad_fn(trained, micro, None if lora_key is None else jax.random.fold_in(lora_key, index))
                 return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
             micros = micro_batches(batch, accum)
             sum_shapes = jax.eval_shape(sums_of, params, jax.tree.map(lambda x: x[0], micros), sigma)
             zeros = (jax.tree.map(jnp.zeros_like, trained),
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
-            (grads, sums), _ = jax.lax.scan(body, zeros, micros)
+            (grads, sums), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(accum)))
         total, parts = total_of(sums, denominators)
         # The optimizer sees the whole tree; a frozen leaf's gradient is a zero it never stores (its label's
         # set_to_zero keeps no state), and the step puts the frozen leaf back unchanged below.
@@ -190,7 +197,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
 
     def train_step(state, batch):
         sigma = options.sigma_at(state["step"]) if coordinate_ids is not None else None
-        grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch, sigma)
+        lora_key = None if options.lora_dropout_seed is None else \
+            jax.random.fold_in(jax.random.key(options.lora_dropout_seed), state["step"])
+        grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch, sigma, lora_key)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         if frozen_leaves is not None:
@@ -254,6 +263,9 @@ class TrainLayout:
                              "step": jax.ShapeDtypeStruct((), jnp.int32)}
         self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}
         self.replicated = replicated
+        # A LoRA run's checkpoints hold the params it trains and no base (training/adapter_checkpoint.py).
+        lora_run = model_cfg is not None and model_cfg.lora is not None
+        self.saved_paths = adapter_checkpoint.trained_paths(frozen) if lora_run else None
 
     @classmethod
     def from_config(cls, model_cfg: ModelConfig, train_cfg, mesh: Mesh) -> TrainLayout:
@@ -278,6 +290,17 @@ class TrainLayout:
     def abstract_state(self):
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             self.state_shapes, self.state_shardings)
+
+    def saved(self, state):
+        """What a checkpoint of `state` holds: all of it, or under LoRA the optimizer state, the step and the
+        trained params alone (the frozen base is recorded by its fingerprints instead)."""
+        if self.saved_paths is None:
+            return state
+        return {**state, "params": adapter_checkpoint.select(state["params"], lambda path: path in self.saved_paths)}
+
+    def saved_abstract_state(self):
+        """`saved` of the abstract state: what a resume restores from a checkpoint of this layout."""
+        return self.saved(self.abstract_state())
 
 
 def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *inputs):

@@ -13,9 +13,10 @@ Task for everything else, always in this order:
     layout = task.layout()                 # the train state's shapes and shardings, optimizer included
     spec = task.row_spec(spec)             # the rows this mode trains on
     assembly = task.assembly(spec)         # how shard records become batches (build_dataset's assembly)
-    task.meta()                            # what the checkpoint meta records beyond the shared keys
     task.check_resume(step, saved_meta)    # refuse a checkpoint of another setup of this mode
-    task.initial_params(layout)            # a fresh start's parameters
+    task.resumed_state(layout, state, step, saved_meta)  # a resume: the train state from what was saved
+    task.initial_params(layout)            # or a fresh start's parameters
+    task.meta()                            # what the checkpoint meta records beyond the shared keys
     task.compile(layout, batch_shapes)     # the train step, compiled for the layout's mesh
     task.step_function(compiled)           # (state, batch) -> (state, metrics); metrics hold "loss"
     task.flops_per_step()                  # model FLOPs of one step, for MFU
@@ -101,6 +102,11 @@ class Task(abc.ABC):
     def check_resume(self, step: int, saved: dict) -> None:
         """Refuse (CheckpointError) checkpoint `step`, whose meta is `saved`, when this run cannot continue it."""
         return None
+
+    def resumed_state(self, layout, state, step: int, saved: dict):
+        """The train state to continue from checkpoint `step` (meta `saved`), which held `state` =
+        `layout.saved(...)` of it: the same by default (a LoRA run's puts its base back)."""
+        return state
 
     @abc.abstractmethod
     def initial_params(self, layout):
