@@ -39,7 +39,7 @@ from valen_jax.cli import distributed
 from valen_jax.cli import log_setup as cli_logging
 from valen_jax.cli.boundary import error_boundary, parse_config_flags
 from valen_jax.errors import UsageError
-from valen_jax.tasks.modes import check_mode, open_task
+from valen_jax.tasks.modes import check_mode, open_task, preflight
 from valen_jax.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/vflash.py[:tiny]")
@@ -49,7 +49,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 def run(config, workdir) -> dict:
     """Train `config` in `workdir` with the mode `config.train.mode` names (valen_jax.tasks.modes)."""
     check_mode(config)
-    return loop.run(config, workdir, open_task)
+    return loop.run(config, workdir, open_task, preflight)
 
 
 def _user_paths() -> list[str]:

@@ -1,0 +1,75 @@
+"""Reinforcement run config (issue 32, seed 003): G sampled completions per prompt of chat rows, rewarded
+against the assistant message, trained with the group-relative clipped objective (train.mode=reinforce).
+
+    python data/rl_arith/make.py data/rl_arith            # the arithmetic task (committed output)
+    python -m valen_jax.train --config=configs/reinforce.py:tiny --workdir=/tmp/rl
+    python -m valen_jax.train --config=configs/reinforce.py --workdir=runs/rl --config.rl.from_workdir=runs/sft
+    python -m valen_jax.train --config=configs/reinforce.py:tiny --workdir=/tmp/rl --smoke-check
+
+Trains on `data/rl_arith/train.jsonl`, evaluates `answer_exact_match` on the disjoint
+`data/rl_arith/eval.jsonl` at the end. `:sft` is the supervised run on the same rows (train.mode=ar)
+that a reinforcement run starts from (`--config.rl.from_workdir=WORKDIR`); `:tiny` the smallest model
+and a few rollouts, for tests. config.data.global_batch is config.rl.prompts_per_rollout (one batch of
+the data stream is one rollout's prompts).
+"""
+
+import sys
+from pathlib import Path
+
+import ml_collections
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # config files are loaded by path; make their sibling `common` importable
+    sys.path.insert(0, str(ROOT))
+from configs import common  # noqa: E402
+from valen_jax.config.schema import defaults  # noqa: E402
+
+
+def _small_model(config: ml_collections.ConfigDict) -> None:
+    # Small enough to train supervised and then by reinforcement on two CPU cores in minutes.
+    config.model.dim = 128
+    config.model.num_layers = 2
+    config.model.num_heads = 4
+    config.model.num_kv_heads = 2
+    config.model.head_dim = 32
+    config.model.mlp_dim = 256
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    parts = [part for part in variant.split(",") if part] if variant else []
+    sft = "sft" in parts
+    rest = ",".join(part for part in parts if part != "sft")
+    data = common.data_group("chat", "data/rl_arith/train.jsonl", "data/rl_arith/eval.jsonl", "chat",
+                             seq_len=32, max_patches=0, global_batch=16)
+    config = common.base_config("reinforce", data, vision=False)
+    _small_model(config)
+    config.eval.max_examples = 200
+    config.eval.batch_size = 200
+    config.eval.max_new_tokens = 8
+    config.eval.every = 0
+    if sft:
+        config.data.global_batch = 64
+        config.train.steps = 300
+        config.train.checkpoint_every = 300
+        config.train.log_every = 50
+        config.train.warmup_steps = 20
+        config.train.learning_rate = 3e-3
+        return common.apply_variant(config, rest, "configs/reinforce.py")
+    config.train.mode = "reinforce"
+    config.rl = defaults("rl", group_size=8, prompts_per_rollout=16, inner_steps=2, max_new_tokens=6,
+                         temperature=1.0, rewards={"exact": 1.0})
+    config.train.steps = 60
+    config.train.checkpoint_every = 20
+    config.train.log_every = 5
+    config.train.warmup_steps = 2
+    config.train.learning_rate = 3e-4
+    config.train.end_learning_rate_fraction = 1.0
+    config = common.apply_variant(config, rest, "configs/reinforce.py")
+    if "tiny" in parts:
+        config.rl.prompts_per_rollout = config.data.global_batch = 4
+        config.rl.group_size = 4
+        config.rl.max_new_tokens = 4
+        config.eval.at_end = False
+        config.eval.max_examples = 8
+        config.eval.batch_size = 8
+    return config
