@@ -1,13 +1,13 @@
 """Reinforcement run config (issue 32, seed 003): G sampled completions per prompt of chat rows, rewarded
 against the assistant message, trained with the group-relative clipped objective (train.mode=reinforce).
 
-    python data/rl_arith/make.py data/rl_arith            # the arithmetic task (committed output)
+    python data/rl_arith/make.py data/rl_arith/digits --max-operand 10   # the task (committed output)
     python -m valen_jax.train --config=configs/reinforce.py:tiny --workdir=/tmp/rl
     python -m valen_jax.train --config=configs/reinforce.py --workdir=runs/rl --config.rl.from_workdir=runs/sft
     python -m valen_jax.train --config=configs/reinforce.py:tiny --workdir=/tmp/rl --smoke-check
 
-Trains on `data/rl_arith/train.jsonl`, evaluates `answer_exact_match` on the disjoint
-`data/rl_arith/eval.jsonl` at the end. `:sft` is the supervised run on the same rows (train.mode=ar)
+Trains on `data/rl_arith/digits/train.jsonl` (sums and differences of two or three one-digit numbers),
+evaluates `answer_exact_match` on the disjoint `data/rl_arith/digits/eval.jsonl` at the end. `:sft` is the supervised run on the same rows (train.mode=ar)
 that a reinforcement run starts from (`--config.rl.from_workdir=WORKDIR`); `:tiny` the smallest model
 and a few rollouts, for tests. config.data.global_batch is config.rl.prompts_per_rollout (one batch of
 the data stream is one rollout's prompts).
@@ -39,7 +39,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     parts = [part for part in variant.split(",") if part] if variant else []
     sft = "sft" in parts
     rest = ",".join(part for part in parts if part != "sft")
-    data = common.data_group("chat", "data/rl_arith/train.jsonl", "data/rl_arith/eval.jsonl", "chat",
+    data = common.data_group("chat", "data/rl_arith/digits/train.jsonl", "data/rl_arith/digits/eval.jsonl", "chat",
                              seq_len=32, max_patches=0, global_batch=16)
     config = common.base_config("reinforce", data, vision=False)
     _small_model(config)

@@ -125,9 +125,9 @@ def run(config, workdir: str | Path, open_task: OpenTask, preflight: Preflight |
     # Seed 003: registry references resolved (a resumed run: to the versions its checkpoint recorded)
     # before any device is claimed; an unknown one is refused here.
     references = resolve_config_data(config, workdir)
-    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
-    if preflight is not None:
+    if preflight is not None:  # the mode's own refusals first (a reinforcement run refuses prepared rows whole)
         preflight(config)
+    check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     # A refused start-up (nothing to train, a mesh, a compile, a resume of another setup) leaves the workdir
     # as it was: what it wrote before the refusal is removed (valen_jax.training.startup).
     with start_up(workdir) as note:
