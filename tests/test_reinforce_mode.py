@@ -30,12 +30,12 @@ def tiny_config():
     return module.get_config("tiny")
 
 
-def arithmetic(tmp_path: Path, train: int = 64, eval_: int = 8) -> tuple[Path, Path]:
+def arithmetic(tmp_path: Path, train: int = 64, eval_: int = 8, max_operand: int = 10) -> tuple[Path, Path]:
     spec = importlib.util.spec_from_file_location("rl_arith_make", ROOT / "data/rl_arith/make.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     paths = []
-    for name, rows in zip(("train", "eval"), make.make(train, eval_, seed=0, max_operand=10), strict=True):
+    for name, rows in zip(("train", "eval"), make.make(train, eval_, seed=0, max_operand=max_operand), strict=True):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths.append(path)
@@ -133,19 +133,19 @@ def test_training_rows_mark_exactly_the_completion_targets():
 def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_completion():
     import optax
 
+    from data_pipeline.tokenizer import load_tokenizer
     from valen_jax.models.build import model_config
     from valen_jax.models.transformer import abstract_model
     from valen_jax.reinforce.objective import clipped_loss
     from valen_jax.reinforce.update import make_log_probs, make_update
     from valen_jax.training.step import TrainLayout
-    from data_pipeline.tokenizer import load_tokenizer
 
     config = tiny_config()
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     cfg = model_config(config, tokenizer)
     graphdef, _ = abstract_model(cfg)
-    from valen_jax.models.build import init_params
     from valen_jax.models import sharding
+    from valen_jax.models.build import init_params
 
     mesh = sharding.make_mesh(config.mesh)
     layout = TrainLayout(cfg, optax.sgd(0.01), mesh)
@@ -203,8 +203,8 @@ def test_rollout_seeds_depend_on_the_run_seed_and_step_only():
 
 # ---- end to end (subprocesses) -----------------------------------------------------------------------
 
-def data_overrides(tmp_path: Path) -> tuple[str, ...]:
-    train, eval_ = arithmetic(tmp_path)
+def data_overrides(tmp_path: Path, max_operand: int = 10) -> tuple[str, ...]:
+    train, eval_ = arithmetic(tmp_path, max_operand=max_operand)
     return (f"--config.data.train={train}", f"--config.data.eval={eval_}")
 
 
@@ -230,22 +230,34 @@ STEPS = ("--config.train.steps=6", "--config.train.checkpoint_every=2", "--confi
 
 @pytest.mark.slow
 def test_kill_9_then_resume_gives_the_uninterrupted_runs_parameters(tmp_path):
-    data = data_overrides(tmp_path)
+    # Operands 0-2 (answers -4..6) and a briefly supervised start: some completions earn a reward, so the
+    # updates have a gradient and the resumed run must restore more than the weight decay.
+    data = data_overrides(tmp_path, max_operand=3)
+    sft = tmp_path / "sft"
+    run_train("configs/reinforce.py:sft,tiny", sft, *data, "--config.train.steps=40",
+              "--config.train.checkpoint_every=40", "--config.eval.at_end=False")
+    start = (*data, *STEPS, f"--config.rl.from_workdir={sft}")
     reference = tmp_path / "reference"
-    run_train(TINY, reference, *data, *STEPS)
+    run_train(TINY, reference, *start)
+    assert any(r["reward/std"] > 0 for r in metrics(reference)), "no rollout had a gradient to resume"
 
     killed = tmp_path / "killed"
     killed.mkdir()
     log = open(tmp_path / "killed.log", "w")
-    process = subprocess.Popen(train_command(TINY, killed, *data, *STEPS), cwd=ROOT, env=env_with_devices(1),
+    process = subprocess.Popen(train_command(TINY, killed, *start), cwd=ROOT, env=env_with_devices(1),
                                stdout=log, stderr=subprocess.STDOUT, text=True)
-    logged = lambda: len((killed / "metrics.jsonl").read_text().splitlines()) if (killed / "metrics.jsonl").exists() else 0  # noqa: E731
-    assert waiting.until(lambda: logged() >= 3, process), "the run ended before it could be killed"
+
+    def logged() -> int:
+        path = killed / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    assert waiting.until(lambda: logged() >= 3 and (killed / "checkpoints" / "2").is_dir(), process), \
+        "the run ended before it could be killed"
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert logged() < 6, "the run finished before it was killed"
 
-    result = run_train(TINY, killed, *data, *STEPS)
+    result = run_train(TINY, killed, *start)
     assert "resumed from step" in result.stderr
     (step_a, params_a), (step_b, params_b) = final_params(reference), final_params(killed)
     assert step_a == step_b == 6
