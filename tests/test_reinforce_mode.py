@@ -68,7 +68,7 @@ def test_the_rl_group_belongs_to_the_reinforce_mode():
         check_run(config)
     config = tiny_config()
     config.rl.max_new_tokens = config.data.seq_len
-    with pytest.raises(ConfigError, match="config.rl.max_new_tokens=32 leaves no room for a prompt"):
+    with pytest.raises(ConfigError, match=f"config.rl.max_new_tokens={config.data.seq_len} leaves no room for a prompt"):
         check_run(config)
 
 

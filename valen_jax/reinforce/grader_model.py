@@ -24,7 +24,8 @@ def workdir_grader(workdir: str | Path, max_new_tokens: int, mesh):
     def generate(conversations: list[list[dict]]) -> list[str]:
         prompts = []
         for conversation in conversations:
-            ids = np.asarray(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True),
+            ids = np.asarray(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False),
                              np.int32)
             prompts.append({"ids": ids, "positions": np.arange(len(ids), dtype=np.int32)})
         with jax.set_mesh(mesh):
