@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sft-steps", type=int, default=250)
-    parser.add_argument("--rl-steps", type=int, default=120)
+    parser.add_argument("--rl-steps", type=int, default=80)
     parser.add_argument("rl_overrides", nargs="*", help="more --config.… overrides of the reinforcement run")
     args = parser.parse_args()
     sft, rl = args.out / "sft", args.out / "rl"
