@@ -1,7 +1,7 @@
 """Issue 32's evidence: a tiny model trained supervised on the one-digit arithmetic task to an eval
 `answer_exact_match` p0, then a reinforcement run from that workdir, and the eval figure it reaches.
 
-    .venv/bin/python benchmarks/reinforce_lift.py --out runs/rl-lift        # ≈ 10 min on 2 CPU cores
+    .venv/bin/python benchmarks/reinforce_lift.py --out runs/rl-lift        # ≈ 25 min on 2 shared CPU cores
     .venv/bin/python benchmarks/reinforce_lift.py --out /tmp/l --sft-steps 20 --rl-steps 4   # the script works
 
 Both runs are `python -m valen_jax.train` on `configs/reinforce.py` (`:sft`, train.mode=ar; then the
@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sft-steps", type=int, default=250)
-    parser.add_argument("--rl-steps", type=int, default=80)
+    parser.add_argument("--rl-steps", type=int, default=200)
     parser.add_argument("rl_overrides", nargs="*", help="more --config.… overrides of the reinforcement run")
     args = parser.parse_args()
     sft, rl = args.out / "sft", args.out / "rl"
