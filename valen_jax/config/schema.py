@@ -218,6 +218,37 @@ def _eval() -> dict[str, Any]:
     }
 
 
+def _rl() -> dict[str, Any]:
+    # train.mode="reinforce" (issue 32, seed 003's reinforcement runs): the group the mode reads, present
+    # only in its configs. Value checks (ranges, reward names) are `valen_jax.reinforce.settings.check`'s,
+    # made before any device is claimed; this schema owns the keys and their defaults.
+    return {
+        "group_size": 8,  # G completions sampled per prompt
+        # Prompts per rollout batch: the data stream's batch, so config.data.global_batch must equal it.
+        "prompts_per_rollout": 8,
+        "inner_steps": 2,  # optimizer updates per rollout batch (old log-probs kept from rollout time)
+        "clip_epsilon": 0.2,  # the ratio's clip range [1 - eps, 1 + eps]
+        # > 0: a frozen reference (the starting checkpoint) is kept and the k3 KL to it is added with
+        # this weight; 0 keeps no reference.
+        "kl_coef": 0.0,
+        "scale_by_std": True,  # GRPO's advantage scaling by the group's std; False is Dr.GRPO's
+        "max_new_tokens": 16,  # per completion; prompt + completion must fit config.data.seq_len
+        "temperature": 1.0, "top_p": 1.0,
+        # Reward name -> explicit weight (valen_jax.reinforce.rewards.REWARDS, and "grader").
+        "rewards": {"exact": 1.0},
+        # A gold answer (the assistant message: its text and tool calls, as JSON) travels with its prompt
+        # in the data stream, padded to this many bytes; a longer one is refused naming its row.
+        "gold_bytes": 1024,
+        # An SFT workdir (train.mode=ar) whose latest checkpoint the policy starts from (and the KL
+        # reference); its architecture and tokenizer are the run's. Unset: config.model (init_from or fresh).
+        "from_workdir": config_dict.placeholder(str),
+        # The "grader" reward: a model prompted with graderInstructions (seed 003): another workdir's
+        # latest checkpoint; unset = the policy's starting checkpoint.
+        "grader_instructions": "", "grader_workdir": config_dict.placeholder(str),
+        "grader_max_new_tokens": 8,
+    }
+
+
 def _media_kwargs() -> dict[str, Any]:
     # Passed to the media processor and saved in the checkpoint (seed 000, "Images and video").
     # None (unset): the base model's processor setting (config.model.init_from), or for a model
@@ -226,14 +257,16 @@ def _media_kwargs() -> dict[str, Any]:
 
 
 TRAIN_MODES = ("ar", "vflash")  # the built-in modes, whose keys this schema checks
+REINFORCE = "reinforce"  # the mode that reads config.rl (valen_jax.tasks.reinforce)
 
 _GROUPS = {"data": _data, "media_kwargs": _media_kwargs, "model": _model, "vision": _vision, "drafter": _drafter,
            "lora": _lora,
            "train": _train,
-           "loss": _loss, "mesh": _mesh, "eval": _eval}
+           "loss": _loss, "mesh": _mesh, "eval": _eval, "rl": _rl}
 # The top-level groups of a config (`vision` and `drafter` sit inside `model`).
 GROUPS = ("data", "media_kwargs", "model", "train", "loss", "mesh", "eval")
 REQUIRED = {group: tuple(_GROUPS[group]()) for group in GROUPS}
+OPTIONAL_GROUPS = ("rl",)  # present only where their mode reads them
 
 
 def defaults(group: str, **values: Any) -> ml_collections.ConfigDict:
@@ -260,9 +293,10 @@ def _check_keys(where: str, group: ml_collections.ConfigDict, keys) -> None:
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    unknown = sorted(set(config) - set(GROUPS) - {"task"})
+    unknown = sorted(set(config) - set(GROUPS) - set(OPTIONAL_GROUPS) - {"task"})
     if unknown:
-        raise ConfigError(f"config has unknown groups {', '.join(unknown)}; known: task, {', '.join(GROUPS)}")
+        raise ConfigError(f"config has unknown groups {', '.join(unknown)}; known: task, "
+                          f"{', '.join(GROUPS + OPTIONAL_GROUPS)}")
     for group, keys in REQUIRED.items():
         if group not in config:
             raise ConfigError(f"config has no group {group!r}")
@@ -286,6 +320,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_optimisation(config)
     _validate_loss(config.loss)
     _validate_mode(config)
+    _validate_rl_keys(config)
     if config.model.coordinate_embeddings not in COORDINATE_EMBEDDINGS:
         raise ConfigError(f"config.model.coordinate_embeddings={config.model.coordinate_embeddings!r}; choose one of "
                           f"{', '.join(COORDINATE_EMBEDDINGS)}")
@@ -501,6 +536,17 @@ def _validate_mode(config: ml_collections.ConfigDict) -> None:
     layers = tuple(drafter.target_layers)
     if any(not isinstance(i, int) or i < 0 for i in layers) or len(set(layers)) != len(layers):
         raise ConfigError(f"config.model.drafter.target_layers must be distinct layer indices ≥ 0, got {layers}")
+
+
+def _validate_rl_keys(config: ml_collections.ConfigDict) -> None:
+    """config.rl exactly when train.mode=reinforce reads it, with the schema's keys."""
+    if config.train.mode == REINFORCE:
+        if "rl" not in config:
+            raise ConfigError("config.train.mode=reinforce needs a config.rl group (configs/reinforce.py)")
+        _check_keys("rl", config.rl, tuple(_rl()))
+    elif "rl" in config:
+        raise ConfigError(f"config.rl is read only with config.train.mode=reinforce (this run: "
+                          f"{config.train.mode!r}); remove it or set the mode")
 
 
 def check_batch_split(config: ml_collections.ConfigDict, mesh) -> None:

@@ -1,7 +1,7 @@
-"""Reinforcement runs (issue 32): the rewards registry and the group-relative objective.
-
-Only the host-independent parts exist yet: `rewards` (reading the assistant message as the gold
-answer, with evaluate's own metric definitions) and `objective` (advantages and the clipped
-policy-gradient loss, pure jnp so it is traced into the one compiled update step). The training
-mode, rollouts, refusals and the smoke check are not built yet.
+"""Reinforcement runs (issue 32): the parts the `reinforce` training mode (`valen_jax.tasks.reinforce`) is
+made of — `rewards` (read against the assistant message, with evaluate's own metric definitions),
+`objective` (advantages and the clipped policy-gradient loss, pure jnp), `rows` (prompt rows with their gold
+answers through the shared data pipeline), `rollout` (sampling by the decode engine, scoring, training rows),
+`update` (the compiled update and log-probabilities), `grader`/`grader_model` (a model as grader),
+`refusals` (seed 003's, before any device) and `settings` (config.rl's checks, rollout seeds, metrics).
 """

@@ -1,7 +1,7 @@
-"""The `config.rl` group of a reinforcement run, its checks, the rollout seeds and the rollout metrics.
+"""The `config.rl` group of a reinforcement run: its checks, the rollout seeds and the rollout metrics.
 
-Not yet wired into config_schema or a `train.mode`: `defaults()` is what the group will hold, and
-`check` refuses a bad value with one line naming the key, before anything claims a device.
+The group's keys and defaults are the schema's (`valen_jax.config.schema._rl`, validated with every
+config); `check_run` refuses a bad value with one line naming the key, before anything claims a device.
 Rollout seeds are a pure function of (seed, step, row), so a resumed run — which restores its step
 — draws the same completions as an uninterrupted one without saving any sampler state.
 """
@@ -13,24 +13,16 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 import numpy as np
 
+from valen_jax.config.schema import defaults as schema_defaults
 from valen_jax.errors import ConfigError
 from valen_jax.reinforce.rewards import REWARDS
 
+GRADER = "grader"  # the model-grader reward's name in config.rl.rewards
+
 
 def defaults() -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict({
-        "group_size": 8,          # G completions per prompt
-        "prompts_per_rollout": 8,  # prompts sampled per rollout batch
-        "inner_steps": 2,         # optimizer steps per rollout batch (old log-probs from rollout time)
-        "clip_epsilon": 0.2,
-        "kl_coef": 0.0,           # > 0 keeps a frozen reference (the starting checkpoint)
-        "scale_by_std": True,     # GRPO's advantage scaling; False is Dr.GRPO's
-        "max_new_tokens": 16,
-        "temperature": 1.0,
-        "seed": 0,
-        "rewards": {"exact": 1.0},  # name -> explicit weight
-        "grader_instructions": "",
-    })
+    """A fresh config.rl group with the schema's defaults."""
+    return schema_defaults("rl")
 
 
 def check(rl) -> None:
@@ -38,21 +30,45 @@ def check(rl) -> None:
         if not ok:
             raise ConfigError(f"config.rl.{key}={rl[key]!r}: {why}")
 
-    for key in ("group_size", "prompts_per_rollout", "inner_steps", "max_new_tokens"):
+    for key in ("group_size", "prompts_per_rollout", "inner_steps", "max_new_tokens", "gold_bytes",
+                "grader_max_new_tokens"):
         need(isinstance(rl[key], int) and rl[key] >= 1, key, "must be an integer >= 1")
     need(rl.group_size >= 2, "group_size", "group-relative advantages need at least 2 completions per prompt")
     need(0.0 < rl.clip_epsilon < 1.0, "clip_epsilon", "must lie in (0, 1)")
     need(rl.kl_coef >= 0.0, "kl_coef", "must be >= 0")
     need(rl.temperature > 0.0, "temperature", "sampling needs a temperature > 0 (0 would draw G equal completions)")
+    need(0.0 < rl.top_p <= 1.0, "top_p", "must lie in (0, 1] (1 turns it off)")
     need(hasattr(rl.rewards, "items") and len(rl.rewards) > 0, "rewards", "name at least one reward")
     for name, weight in rl.rewards.items():
-        if name not in REWARDS and name != "grader":
-            raise ConfigError(f"config.rl.rewards.{name}: unknown reward; known: {sorted(REWARDS) + ['grader']}")
-        if not isinstance(weight, (int, float)):
+        if name not in REWARDS and name != GRADER:
+            raise ConfigError(f"config.rl.rewards.{name}: unknown reward; known: {sorted(REWARDS) + [GRADER]}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"config.rl.rewards.{name}={weight!r}: a weight is a number")
-    if "grader" in rl.rewards:
+    if GRADER in rl.rewards:
         need(bool(str(rl.grader_instructions).strip()), "grader_instructions",
              "the grader reward needs graderInstructions")
+
+
+def check_run(config) -> None:
+    """`check(config.rl)` and how it fits the rest of the config: the data stream's batch is one rollout's
+    prompts, and a prompt and its completion are one training row of config.data.seq_len tokens."""
+    rl = config.rl
+    check(rl)
+    if int(config.data.global_batch) != int(rl.prompts_per_rollout):
+        raise ConfigError(f"config.data.global_batch={config.data.global_batch} must equal config.rl."
+                          f"prompts_per_rollout={rl.prompts_per_rollout}: each batch of the data stream is one "
+                          "rollout's prompts")
+    if int(rl.max_new_tokens) >= int(config.data.seq_len):
+        raise ConfigError(f"config.rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in "
+                          f"config.data.seq_len={config.data.seq_len} (a prompt and its completion are one row)")
+    if int(config.train.grad_accum_steps) != 1:
+        raise ConfigError(f"config.train.grad_accum_steps={config.train.grad_accum_steps}: a reinforcement run "
+                          "updates on whole rollout batches (set 1; lower rl.prompts_per_rollout for memory)")
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The decode engine's seed for rollout `step` (a row's stream then folds in its completion index)."""
+    return int(rollout_seeds(seed, step, 1)[0])
 
 
 def rollout_seeds(seed: int, step: int, count: int) -> np.ndarray:

@@ -43,6 +43,9 @@ from valen_jax.training.task import Setup, Task
 log = logging.getLogger("valen_jax.train")
 
 OpenTask = Callable[[Setup, object], Task]
+# A mode's checks of the config and its raw data before any device is claimed (seed 003's refusals of a
+# reinforcement run): `valen_jax.tasks.modes.preflight`.
+Preflight = Callable[[object], None]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -114,13 +117,16 @@ def _check_latest_task(workdir: Path, config) -> None:
         mgr.close()
 
 
-def run(config, workdir: str | Path, open_task: OpenTask) -> dict:
-    """Train `config` in `workdir` with the task `open_task(setup, train_set)` gives; the run's result."""
+def run(config, workdir: str | Path, open_task: OpenTask, preflight: Preflight | None = None) -> dict:
+    """Train `config` in `workdir` with the task `open_task(setup, train_set)` gives; the run's result.
+    `preflight(config)`: the mode's refusals, after the data references resolve and before any device."""
     validate_config(config)
     workdir = Path(workdir).resolve()
     # Seed 003: registry references resolved (a resumed run: to the versions its checkpoint recorded)
     # before any device is claimed; an unknown one is refused here.
     references = resolve_config_data(config, workdir)
+    if preflight is not None:  # the mode's own refusals first (a reinforcement run refuses prepared rows whole)
+        preflight(config)
     check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
     # A refused start-up (nothing to train, a mesh, a compile, a resume of another setup) leaves the workdir
     # as it was: what it wrote before the refusal is removed (valen_jax.training.startup).

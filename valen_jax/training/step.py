@@ -106,20 +106,14 @@ def micro_batches(batch: dict, count: int) -> dict:
     return {k: split(v) for k, v in batch.items()}
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    options: StepOptions | None = None) -> Callable:
-    options = options or StepOptions()
-    weights = dict(options.loss_weights)
-    accum = int(options.grad_accum_steps)
-
-    coordinate_ids = jnp.asarray(options.coordinate_ids, jnp.int32) if options.coordinate_ids else None
-
-    frozen_leaves = None if options.frozen is None else [bool(f) for f in jax.tree.leaves(options.frozen)]
+def frozen_partition(frozen) -> tuple[Callable, Callable]:
+    """(split, join) for a frozen mask (None: nothing frozen). `split(params)` gives (trainable leaves,
+    frozen leaves, treedef): gradients are taken w.r.t. the first alone, so the backward never forms a
+    frozen weight's gradient, and a non-float frozen leaf (QLoRA's NF4 codes) never meets jax.grad;
+    `join(trained, frozen, treedef)` puts the tree back together."""
+    frozen_leaves = None if frozen is None else [bool(f) for f in jax.tree.leaves(frozen)]
 
     def split(params):
-        """(trainable leaves, frozen leaves, treedef): gradients are taken w.r.t. the first alone, so the
-        backward never forms a frozen weight's gradient, and a non-float frozen leaf (QLoRA's NF4 codes)
-        never meets jax.grad."""
         leaves, treedef = jax.tree.flatten(params)
         if frozen_leaves is None:
             return leaves, [], treedef
@@ -131,6 +125,39 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
             return jax.tree.unflatten(treedef, trained)
         trained, frozen = iter(trained), iter(frozen)
         return jax.tree.unflatten(treedef, [next(frozen) if f else next(trained) for f in frozen_leaves])
+
+    return split, join
+
+
+def whole_gradient(grads, frozen, join, treedef):
+    """The trainable leaves' gradients as a whole tree: the optimizer sees every leaf; a frozen leaf's
+    gradient is a zero it never stores (its label's set_to_zero keeps no state), and `apply_update` puts
+    the frozen leaf back unchanged. A non-float leaf (NF4 codes) gets an f32 zero: optax's clipping
+    selects between float values."""
+    return join(grads, [jnp.zeros(x.shape, x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
+                        for x in frozen], treedef)
+
+
+def apply_update(tx: optax.GradientTransformation, grads, state, split, join):
+    """(params, opt_state) after one optimizer update of `state` with whole-tree `grads`."""
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    trained, frozen, treedef = split(params)
+    if frozen:
+        # Bit for bit: `p + 0` would turn a -0.0 into +0.0; the frozen leaf itself passes through.
+        params = join(trained, split(state["params"])[1], treedef)
+    return params, opt_state
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    options: StepOptions | None = None) -> Callable:
+    options = options or StepOptions()
+    weights = dict(options.loss_weights)
+    accum = int(options.grad_accum_steps)
+
+    coordinate_ids = jnp.asarray(options.coordinate_ids, jnp.int32) if options.coordinate_ids else None
+
+    split, join = frozen_partition(options.frozen)
 
     def sums_of(params, batch, sigma=None, lora_key=None):
         model = nnx.merge(graphdef, params)
@@ -188,24 +215,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.
                      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sum_shapes))
             (grads, sums), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(accum)))
         total, parts = total_of(sums, denominators)
-        # The optimizer sees the whole tree; a frozen leaf's gradient is a zero it never stores (its label's
-        # set_to_zero keeps no state), and the step puts the frozen leaf back unchanged below.
-        # A non-float leaf (NF4 codes) gets an f32 zero: optax's clipping selects between float values.
-        grads = join(grads, [jnp.zeros(x.shape, x.dtype if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.float32)
-                             for x in frozen], treedef)
-        return grads, total, parts, sums, denominators
+        return whole_gradient(grads, frozen, join, treedef), total, parts, sums, denominators
 
     def train_step(state, batch):
         sigma = options.sigma_at(state["step"]) if coordinate_ids is not None else None
         lora_key = None if options.lora_dropout_seed is None else \
             jax.random.fold_in(jax.random.key(options.lora_dropout_seed), state["step"])
         grads, loss, parts, sums, denominators = grads_and_sums(state["params"], batch, sigma, lora_key)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        if frozen_leaves is not None:
-            # Bit for bit: `p + 0` would turn a -0.0 into +0.0; the frozen leaf itself passes through.
-            trained, _, treedef = split(params)
-            params = join(trained, split(state["params"])[1], treedef)
+        params, opt_state = apply_update(tx, grads, state, split, join)
         metrics = {"loss": loss, **parts, "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
         if "correct" in sums:
             metrics.update(accuracy=sums["correct"] / denominators["tokens"], target_tokens=sums["weight"])

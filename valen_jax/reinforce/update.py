@@ -1,0 +1,58 @@
+"""The compiled halves of a reinforcement step: per-token log-probabilities of sampled completions, and
+one optimizer update on the clipped objective (`reinforce.objective`).
+
+A rollout batch holds N = P·G rows of `config.data.seq_len` tokens: prompt then completion, right-padded.
+`targets[t]` is the token at t + 1 and `mask[t]` is 1 where that target is a completion token (the stop
+token included: the policy learns to stop), so the loss reads exactly the sampled tokens. Shapes are
+fixed by the config, so each function compiles once per run.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from valen_jax.reinforce.objective import clipped_loss, token_log_probs
+from valen_jax.training.step import apply_update, frozen_partition, whole_gradient
+
+# What `rollout.training_rows` gives, per row: the arrays the update reads, besides the advantages.
+SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask")
+
+
+def sequence_log_probs(graphdef, params, batch) -> jax.Array:
+    """f32 [N, T]: log p(targets[t] | tokens[:t+1]) under `params`."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return token_log_probs(logits, batch["targets"])
+
+
+def make_log_probs(graphdef):
+    """(params, batch) -> f32 [N, T]: the old (rollout-time) and the reference log-probabilities."""
+    return jax.jit(lambda params, batch: sequence_log_probs(graphdef, params, batch))
+
+
+def make_update(graphdef, tx: optax.GradientTransformation, schedule, frozen, clip_epsilon: float,
+                kl_coef: float, updates_per_step: int):
+    """(state, batch) -> (state, metrics): one optimizer update on the clipped objective. `state["step"]`
+    is left alone: the run's step counts rollouts, the optimizer its own updates (`updates_per_step` per
+    rollout, its schedule stretched to match: `tasks.reinforce`). `batch` holds
+    SEQUENCE_KEYS, `old_logp` [N, T], `advantages` [N] and, with kl_coef > 0, `ref_logp` [N, T]."""
+    split, join = frozen_partition(frozen)
+
+    def loss_of(trained, frozen_leaves, treedef, batch):
+        logp = sequence_log_probs(graphdef, join(trained, frozen_leaves, treedef), batch)
+        return clipped_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], clip_epsilon,
+                            ref_logp=batch.get("ref_logp"), kl_coef=kl_coef)
+
+    def update(state, batch):
+        trained, frozen_leaves, treedef = split(state["params"])
+        (loss, stats), grads = jax.value_and_grad(loss_of, has_aux=True)(trained, frozen_leaves, treedef, batch)
+        grads = whole_gradient(grads, frozen_leaves, join, treedef)
+        params, opt_state = apply_update(tx, grads, state, split, join)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **stats}
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state["step"] * updates_per_step)
+        return {"params": params, "opt_state": opt_state, "step": state["step"]}, metrics
+
+    return update
