@@ -173,7 +173,8 @@ def longest_lines(results: dict) -> list[str]:
             if not lengths - set(LENGTHS) - {8192}:
                 continue  # not searched
             fit, unfit = bracket(model, topology, results)
-            lines.append(f"- {MODELS[model]} on {topology}: the longest row that fits is {fit or 'none'} tokens"
+            found = f"the longest row that fits is {fit} tokens" if fit else "no row fits"
+            lines.append(f"- {MODELS[model]} on {topology}: {found}"
                          + (f" ({unfit} does not)" if unfit else " (no longer row was compiled)"))
     return lines
 
