@@ -43,7 +43,7 @@ def test_rewards_read_the_assistant_message():
     call = {"tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
     assert R.tool_call('[{"name": "f", "arguments": {"x": 1}}]', call) == 1.0
     assert R.tool_call('[{"name": "f", "arguments": {"x": 2}}]', call) == 0.0
-    total, each = R.score(R.resolve({"exact": 1.0, "normalised": 0.5}), "42", gold)
+    total, each = R.score(R.resolve({"exact": 1.0, "normalised": 0.5}), "42", gold, True)
     assert total == 1.5 and each == {"exact": 1.0, "normalised": 1.0}
     with pytest.raises(ValueError, match="config.rl.rewards: unknown reward 'bleu'"):
         R.resolve({"bleu": 1.0})

@@ -3,7 +3,12 @@
 Each reward reads the completion text and the gold answer (the row's assistant message, seed 003:
 "uses the assistant message as the gold answer when the reward requires one") and returns a float
 in [0, 1]. The definitions are evaluate's own (`evaluation.metrics.answer_match`,
-`evaluation.metrics.chat`): one home per concept, no second copy of a metric.
+`evaluation.metrics.chat`, `evaluation.chat.parse_tool_calls`): one home per concept, no second copy
+of a metric.
+
+The registry's rewards are called as `fn(completion, gold, finished)`: `finished` says whether the
+completion ended with the end-of-turn token within config.rl.max_new_tokens (the sampler knows it;
+the decoded text has the token removed). Only `format` reads it; the others are wrapped to ignore it.
 """
 
 from __future__ import annotations
@@ -11,10 +16,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 
+from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.metrics.answer_match import answer_matches
 from valen_jax.evaluation.metrics.chat import ToolCallError, canonical_json, normalise_call
 
-Reward = Callable[[str, Mapping], float]
+Reward = Callable[[str, Mapping, bool | None], float]  # (completion, gold, finished) -> value
 
 
 def exact(completion: str, gold: Mapping) -> float:
@@ -50,6 +56,53 @@ def tool_call(completion: str, gold: Mapping) -> float:
     return float(preds == refs)
 
 
+def answer_format(completion: str, gold: Mapping, finished: bool | None) -> float:
+    """1 when the completion has the form of an answer of the gold message's kind, whatever its content.
+
+    "Format" of a chat answer in this stack: the model closed its turn (the end-of-turn token within
+    the completion budget: `finished`), and
+    - a gold message with tool calls: the completion holds at least one call and every call is a
+      readable one: a ChatML `<tool_call>` block (the default template's rendering, which evaluate
+      parses with `parse_tool_calls`) whose JSON `normalise_call` accepts (a name and JSON arguments);
+    - a gold text that is a JSON object or array: the completion parses as JSON;
+    - any other gold text: the completion is not empty (blank) text and makes no tool call.
+    Correctness is the other rewards' business; this one rewards closing the turn in the expected shape
+    (DeepSeek-R1's format reward, read for this stack's chat answers)."""
+    if finished is None:
+        raise ValueError("reward 'format': whether the completion closed its turn was not recorded "
+                         "(`rollout.sample` records it)")
+    if not finished:
+        return 0.0
+    calls = gold.get("tool_calls") or []
+    if calls:
+        made = parse_tool_calls(completion, "chatml")
+        try:
+            return float(bool(made) and all(normalise_call(c) for c in made))
+        except ToolCallError:
+            return 0.0
+    text = _gold_text(gold).strip()
+    if text[:1] in ("{", "["):
+        try:
+            json.loads(text)
+        except ValueError:
+            text = ""  # gold text that only looks like JSON: judged as plain text below
+        else:
+            try:
+                json.loads(completion)
+            except ValueError:
+                return 0.0
+            return 1.0
+    return float(bool(completion.strip()) and not parse_tool_calls(completion, "chatml"))
+
+
+def _content_only(fn: Callable[[str, Mapping], float]) -> Reward:
+    def reward(completion: str, gold: Mapping, finished: bool | None) -> float:
+        return fn(completion, gold)
+
+    reward.__name__ = fn.__name__
+    return reward
+
+
 def _gold_text(gold: Mapping) -> str:
     content = gold.get("content")
     if not isinstance(content, str):
@@ -58,11 +111,12 @@ def _gold_text(gold: Mapping) -> str:
 
 
 REWARDS: dict[str, Reward] = {
-    "exact": exact,
-    "normalised": normalised,
-    "json": json_equal,
-    "tool_call": tool_call,
-}  # issue 32's format reward (an answer in the dataset's answer format) is not built yet
+    "exact": _content_only(exact),
+    "normalised": _content_only(normalised),
+    "json": _content_only(json_equal),
+    "tool_call": _content_only(tool_call),
+    "format": answer_format,
+}
 
 
 def resolve(names_and_weights: Mapping[str, float]) -> list[tuple[str, Reward, float]]:
@@ -75,7 +129,8 @@ def resolve(names_and_weights: Mapping[str, float]) -> list[tuple[str, Reward, f
     return out
 
 
-def score(rewards: Sequence[tuple[str, Reward, float]], completion: str, gold: Mapping) -> tuple[float, dict[str, float]]:
+def score(rewards: Sequence[tuple[str, Reward, float]], completion: str, gold: Mapping,
+          finished: bool) -> tuple[float, dict[str, float]]:
     """(weighted total, per-function values) — the per-function values are what is logged."""
-    each = {name: fn(completion, gold) for name, fn, _ in rewards}
+    each = {name: fn(completion, gold, finished) for name, fn, _ in rewards}
     return sum(w * each[name] for name, _, w in rewards), each

@@ -32,6 +32,9 @@ class Rollout:
     golds: list[dict]  # P gold assistant messages
     completions: list[list[int]]  # P·G generated ids, the stop token kept when reached
     texts: list[str]  # P·G decoded completions (stop token dropped)
+    # P·G: whether each completion ended with the stop token within max_new_tokens (the `format` reward
+    # reads it); None where it was not recorded, refused by a reward that needs it.
+    finished: list[bool] | None = None
 
 
 def prompts_of(batch: Mapping[str, np.ndarray]) -> tuple[list[dict], list[dict]]:
@@ -53,7 +56,8 @@ def sample(params, graphdef, batch, *, group_size: int, max_new_tokens: int, sam
                                vocab=len(tokenizer), sampling=sampling, seed=seed, mesh=mesh,
                                local_batch=len(repeated))
     texts = [decode(tokenizer, ids, end_of_turn) for ids in completions]
-    return Rollout(prompts, golds, completions, texts)
+    finished = [len(ids) > 0 and int(ids[-1]) == int(end_of_turn) for ids in completions]
+    return Rollout(prompts, golds, completions, texts, finished)
 
 
 def score(rollout: Rollout, weights: Mapping[str, float], group_size: int, *, tokenizer=None,
@@ -62,7 +66,10 @@ def score(rollout: Rollout, weights: Mapping[str, float], group_size: int, *, to
     message; the grader reward asks `grader` about (prompt text, completion, gold) for every completion."""
     named = registry.resolve({k: v for k, v in weights.items() if k != GRADER})
     golds = [gold for gold in rollout.golds for _ in range(group_size)]
-    each = {name: [fn(text, gold) for text, gold in zip(rollout.texts, golds, strict=True)] for name, fn, _ in named}
+    # Unrecorded: None for each, which only `format` reads (and refuses).
+    finished = rollout.finished if rollout.finished is not None else [None] * len(rollout.texts)
+    each = {name: [fn(text, gold, done) for text, gold, done in zip(rollout.texts, golds, finished, strict=True)]
+            for name, fn, _ in named}
     totals = np.zeros(len(rollout.texts), np.float64)
     for name, _, weight in named:
         totals += weight * np.asarray(each[name])

@@ -1,0 +1,249 @@
+"""Issue 32's comparison: the same tiny model and task trained by reinforcement under TRL's `GRPOTrainer`
+and under ours (train.mode=reinforce), from the same weights; reward after N updates and updates per
+second side by side.
+
+    .venv/bin/python benchmarks/reinforce.py --out /tmp/rlb --sft /tmp/rl-sft250 --updates 40
+    .venv/bin/python benchmarks/reinforce.py --out /tmp/rlb-small --sft-steps 10 --updates 3 --prompts 4 --group 4
+
+The start: `configs/reinforce.py:sft` trained supervised (or an existing workdir, `--sft=WORKDIR`),
+exported by `python -m valen_jax.export` (a Llama-family text checkpoint with the training tokenizer and
+chat template); TRL loads that with `AutoModelForCausalLM.from_pretrained`, ours starts from the workdir
+(`--config.rl.from_workdir`): the same weights. Both read the settings of `configs/reinforce.py` (so they
+cannot drift apart): G completions per prompt (num_generations), P prompts per update, max completion
+length, temperature 1 (top_p 1, no top_k), the clip range, no KL (TRL beta=0, our kl_coef=0), std-scaled
+group advantages (TRL scale_rewards="group", our scale_by_std), the token-level loss normalisation (TRL
+loss_type="dapo", ours is DAPO's), `inner_steps` optimizer steps per rollout batch with the old
+log-probabilities kept from rollout time (TRL num_iterations), AdamW with the config's learning rate,
+betas, weight decay and gradient clip, warmup then constant. The reward is ours on both sides:
+`valen_jax.reinforce.rewards.exact` (evaluate's `answer_matches`), called from TRL's reward function with
+the row's assistant message as the gold answer.
+
+Where the two differ: TRL shuffles prompts with its own sampler, ours reads the Grain pipeline's order
+(different prompts, same distribution); sampling randomness differs (torch vs the engine's keys); TRL
+applies weight decay to all but bias/norm parameters by name, ours by `optim._decay_mask`; TRL runs in
+PyTorch eager on CPU with `model.generate`, ours compiles the decode and the update with XLA.
+
+Counted: one *update* is one rollout batch (P·G completions sampled and rewarded) and its `inner_steps`
+optimizer steps: our loop's step, TRL's `num_iterations` global steps. Updates per second are measured
+from the end of update 1 to the end of update N (the first holds compilation and warm-up on both
+sides), divided by N − 1; model load, export and the final evaluation are outside. Reward after N
+updates: the mean reward of the sampled completions over the last `--last` rollouts (each side's own
+rollouts, temperature 1). Eval: `answer_exact_match` on the 200 eval prompts, greedy, 8 new tokens (ours:
+the run's end-of-run `evaluate` report; TRL: `generate` greedy scored by the same `exact`).
+
+Last line: `reinforce_reward_vs_trl=X steps_per_s_vs_trl=Y` (ours / TRL).
+
+Measured (2 CPU cores shared with two other engineers' jobs: load average 7.2 at the start, 8.8 at the
+end, 5-10 throughout; JAX 1 CPU device, torch 2 threads), from the README's p0 = 0.215 start:
+
+    python benchmarks/reinforce.py --out /tmp/trl-bench/full/run --sft /tmp/rl-sft250 --updates 40
+
+N = 40 updates of P 64 prompts × G 8, 5 new tokens, temperature 1, 2 optimizer steps each, lr 5e-4.
+Ours: reward over the last 10 rollouts 0.206, 0.197 updates/s (updates 2-40 in 198.4 s), eval
+answer_exact_match 0.285. TRL: 0.209, 0.059 updates/s (660.3 s), eval 0.265. Last line
+`reinforce_reward_vs_trl=0.984 steps_per_s_vs_trl=3.328`: the speed goal (≥ 1.5) met, the reward goal
+(≥ 1.0) missed by 0.003 of reward, well inside one rollout's noise (512 completions: std ≈ 0.018; the
+per-rollout rewards of either side swing by ±0.04), while the eval set favours ours (0.285 vs 0.265).
+One run each, one seed: the reward ratio is "the same learning", not a win either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+CONFIG = "configs/reinforce.py"
+
+
+def settings(prompts: int | None, group: int | None, max_new_tokens: int | None) -> dict:
+    """The comparison's shared settings, read from configs/reinforce.py (overridden by the flags)."""
+    from configs.reinforce import get_config
+
+    config = get_config("")
+    rl, train = config.rl, config.train
+    if list(rl.rewards) != ["exact"] or float(rl.kl_coef) != 0.0:
+        raise SystemExit(f"{CONFIG}: the comparison reproduces rewards={{'exact': 1}} and kl_coef=0 only")
+    return {"prompts": prompts or int(rl.prompts_per_rollout), "group": group or int(rl.group_size),
+            "max_new_tokens": max_new_tokens or int(rl.max_new_tokens), "temperature": float(rl.temperature),
+            "top_p": float(rl.top_p), "clip": float(rl.clip_epsilon), "inner": int(rl.inner_steps),
+            "scale_by_std": bool(rl.scale_by_std), "lr": float(train.learning_rate),
+            "warmup": int(train.warmup_steps), "end_fraction": float(train.end_learning_rate_fraction),
+            "b1": float(train.adam_b1), "b2": float(train.adam_b2), "weight_decay": float(train.weight_decay),
+            "grad_clip": float(train.grad_clip_norm), "seed": int(train.seed),
+            "train": str(config.data.train), "eval": str(config.data.eval),
+            "eval_new_tokens": int(config.eval.max_new_tokens), "eval_examples": int(config.eval.max_examples)}
+
+
+def _train(workdir: Path, variant: str, *overrides: str) -> None:
+    command = [sys.executable, "-m", "valen_jax.train", f"--config={CONFIG}{variant}", f"--workdir={workdir}",
+               *overrides]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def prepare_start(out: Path, sft: Path | None, sft_steps: int) -> tuple[Path, Path]:
+    """(the SFT workdir, its Hugging Face export)."""
+    if sft is None:
+        sft = out / "sft"
+        _train(sft, ":sft", f"--config.train.steps={sft_steps}", f"--config.train.checkpoint_every={sft_steps}",
+               "--config.eval.at_end=False")
+    hf_dir = out / "hf"
+    command = [sys.executable, "-m", "valen_jax.export", f"--workdir={sft}", f"--output={hf_dir}"]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    return sft, hf_dir
+
+
+def run_ours(out: Path, sft: Path, s: dict, updates: int, evaluate: bool) -> dict:
+    workdir = out / "ours"
+    _train(workdir, "", f"--config.rl.from_workdir={sft}", f"--config.train.steps={updates}",
+           f"--config.train.checkpoint_every={updates}", "--config.train.log_every=1",
+           f"--config.rl.prompts_per_rollout={s['prompts']}", f"--config.data.global_batch={s['prompts']}",
+           f"--config.rl.group_size={s['group']}", f"--config.rl.max_new_tokens={s['max_new_tokens']}",
+           f"--config.eval.at_end={evaluate}")
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "reward/mean" in r]
+    if [r["step"] for r in records] != list(range(1, updates + 1)):
+        raise RuntimeError(f"{workdir}/metrics.jsonl: expected one record per update 1..{updates}")
+    # step_time_s of step k (log_every=1) is the wall time from the end of step k-1 to the end of step k.
+    seconds = sum(r["step_time_s"] for r in records[1:])
+    result = {"rewards": [r["reward/mean"] for r in records], "seconds_after_first": seconds}
+    if evaluate:
+        result["eval"] = json.loads((workdir / "eval" / f"report-{updates}.json").read_text())["answer_exact_match"]
+    return result
+
+
+def _chat_rows(path: str) -> list[dict]:
+    """{"prompt": the messages before each assistant message, "answer": that message's text} per message."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":
+                rows.append({"prompt": messages[:index], "answer": message["content"]})
+    return rows
+
+
+def exact_reward(prompts, completions, answer, **_) -> list[float]:
+    """TRL's reward function: our registry's `exact` against the row's assistant message."""
+    from valen_jax.reinforce.rewards import exact
+
+    return [exact(c[0]["content"] if isinstance(c, list) else c, {"content": a})
+            for c, a in zip(completions, answer, strict=True)]
+
+
+def run_trl(out: Path, hf_dir: Path, s: dict, updates: int, evaluate: bool) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(2)
+    torch.manual_seed(s["seed"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer.padding_side = "left"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    rewards: list[float] = []
+
+    def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
+        values = exact_reward(prompts, completions, answer)
+        rewards.append(sum(values) / len(values))  # one call per rollout batch: its mean reward
+        return values
+
+    ends: dict[int, float] = {}
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends[state.global_step] = time.perf_counter()
+
+    batch = s["prompts"] * s["group"]
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+        seed=s["seed"], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+        per_device_train_batch_size=batch, num_generations=s["group"], steps_per_generation=1,
+        num_iterations=s["inner"], max_steps=updates * s["inner"],
+        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"], top_k=0,
+        beta=0.0, loss_type="dapo", scale_rewards="group" if s["scale_by_std"] else "none", epsilon=s["clip"],
+        learning_rate=s["lr"], warmup_steps=s["warmup"] * s["inner"],
+        lr_scheduler_type="constant_with_warmup" if s["end_fraction"] == 1.0 else "cosine",
+        adam_beta1=s["b1"], adam_beta2=s["b2"], weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"],
+        log_completions=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=[exact_match], args=config,
+                          train_dataset=Dataset.from_list(_chat_rows(s["train"])), processing_class=tokenizer,
+                          callbacks=[Clock()])
+    trainer.train()
+    if len(rewards) != updates:
+        raise RuntimeError(f"TRL rewarded {len(rewards)} rollout batches; expected {updates}")
+    first, last = s["inner"], updates * s["inner"]
+    result = {"rewards": rewards, "seconds_after_first": ends[last] - ends[first]}
+    if evaluate:
+        result["eval"] = _trl_eval(trainer.model, tokenizer, s)
+    return result
+
+
+def _trl_eval(model, tokenizer, s: dict) -> float:
+    """Greedy answers to the eval prompts, scored by our `exact` (evaluate's answer_exact_match)."""
+    import torch
+
+    rows = _chat_rows(s["eval"])[:s["eval_examples"]]
+    texts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    model.eval()
+    with torch.no_grad():
+        output = model.generate(**encoded, max_new_tokens=s["eval_new_tokens"], do_sample=False,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    answers = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+    scores = exact_reward(None, answers, [r["answer"] for r in rows])
+    return sum(scores) / len(scores)
+
+
+def summary(name: str, result: dict, updates: int, last: int) -> tuple[float, float]:
+    tail = result["rewards"][-last:]
+    reward = sum(tail) / len(tail)
+    rate = (updates - 1) / result["seconds_after_first"] if updates > 1 else math.nan
+    tenth = max(len(result["rewards"]) // 10, 1)
+    curve = [sum(result["rewards"][i:i + tenth]) / len(result["rewards"][i:i + tenth])
+             for i in range(0, len(result["rewards"]), tenth)]
+    evaluated = f" eval answer_exact_match {result['eval']:.3f}" if "eval" in result else ""
+    print(f"{name}: reward over the last {len(tail)} rollouts {reward:.3f}; {rate:.3f} updates/s "
+          f"(updates 2-{updates}: {result['seconds_after_first']:.1f} s){evaluated}; curve per {tenth}: "
+          + " ".join(f"{c:.3f}" for c in curve), flush=True)
+    return reward, rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sft", type=Path, default=None, help="an existing :sft workdir (else trained here)")
+    parser.add_argument("--sft-steps", type=int, default=250)
+    parser.add_argument("--updates", type=int, default=40, help="N: rollout batches (updates) per side")
+    parser.add_argument("--last", type=int, default=10, help="rollouts averaged for the reward after N updates")
+    parser.add_argument("--prompts", type=int, default=None, help="P (default: the config's)")
+    parser.add_argument("--group", type=int, default=None, help="G (default: the config's)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--no-eval", action="store_true", help="skip both sides' eval answer_exact_match")
+    args = parser.parse_args()
+    if args.updates < 2:
+        parser.error("--updates must be >= 2 (update 1 holds compilation; rates count from update 2)")
+    s = settings(args.prompts, args.group, args.max_new_tokens)
+    print(f"settings: {json.dumps(s)}", flush=True)
+    sft, hf_dir = prepare_start(args.out, args.sft, args.sft_steps)
+    ours = run_ours(args.out, sft, s, args.updates, not args.no_eval)
+    trl = run_trl(args.out, hf_dir, s, args.updates, not args.no_eval)
+    reward_ours, rate_ours = summary("ours", ours, args.updates, args.last)
+    reward_trl, rate_trl = summary("TRL", trl, args.updates, args.last)
+    # Both at 0 (a start that never answers right): no ratio to state.
+    ratio = reward_ours / reward_trl if reward_trl > 0 else (math.inf if reward_ours > 0 else math.nan)
+    print(f"reinforce_reward_vs_trl={ratio:.3f} steps_per_s_vs_trl={rate_ours / rate_trl:.3f}")
+
+
+if __name__ == "__main__":
+    main()
