@@ -32,12 +32,12 @@ CHATML_CALL = '<tool_call>\n{"name": "convert", "arguments": {"km": 3}}\n</tool_
 ])
 def test_format_against_hand_written_completions(completion, gold, finished, expected):
     assert answer_format(completion, gold, finished) == expected
-    assert REWARDS["format"](completion, gold, finished) == expected
+    assert REWARDS["format"]("chatml")(completion, gold, finished) == expected
 
 
 def test_the_registry_calls_every_reward_with_finished_and_only_format_reads_it():
-    assert REWARDS["exact"]("10", TEXT, False) == 1.0  # an unfinished exact answer is still exact
-    assert REWARDS["format"]("10", TEXT, False) == 0.0
+    assert REWARDS["exact"]("chatml")("10", TEXT, False) == 1.0  # an unfinished exact answer is still exact
+    assert REWARDS["format"]("chatml")("10", TEXT, False) == 0.0
     with pytest.raises(ValueError, match="reward 'format': whether the completion closed its turn"):
         answer_format("10", TEXT, None)
 

@@ -174,6 +174,8 @@ def test_the_model_grader_scores_a_rollout_beside_the_registry_rewards():
     from valen_jax.reinforce.rollout import Rollout, score
 
     class Tok:
+        chat_template = "{{ messages }}"  # no known family: calls read as ChatML, as evaluate reads them
+
         def decode(self, ids, skip_special_tokens=True):
             return "2+2="
 

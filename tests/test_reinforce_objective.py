@@ -41,8 +41,17 @@ def test_rewards_read_the_assistant_message():
     with pytest.raises(ValueError, match="reward 'json': the assistant message is not JSON"):
         R.json_equal("{}", {"content": "forty-two"})
     call = {"tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
-    assert R.tool_call('[{"name": "f", "arguments": {"x": 1}}]', call) == 1.0
-    assert R.tool_call('[{"name": "f", "arguments": {"x": 2}}]', call) == 0.0
+    # evaluate's tool-call exact match: calls parsed from the template's rendering, compared in order
+    chatml = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert R.tool_call(chatml, call) == 1.0
+    assert R.tool_call(chatml.replace('"x": 1', '"x": 2'), call) == 0.0
+    assert R.tool_call('[{"name": "f", "arguments": {"x": 1}}]', call) == 0.0  # a bare JSON list is no call
+    assert R.tool_call('{"name": "f", "parameters": {"x": 1}}', call, family="llama3") == 1.0
+    two = {"tool_calls": [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]}
+    g_call = '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    assert R.tool_call(chatml + g_call, two) == 1.0 and R.tool_call(g_call + chatml, two) == 0.0  # order counts
+    (_, fn, _), = R.resolve({"tool_call": 1.0}, family="llama3")
+    assert fn('{"name": "f", "parameters": {"x": 1}}', call, True) == 1.0 and fn(chatml, call, True) == 0.0
     total, each = R.score(R.resolve({"exact": 1.0, "normalised": 0.5}), "42", gold, True)
     assert total == 1.5 and each == {"exact": 1.0, "normalised": 1.0}
     with pytest.raises(ValueError, match="config.rl.rewards: unknown reward 'bleu'"):

@@ -9,16 +9,19 @@ of a metric.
 The registry's rewards are called as `fn(completion, gold, finished)`: `finished` says whether the
 completion ended with the end-of-turn token within config.rl.max_new_tokens (the sampler knows it;
 the decoded text has the token removed). Only `format` reads it; the others are wrapped to ignore it.
+`resolve` binds the chat template's family (`template_family` of the run's tokenizer) into the two
+rewards that read tool calls, so a completion's calls are parsed as `evaluate` parses that family's.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.metrics.answer_match import answer_matches
-from valen_jax.evaluation.metrics.chat import ToolCallError, canonical_json, normalise_call
+from valen_jax.evaluation.metrics.chat import ToolCallError, canonical_json, match_calls, normalise_call
 
 Reward = Callable[[str, Mapping, bool | None], float]  # (completion, gold, finished) -> value
 
@@ -45,25 +48,21 @@ def json_equal(completion: str, gold: Mapping) -> float:
         return 0.0  # an unparsable completion earns nothing
 
 
-def tool_call(completion: str, gold: Mapping) -> float:
-    """1 when the completion, a JSON list of calls, equals the gold message's tool_calls as a multiset."""
-    refs = sorted(repr(normalise_call(c)) for c in gold.get("tool_calls") or [])
-    try:
-        calls = json.loads(completion)
-        preds = sorted(repr(normalise_call(c)) for c in (calls if isinstance(calls, list) else [calls]))
-    except (ValueError, ToolCallError):
-        return 0.0
-    return float(preds == refs)
+def tool_call(completion: str, gold: Mapping, family: str | None = "chatml") -> float:
+    """evaluate's tool-call exact match: the calls the completion makes (parsed as `evaluate` parses the
+    template family's) equal the gold message's tool_calls, position by position (`match_calls`)."""
+    return match_calls(gold.get("tool_calls") or [], parse_tool_calls(completion, family))[-1]
 
 
-def answer_format(completion: str, gold: Mapping, finished: bool | None) -> float:
+def answer_format(completion: str, gold: Mapping, finished: bool | None, family: str | None = "chatml") -> float:
     """1 when the completion has the form of an answer of the gold message's kind, whatever its content.
 
     "Format" of a chat answer in this stack: the model closed its turn (the end-of-turn token within
     the completion budget: `finished`), and
     - a gold message with tool calls: the completion holds at least one call and every call is a
-      readable one: a ChatML `<tool_call>` block (the default template's rendering, which evaluate
-      parses with `parse_tool_calls`) whose JSON `normalise_call` accepts (a name and JSON arguments);
+      readable one, parsed as evaluate parses the template family's calls (`parse_tool_calls`: ChatML
+      `<tool_call>` blocks, Llama 3's JSON object) with JSON that `normalise_call` accepts (a name and
+      JSON arguments);
     - a gold text that is a JSON object or array: the completion parses as JSON;
     - any other gold text: the completion is not empty (blank) text and makes no tool call.
     Correctness is the other rewards' business; this one rewards closing the turn in the expected shape
@@ -75,7 +74,7 @@ def answer_format(completion: str, gold: Mapping, finished: bool | None) -> floa
         return 0.0
     calls = gold.get("tool_calls") or []
     if calls:
-        made = parse_tool_calls(completion, "chatml")
+        made = parse_tool_calls(completion, family)
         try:
             return float(bool(made) and all(normalise_call(c) for c in made))
         except ToolCallError:
@@ -92,15 +91,14 @@ def answer_format(completion: str, gold: Mapping, finished: bool | None) -> floa
             except ValueError:
                 return 0.0
             return 1.0
-    return float(bool(completion.strip()) and not parse_tool_calls(completion, "chatml"))
+    return float(bool(completion.strip()) and not parse_tool_calls(completion, family))
 
 
 def _content_only(fn: Callable[[str, Mapping], float]) -> Reward:
     def reward(completion: str, gold: Mapping, finished: bool | None) -> float:
         return fn(completion, gold)
 
-    reward.__name__ = fn.__name__
-    return reward
+    return functools.update_wrapper(reward, fn.func if isinstance(fn, functools.partial) else fn)
 
 
 def _gold_text(gold: Mapping) -> str:
@@ -110,22 +108,24 @@ def _gold_text(gold: Mapping) -> str:
     return content
 
 
-REWARDS: dict[str, Reward] = {
-    "exact": _content_only(exact),
-    "normalised": _content_only(normalised),
-    "json": _content_only(json_equal),
-    "tool_call": _content_only(tool_call),
-    "format": answer_format,
+# name -> the reward given the template family (only the tool-call readers use it)
+REWARDS: dict[str, Callable[[str | None], Reward]] = {
+    "exact": lambda family: _content_only(exact),
+    "normalised": lambda family: _content_only(normalised),
+    "json": lambda family: _content_only(json_equal),
+    "tool_call": lambda family: _content_only(functools.partial(tool_call, family=family)),
+    "format": lambda family: functools.partial(answer_format, family=family),
 }
 
 
-def resolve(names_and_weights: Mapping[str, float]) -> list[tuple[str, Reward, float]]:
-    """The configured rewards; an unknown name is one clear error naming the key."""
+def resolve(names_and_weights: Mapping[str, float], family: str | None = "chatml") -> list[tuple[str, Reward, float]]:
+    """The configured rewards for a run whose chat template is of `family`; an unknown name is one
+    clear error naming the key."""
     out = []
     for name, weight in names_and_weights.items():
         if name not in REWARDS:
             raise ValueError(f"config.rl.rewards: unknown reward {name!r}; known: {sorted(REWARDS)}")
-        out.append((name, REWARDS[name], float(weight)))
+        out.append((name, REWARDS[name](family), float(weight)))
     return out
 
 

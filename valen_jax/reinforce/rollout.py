@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_pipeline.chat_templates import template_family
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.evaluation.tokens import decode
@@ -64,7 +65,10 @@ def score(rollout: Rollout, weights: Mapping[str, float], group_size: int, *, to
           grader: Generate | None = None, grader_instructions: str = "") -> tuple[np.ndarray, dict[str, list[float]]]:
     """(weighted totals [P·G], each reward function's values): the registry's rewards read the gold
     message; the grader reward asks `grader` about (prompt text, completion, gold) for every completion."""
-    named = registry.resolve({k: v for k, v in weights.items() if k != GRADER})
+    # Tool calls are read as evaluate reads the run's template family; without a tokenizer (the rewards'
+    # own tests) as ChatML, the default template's.
+    named = registry.resolve({k: v for k, v in weights.items() if k != GRADER},
+                             template_family(tokenizer.chat_template) if tokenizer is not None else "chatml")
     golds = [gold for gold in rollout.golds for _ in range(group_size)]
     # Unrecorded: None for each, which only `format` reads (and refuses).
     finished = rollout.finished if rollout.finished is not None else [None] * len(rollout.texts)

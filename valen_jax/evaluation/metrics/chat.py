@@ -96,6 +96,25 @@ def normalise_call(call) -> tuple[str, object]:
     return name, canonical_json(args)
 
 
+def match_calls(reference: Sequence, predicted: Sequence) -> tuple[list, list, int, int, int, float]:
+    """One message's reference and predicted calls compared position by position (the definition of
+    tool-call exact match, which reinforcement's `tool_call` reward shares): (normalised references,
+    normalised predictions with None for an unreadable call, malformed count, calls equal at their
+    position, names equal at their position, exact: 1.0 when both lists are equal)."""
+    refs = [normalise_call(c) for c in reference]
+    preds, malformed = [], 0
+    for call in predicted:
+        try:
+            preds.append(normalise_call(call))
+        except ToolCallError:
+            preds.append(None)  # keeps its position, equals nothing
+            malformed += 1
+    pairs = list(zip(refs, preds, strict=False))  # positions past the shorter list never match
+    matched = sum(1 for r, p in pairs if p is not None and r == p)
+    names = sum(1 for r, p in pairs if p is not None and r[0] == p[0])
+    return refs, preds, malformed, matched, names, float(len(refs) == len(preds) and matched == len(refs))
+
+
 class ChatStats(GroupedSums):
     FIELDS = FIELDS
 
@@ -103,18 +122,7 @@ class ChatStats(GroupedSums):
         self, reference: Sequence, predicted: Sequence, breakdown: Mapping[str, str] | None = None
     ) -> None:
         """One assistant message: its reference tool calls and the predicted ones (either may be empty)."""
-        refs = [normalise_call(c) for c in reference]
-        preds, malformed = [], 0
-        for call in predicted:
-            try:
-                preds.append(normalise_call(call))
-            except ToolCallError:
-                preds.append(None)  # keeps its position, equals nothing
-                malformed += 1
-        pairs = list(zip(refs, preds, strict=False))  # positions past the shorter list never match
-        matched = sum(1 for r, p in pairs if p is not None and r == p)
-        names = sum(1 for r, p in pairs if p is not None and r[0] == p[0])
-        exact = float(len(refs) == len(preds) and matched == len(refs))
+        refs, preds, malformed, matched, names, exact = match_calls(reference, predicted)
         self._add(
             self._keys(breakdown), messages=1, exact=exact, ref_calls=len(refs), pred_calls=len(preds),
             matched_calls=matched, name_matched=names, malformed_calls=malformed,
