@@ -126,6 +126,20 @@ def train(config: str, workdir: Path, steps: int, lr: float, *overrides: str) ->
           flush=True)
 
 
+def target_shape(dim: int, layers: int) -> list[str]:
+    """Overrides of the tiny variant's decoder (its vision tower, batch and data stay): heads of 64 dims as
+    Qwen's, grouped-query attention with half as many KV heads, an MLP three times the width. The drafter
+    takes the width and heads from the target it is trained against (valen_jax/models/drafter.py)."""
+    if (dim, layers) == (64, 2):
+        return []  # the tiny variant as it is (heads of 16 dims): --quick's target
+    if dim % 128:
+        raise SystemExit(f"--target-dim={dim}: a multiple of 128 (heads of 64 dims, half as many KV heads)")
+    heads = dim // 64
+    return [f"--config.model.dim={dim}", f"--config.model.num_layers={layers}", f"--config.model.num_heads={heads}",
+            f"--config.model.num_kv_heads={heads // 2}", "--config.model.head_dim=64",
+            f"--config.model.mlp_dim={3 * dim}"]
+
+
 # -- stage 2: the target's own answers as the drafter's data (DFlash-style regeneration) ----------------
 
 EXTRA_SEED = 5000  # the smoke generator draws training scenes from seeds 4001-4005 and the eval set from 4099
@@ -355,10 +369,15 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="where to train (default: a new temp directory)")
     parser.add_argument("--target", type=Path, default=None, help="a trained ar workdir to load instead of training")
     parser.add_argument("--drafter", type=Path, default=None, help="a trained vflash workdir (against --target)")
-    parser.add_argument("--target-steps", type=int, default=None, help="default 400 (--quick: 40)")
-    parser.add_argument("--drafter-steps", type=int, default=None, help="default 1000 (--quick: 40)")
-    parser.add_argument("--target-lr", type=float, default=5e-3)
-    parser.add_argument("--drafter-lr", type=float, default=1e-2)
+    parser.add_argument("--target-steps", type=int, default=None, help="default 600 (--quick: 40)")
+    parser.add_argument("--drafter-steps", type=int, default=None, help="default 400 (--quick: 40)")
+    parser.add_argument("--target-dim", type=int, default=None,
+                        help="the target's width (default 512; --quick: 64, the tiny variant's); heads of 64 dims, "
+                             "half as many KV heads, an MLP 3x the width")
+    parser.add_argument("--target-layers", type=int, default=None, help="default 8 (--quick: 2)")
+    parser.add_argument("--target-lr", type=float, default=None,
+                        help="default 1e-3 (--quick: 5e-3, the tiny target's)")
+    parser.add_argument("--drafter-lr", type=float, default=None, help="default 3e-3 (--quick: 1e-2)")
     parser.add_argument("--block-size", type=int, default=16, help="the drafter's block B (tokens per proposal)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--data", type=Path, default=EVAL_DATA,
@@ -378,13 +397,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.drafter is not None and args.target is None:
         raise SystemExit("--drafter needs the --target it was trained against")
-    target_steps = args.target_steps or (40 if args.quick else 400)
-    drafter_steps = args.drafter_steps or (40 if args.quick else 1000)
+    target_steps = args.target_steps or (40 if args.quick else 600)
+    drafter_steps = args.drafter_steps or (40 if args.quick else 400)
+    target_lr = args.target_lr or (5e-3 if args.quick else 1e-3)
+    drafter_lr = args.drafter_lr or (1e-2 if args.quick else 3e-3)
     repeats = args.repeats or (1 if args.quick else 3)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="speculative-bench-"))
     target_dir = args.target or workdir / "target"
     if args.target is None:
-        train("configs/vflash.py:tiny", target_dir, target_steps, args.target_lr, "--config.eval.at_end=False")
+        train("configs/vflash.py:tiny", target_dir, target_steps, target_lr, "--config.eval.at_end=False",
+              *target_shape(args.target_dim or (64 if args.quick else 512), args.target_layers or (2 if args.quick else 8)))
     drafter_dir = args.drafter or workdir / "drafter"
     if args.drafter is None:
         data = []
@@ -394,7 +416,7 @@ def main(argv=None) -> int:
             regenerate(target_dir.resolve(), prompt_recipe(workdir / "prompts", extra), regenerated,
                        args.max_new_tokens, args.samples)
             data = [f"--config.data.train={regenerated / 'recipe.json'}"]
-        train("configs/vflash.py:tiny,drafter", drafter_dir, drafter_steps, args.drafter_lr,
+        train("configs/vflash.py:tiny,drafter", drafter_dir, drafter_steps, drafter_lr,
               f"--config.model.target_from={target_dir.resolve()}", f"--config.model.drafter.block_size={args.block_size}",
               f"--config.model.drafter.position_decay={7.0 if args.block_size >= 16 else 4.0}", *data)
 
