@@ -22,9 +22,10 @@ from valen_jax.run.handle import (
     restore,
     restore_drafter,
     restore_model,
+    restore_start,
     target_record,
 )
 from valen_jax.run.mesh import evaluation_mesh, fitted_mesh_shape
 
 __all__ = ["DrafterRun", "ModelRun", "check_target", "evaluation_mesh", "fitted_mesh_shape", "holds_drafter",
-           "restore", "restore_drafter", "restore_model", "target_record"]
+           "restore", "restore_drafter", "restore_model", "restore_start", "target_record"]

@@ -12,6 +12,7 @@ holds the base too and is read whole. A run's weights are identified by those di
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,28 @@ def restore_model(workdir: str | Path, step: int | None = None, devices=None, *,
                       meta["media_kwargs"])
     return ModelRun(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params,
                     checkpoint.params_identity(meta, f"{workdir}: checkpoint {step}"))
+
+
+def restore_start(workdir: str | Path, where: str, fingerprint: dict, mesh: Mesh, *, first: str,
+                  vocabulary: str = "", check: Callable[[Path], None] | None = None) -> ModelRun:
+    """The latest checkpoint of another run's workdir that this run starts from or trains against (a
+    reinforcement run's policy, a drafter's target), laid out on this run's `mesh`, refused naming the
+    config key `where`: no checkpoints yet (`first`: what to train there), what `check(workdir)` refuses
+    before anything is restored, an unreadable step, or a tokenizer other than this run's (`vocabulary`:
+    why that matters, appended)."""
+    workdir = Path(workdir).resolve()
+    if not checkpoint.checkpoint_dir(workdir).is_dir():
+        raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; {first}")
+    if check is not None:
+        check(workdir)
+    try:
+        run = restore_model(workdir, mesh=mesh)
+    except checkpoint.CheckpointError as error:
+        raise checkpoint.CheckpointError(f"{where}: {error}") from None
+    if run.fingerprint != fingerprint:
+        raise checkpoint.CheckpointError(f"{where}: trained with tokenizer {run.fingerprint}; this run's "
+                                         f"config.data.tokenizer gives {fingerprint}{vocabulary}")
+    return run
 
 
 def _on_base(workdir: Path, step: int, config, model_cfg: ModelConfig, tokenizer, shardings, base: dict,

@@ -43,7 +43,7 @@ from valen_jax.reinforce.objective import group_advantages
 from valen_jax.reinforce.rows import PromptAssembly, PromptShape
 from valen_jax.reinforce.settings import GRADER, check_run, rollout_metrics, rollout_seed
 from valen_jax.reinforce.update import SEQUENCE_KEYS, make_log_probs, make_update
-from valen_jax.run import ModelRun, restore_model
+from valen_jax.run import ModelRun, restore_start
 from valen_jax.tasks.token_lm import ModelTask
 from valen_jax.training import checkpoint
 from valen_jax.training.metrics import model_flops_per_step
@@ -68,20 +68,11 @@ def preflight(config) -> None:
                 pass
 
 
-def restore_start(config, fingerprint: dict, mesh) -> ModelRun:
-    """The latest checkpoint of config.rl.from_workdir: an ar run of this tokenizer, laid out on `mesh`."""
+def restore_policy(config, fingerprint: dict, mesh) -> ModelRun:
+    """The latest checkpoint of config.rl.from_workdir: a run of this tokenizer, laid out on `mesh`."""
     workdir = Path(config.rl.from_workdir).resolve()
-    where = f"config.rl.from_workdir={workdir}"
-    if not checkpoint.checkpoint_dir(workdir).is_dir():
-        raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; train the SFT run "
-                                         "there first (train.mode=ar)")
-    try:
-        start = restore_model(workdir, mesh=mesh)
-    except checkpoint.CheckpointError as error:
-        raise checkpoint.CheckpointError(f"{where}: {error}") from None
-    if start.fingerprint != fingerprint:
-        raise checkpoint.CheckpointError(f"{where}: trained with tokenizer {start.fingerprint}; this run's "
-                                         f"config.data.tokenizer gives {fingerprint}")
+    start = restore_start(workdir, f"config.rl.from_workdir={workdir}", fingerprint, mesh,
+                          first="train the SFT run there first (train.mode=ar)")
     log.info("policy starts from %s step %d (params identity %s)", workdir, start.step, start.identity)
     return start
 
@@ -103,7 +94,7 @@ class ReinforceTask(ModelTask):
         if is_valen(train_set):
             raise ConfigError(f"config.train.mode=reinforce reads prompts of chat or vakforge rows; "
                               f"config.data.format={config.data.format!r} holds scored questions")
-        start = restore_start(config, setup.fingerprint, setup.mesh) if config.rl.from_workdir else None
+        start = restore_policy(config, setup.fingerprint, setup.mesh) if config.rl.from_workdir else None
         model_cfg = start.model_cfg if start is not None else model_config(config, setup.tokenizer)
         return cls(setup, model_cfg, train_set, start)
 

@@ -23,7 +23,7 @@ from valen_jax.data.sources import mixture_of
 from valen_jax.data.valen_rows import is_valen
 from valen_jax.errors import ConfigError, NothingToTrain
 from valen_jax.models.drafter import DrafterConfig, drafter_flops_per_step, init_drafter_params
-from valen_jax.run import ModelRun, check_target, holds_drafter, restore_model, target_record
+from valen_jax.run import ModelRun, check_target, holds_drafter, restore_start, target_record
 from valen_jax.tasks.token_lm import token_assembly
 from valen_jax.training import checkpoint
 from valen_jax.training.step import TrainLayout, compile_step
@@ -38,24 +38,18 @@ def restore_target(config, fingerprint: dict, mesh) -> ModelRun:
     verified, laid out on the drafter run's `mesh`."""
     workdir = Path(config.model.target_from).resolve()
     where = f"config.model.target_from={workdir}"
-    if not checkpoint.checkpoint_dir(workdir).is_dir():
-        raise checkpoint.CheckpointError(f"{where}: no {checkpoint.checkpoint_dir(workdir)}; train the ar target "
-                                         "there first (train.mode=ar)")
-    if holds_drafter(workdir):
-        raise checkpoint.CheckpointError(f"{where}: its latest checkpoint was trained with train.mode=vflash; a "
-                                         "drafter's target must be an ar run")
-    try:
-        target = restore_model(workdir, mesh=mesh)
-    except checkpoint.CheckpointError as error:
-        raise checkpoint.CheckpointError(f"{where}: {error}") from None
+
+    def not_a_drafter(workdir: Path) -> None:
+        if holds_drafter(workdir):
+            raise checkpoint.CheckpointError(f"{where}: its latest checkpoint was trained with train.mode=vflash; "
+                                             "a drafter's target must be an ar run")
+
+    target = restore_start(workdir, where, fingerprint, mesh, first="train the ar target there first (train.mode=ar)",
+                           vocabulary="; the drafter must share the target's vocabulary", check=not_a_drafter)
     mode = target.config.train.mode
     if mode != "ar":
         raise checkpoint.CheckpointError(f"{where}: checkpoint {target.step} was trained with train.mode={mode}; "
                                          "a drafter's target must be an ar run")
-    if target.fingerprint != fingerprint:
-        raise checkpoint.CheckpointError(
-            f"{where}: the target was trained with tokenizer {target.fingerprint}, this run's "
-            f"config.data.tokenizer gives {fingerprint}; the drafter must share the target's vocabulary")
     log.info("target: %s step %d, params identity %s", workdir, target.step, target.identity)
     return target
 
