@@ -16,7 +16,8 @@ Figures per concurrency: output tokens/s (all tokens / wall time), time to first
 first streamed chunk with text or a finish_reason: an answer that is only the end-of-turn token has no
 text) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
 p50/p95. `prefill` is the fastest of 3 single requests of the longest prompt asking one token (TTFT
-alone, HTTP included). Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: served tokens/s at
+alone, HTTP included). Under each concurrency, the engine's side of its first tokens (`GET
+/v1/valen/metrics`: queue, behind other prefills, own prefill, decode call); then `ttft_p95_c8 / prefill`. Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: served tokens/s at
 concurrency 8 over offline tokens/s, and the TTFT p95 at concurrency 8 (goals: X >= 0.8, Y <= 2 x prefill).
 """
 
