@@ -309,3 +309,16 @@ def test_an_image_url_that_is_not_inline_is_refused(served):
     message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}
     got, error = error_of(served, "/v1/chat/completions", {"model": MODEL, "messages": [message]})
     assert (got, error["param"]) == (400, "messages[0].content[0].image_url.url"), error
+
+
+def test_metrics_split_the_first_tokens_time(served, client):
+    """`GET /v1/valen/metrics`: each served request's first token path in the engine, its parts adding up."""
+    httpx.get(served.url + "/v1/valen/metrics", params={"reset": "true"}).raise_for_status()
+    for prompt in ("one two", "the weather in wellington is windy"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    metrics = httpx.get(served.url + "/v1/valen/metrics").json()
+    assert metrics["requests"] == 2 and metrics["steps_per_sync"] == served.service.engine.steps_per_sync
+    assert metrics["warm_up_s"] is None  # the tests' server skips the warm-up (tests/serve_server.py)
+    parts = [metrics[k]["max"] for k in ("queue_ms", "behind_prefills_ms", "prefill_ms")]
+    assert 0 < metrics["first_token_ms"]["max"] <= sum(parts) + 0.01
+    assert metrics["prefill_ms"]["p50"] > 0 and metrics["decode_call_ms"]["p50"] > 0

@@ -8,7 +8,8 @@ batching over fixed decode slots.
 
 Routes: `/v1/chat/completions` (stream with `"stream": true`; image parts as `data:image/...;base64,` URLs
 for a workdir with a vision tower), `/v1/completions`, `/v1/models` (the model id is the workdir's
-directory name), `/health`, and `/v1/valen/score` (seed-000 records in, `predict`'s answer lines out). Greedy unless `temperature` > 0 (the default is
+directory name), `/health`, `/v1/valen/score` (seed-000 records in, `predict`'s answer lines out), and `/v1/valen/metrics` (where the latest
+requests' time to first token went in the engine: queue, other prefills, their own prefill). Greedy unless `temperature` > 0 (the default is
 0, as `generate`); a greedy answer is token for token `python -m valen_jax.generate`'s for the same prompt,
 alone or beside other requests. `--max-batch` decode slots share one compiled step; up to `--max-queue`
 requests wait for a slot, beyond that the answer is 429 with `Retry-After`. It listens on 127.0.0.1

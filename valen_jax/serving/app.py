@@ -44,6 +44,12 @@ def build_app(service: Service) -> FastAPI:
     async def health():
         return {"status": "ok", "busy": service.engine.busy(), "slots": service.engine.slots}
 
+    @app.get("/v1/valen/metrics")
+    async def metrics(reset: bool = False):
+        # Where the latest requests' time to first token went in the engine (`SlotEngine.metrics`); `?reset=true`
+        # starts a new window (a benchmark's phase).
+        return {"object": "valen.metrics", "model": service.name, **service.engine.metrics(reset)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [service.model_card()]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tempfile
 import threading
 from pathlib import Path
@@ -29,6 +30,8 @@ from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 
+log = logging.getLogger(__name__)
+
 
 class Service:
     def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4,
@@ -47,6 +50,8 @@ class Service:
                                  steps_per_sync=steps_per_sync)
         if warm:
             self.engine.warm()
+            log.info("serve: compiled every prefill bucket and decode shape in %.1f s (warm-up)",
+                     self.engine.warm_seconds)
         self._scoring = threading.Lock()  # one scoring request at a time (each converts and compiles its rows)
 
     def model_card(self) -> dict:

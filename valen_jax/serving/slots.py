@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import jax
@@ -49,6 +50,7 @@ PREFILL_TOKENS = {"cpu": 512}
 PREFILL_TOKENS_ACCELERATOR = 4096
 MIN_DECODE_ROWS = 8  # the smallest slot count a decode program runs (`_shape_buckets`)
 MIN_DECODE_LENGTH = 128  # the shortest cache prefix it attends over
+METRICS_WINDOW = 1024  # requests (and decode calls) `SlotEngine.metrics` summarises, the latest ones
 
 
 class QueueFull(RuntimeError):
@@ -76,6 +78,10 @@ class Request:
     positions: np.ndarray | None = None
     vision: dict | None = None
     offset: int = 0  # a generated token's position minus its cache slot (M-RoPE prompts with media: not 0)
+    # Engine-side timestamps (time.perf_counter) of the first token's path, read by `SlotEngine.metrics`:
+    # submitted (in the queue), admitted (given a slot, at a sync), prefill_start / first_token (its prefill
+    # call begun / its first token chosen and on the host).
+    times: dict = field(default_factory=dict)
 
 
 @functools.cache
@@ -172,13 +178,19 @@ class SlotEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self.steps = 0  # decode steps run (the tests read it to see slots shared)
+        # The first-token paths of the latest requests and the latest decode calls' seconds (`metrics`).
+        self._firsts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=METRICS_WINDOW)
+        self._decode_seconds: collections.deque[float] = collections.deque(maxlen=METRICS_WINDOW)
+        self.warm_seconds: float | None = None
         self._thread = threading.Thread(target=self._run, name="valen-slots", daemon=True)
         self._thread.start()
 
     def warm(self) -> None:
         """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
         the greedy decode, so no request waits on a compile (on a CPU one stalls every slot for seconds).
-        Padding rows only: their slots are out of range, so the cache is untouched."""
+        Padding rows only: their slots are out of range, so the cache is untouched. Its seconds are
+        `warm_seconds` (in `metrics`, and the server logs them)."""
+        started = time.perf_counter()
         sizes, size = [], bucket(1)
         while size <= self.cache_length:
             sizes.append(size)
@@ -201,6 +213,7 @@ class SlotEngine:
                                              zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
                                              self._stops)
         np.asarray(tokens)
+        self.warm_seconds = time.perf_counter() - started
 
     # -- the request side (any thread) --
     def submit(self, request: Request) -> None:
@@ -212,6 +225,7 @@ class SlotEngine:
                 raise QueueFull("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue)")
+            request.times["submitted"] = time.perf_counter()
             self._waiting.append(request)
             self._wake.notify()
 
@@ -220,6 +234,32 @@ class SlotEngine:
         with self._wake:
             request.cancelled = True
             self._wake.notify()
+
+    def metrics(self, reset: bool = False) -> dict:
+        """Where the latest requests' time to first token went, in the engine (ms, p50/p95/max over the
+        last `METRICS_WINDOW`): `queue` (submitted → given a slot: waiting for the decode call under way, or
+        for free slots), `behind_prefills` (given a slot → its prefill call begun: the shorter prompts
+        admitted with it go first), `prefill` (its prefill call and first token); `first_token` is their
+        sum. `decode_call` is one sync's `steps_per_sync` steps of every live slot. The HTTP side
+        (parsing, tokenising, the event loop's write) is outside these figures. `reset`: start a new window."""
+        with self._wake:
+            firsts, calls = list(self._firsts), list(self._decode_seconds)
+            if reset:
+                self._firsts.clear()
+                self._decode_seconds.clear()
+
+        def summary(values):
+            if not values:
+                return None
+            ms = np.asarray(values) * 1e3
+            return {"p50": round(float(np.percentile(ms, 50)), 2), "p95": round(float(np.percentile(ms, 95)), 2),
+                    "max": round(float(ms.max()), 2)}
+
+        columns = list(zip(*firsts, strict=True)) if firsts else [[], [], []]
+        return {"requests": len(firsts), "queue_ms": summary(columns[0]), "behind_prefills_ms": summary(columns[1]),
+                "prefill_ms": summary(columns[2]), "first_token_ms": summary([sum(f) for f in firsts]),
+                "decode_call_ms": summary(calls), "steps_per_sync": self.steps_per_sync,
+                "warm_up_s": None if self.warm_seconds is None else round(self.warm_seconds, 2)}
 
     def busy(self) -> int:
         return sum(r is not None for r in self._live) + len(self._waiting)
@@ -243,8 +283,14 @@ class SlotEngine:
                 if self._stopping and not self._waiting and not any(self._live):
                     return
                 admitted = self._admit()
-            if admitted:
+            # Prefill priority: requests that arrived during this round's prefills are admitted and prefilled
+            # before the next decode call too (measured at concurrency 8: waiting in the queue, most of it for
+            # a decode call or for the round under way, was most of the time to first token). Each round takes
+            # free slots, so the decode waits at most `slots` admissions.
+            while admitted:
                 self._start(admitted)
+                with self._wake:
+                    admitted = self._admit()
             self._drop_cancelled()
             if any(self._live):
                 self._step()
@@ -257,6 +303,7 @@ class SlotEngine:
             if request.cancelled:
                 continue
             request.slot = free.pop(0)
+            request.times["admitted"] = time.perf_counter()
             self._live[request.slot] = request
             taken.append(request)
         return taken
@@ -290,10 +337,23 @@ class SlotEngine:
         for row, request in enumerate(requests):
             slots[row], request.offset = request.slot, int(arrays["next_position"][row]) - len(request.ids)
         vision = ((arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None)
+        started = time.perf_counter()
+        for request in requests:
+            request.times["prefill_start"] = started
         logits, self._cache = self._prefill(self.params, self._cache, arrays["tokens"], arrays["positions"],
                                             arrays["lengths"], slots, vision)
-        for request, token in zip(requests, self._choose(logits, requests), strict=True):
+        chosen = self._choose(logits, requests)  # on the host: the prefill has run
+        ended = time.perf_counter()
+        for request, token in zip(requests, chosen, strict=True):
+            request.times["first_token"] = ended
+            self._record(request)
             self._commit(request, token)
+
+    def _record(self, request: Request) -> None:
+        t = request.times
+        with self._wake:
+            self._firsts.append((t["admitted"] - t["submitted"], t["prefill_start"] - t["admitted"],
+                                 t["first_token"] - t["prefill_start"]))
 
     def _step(self) -> None:
         """`steps_per_sync` tokens of every live slot: one program per sampling among them (the rare mixed
@@ -315,9 +375,11 @@ class SlotEngine:
             mask = np.zeros(self.slots, bool)
             mask[[r.slot for r in mine]] = True
             decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
+            started = time.perf_counter()
             tokens, self._cache = decode(self.params, self._cache, last, cursor, offsets, seeds, choices, counts, mask,
                                          budgets, self._stops)
             tokens = np.asarray(tokens)
+            self._decode_seconds.append(time.perf_counter() - started)
             self.steps += self.steps_per_sync
             for r in mine:
                 for token in tokens[:, r.slot]:
