@@ -157,11 +157,11 @@ def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_complet
              "targets": jnp.concatenate([tokens[:, 1:], jnp.zeros((2, 1), jnp.int32)], 1),
              "mask": jnp.array([[0, 0, 1, 0, 0, 0]] * 2, jnp.float32), "advantages": jnp.array([1.0, -1.0])}
     with jax.set_mesh(mesh):
-        old = make_log_probs(graphdef)(params, batch)
+        old = make_log_probs(graphdef, 1.0, None)(params, batch)
         state = {"params": params, "opt_state": optax.sgd(0.01).init(params), "step": jnp.zeros((), jnp.int32)}
-        update = jax.jit(make_update(graphdef, optax.sgd(0.01), None, None, 0.2, 0.0, 1))
+        update = jax.jit(make_update(graphdef, optax.sgd(0.01), None, None, 0.2, 0.0, 1, 1.0, None))
         new_state, m = update(state, {**batch, "old_logp": old})
-        new = make_log_probs(graphdef)(new_state["params"], batch)
+        new = make_log_probs(graphdef, 1.0, None)(new_state["params"], batch)
     # at the rollout's own params the ratio is 1: the loss is -mean(A) over the 2 completion tokens = 0
     expected, _ = clipped_loss(old, old, batch["advantages"], batch["mask"], 0.2)
     assert float(m["loss"]) == pytest.approx(float(expected), abs=1e-6) and float(m["clip_fraction"]) == 0.0

@@ -154,6 +154,31 @@ def test_token_log_probs_agree_with_the_supervised_loss():
                                rtol=1e-6)
 
 
+def test_token_log_probs_are_those_of_the_distribution_the_rollout_samples_from():
+    """The sampler draws from softmax(logits / temperature) over ids < vocab (`decoding.sampling`); the
+    policy's log-probabilities must be that distribution's, or a temperature other than 1 (or the
+    embedding's padding rows) clips and differentiates another policy than the one that drew."""
+    import jax
+
+    from valen_jax.decoding.sampling import Sampling, sample
+    from valen_jax.reinforce.objective import token_log_probs
+
+    logits = 2.0 * jax.random.normal(jax.random.key(1), (1, 1, 8))  # ids 6 and 7: padding rows
+    vocab, temperature = 6, 0.5
+    # every id < vocab as the target of one position
+    lp = token_log_probs(jnp.broadcast_to(logits, (1, vocab, 8)), jnp.arange(vocab)[None], temperature, vocab)[0]
+    np.testing.assert_allclose(float(jnp.exp(lp).sum()), 1.0, rtol=1e-5)  # the ids < vocab hold all the mass
+    draws = 40_000
+    keys = jax.random.split(jax.random.key(2), draws)
+    drawn = sample(jnp.broadcast_to(logits[0, 0], (draws, 8)), keys, Sampling(temperature=temperature), vocab)
+    frequencies = np.bincount(np.asarray(drawn), minlength=8) / draws
+    assert frequencies[vocab:].sum() == 0
+    # 40,000 draws: a frequency's std is at most 0.0025
+    np.testing.assert_allclose(frequencies[:vocab], np.exp(np.asarray(lp)), atol=0.01)
+    # the raw logits' softmax over every row (what the ratio read before) is another distribution here
+    assert not np.allclose(frequencies, np.asarray(jax.nn.softmax(logits[0, 0])), atol=0.01)
+
+
 def test_the_objective_trains_a_toy_policy():
     """A one-token policy over 4 answers, reward 1 for answer 2: rollouts of G=8, advantages, two
     clipped steps per rollout with the old log-probs from rollout time; the right answer's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from valen_jax.decoding.sampling import mask_vocab
 from valen_jax.training.losses import log_z_and_target_logit
 
 
@@ -45,9 +46,16 @@ def clipped_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=Non
     return (per_token * mask).sum() / tokens, stats
 
 
-def token_log_probs(logits, targets):
-    """Per-token log p(target) [B, T] from logits [B, T, V] — the negated per-token term of
-    `training.losses.token_losses`' `ce` (same f32 log-normaliser), kept per token because the
-    policy-gradient ratio needs each one (the supervised loss only needs their weighted sum)."""
-    log_z, target_logit = log_z_and_target_logit(logits, targets)
+def token_log_probs(logits, targets, temperature: float = 1.0, vocab: int | None = None):
+    """Per-token log p(target) [B, T] from logits [B, T, V], under the distribution the rollout sampled
+    from: the ids the decode engine never produces (>= `vocab`, the embedding's padding rows) removed and
+    the logits divided by the sampling `temperature`, as `decoding.sampling` does before it draws. The
+    ratio and its gradient are then those of the policy that drew the completions; with the raw logits a
+    temperature other than 1 would clip and differentiate another policy's probabilities (TRL's
+    GRPOTrainer divides by its temperature too). top-p is not applied: a later policy's nucleus differs,
+    and a token outside it would get log p = -inf. Per token, with the same f32 log-normaliser as
+    `training.losses.token_losses`' `ce`, because the policy-gradient ratio needs each one."""
+    if vocab is not None:
+        logits = mask_vocab(logits, vocab)
+    log_z, target_logit = log_z_and_target_logit(logits.astype(jnp.float32) / temperature, targets)
     return target_logit - log_z

@@ -20,28 +20,30 @@ from valen_jax.training.step import apply_update, frozen_partition, whole_gradie
 SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask")
 
 
-def sequence_log_probs(graphdef, params, batch) -> jax.Array:
-    """f32 [N, T]: log p(targets[t] | tokens[:t+1]) under `params`."""
+def sequence_log_probs(graphdef, params, batch, temperature: float, vocab: int | None) -> jax.Array:
+    """f32 [N, T]: log p(targets[t] | tokens[:t+1]) under `params`, as the rollout's sampler draws
+    (`temperature`, ids < `vocab`: `objective.token_log_probs`)."""
     model = nnx.merge(graphdef, params)
     logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return token_log_probs(logits, batch["targets"])
+    return token_log_probs(logits, batch["targets"], temperature, vocab)
 
 
-def make_log_probs(graphdef):
+def make_log_probs(graphdef, temperature: float, vocab: int | None):
     """(params, batch) -> f32 [N, T]: the old (rollout-time) and the reference log-probabilities."""
-    return jax.jit(lambda params, batch: sequence_log_probs(graphdef, params, batch))
+    return jax.jit(lambda params, batch: sequence_log_probs(graphdef, params, batch, temperature, vocab))
 
 
 def make_update(graphdef, tx: optax.GradientTransformation, schedule, frozen, clip_epsilon: float,
-                kl_coef: float, updates_per_step: int):
+                kl_coef: float, updates_per_step: int, temperature: float, vocab: int | None):
     """(state, batch) -> (state, metrics): one optimizer update on the clipped objective. `state["step"]`
     is left alone: the run's step counts rollouts, the optimizer its own updates (`updates_per_step` per
-    rollout, its schedule stretched to match: `tasks.reinforce`). `batch` holds
-    SEQUENCE_KEYS, `old_logp` [N, T], `advantages` [N] and, with kl_coef > 0, `ref_logp` [N, T]."""
+    rollout, its schedule stretched to match: `tasks.reinforce`); log-probabilities are the sampler's
+    (`temperature`, ids < `vocab`), as `make_log_probs`' old ones must be. `batch` holds SEQUENCE_KEYS,
+    `old_logp` [N, T], `advantages` [N] and, with kl_coef > 0, `ref_logp` [N, T]."""
     split, join = frozen_partition(frozen)
 
     def loss_of(trained, frozen_leaves, treedef, batch):
-        logp = sequence_log_probs(graphdef, join(trained, frozen_leaves, treedef), batch)
+        logp = sequence_log_probs(graphdef, join(trained, frozen_leaves, treedef), batch, temperature, vocab)
         return clipped_loss(logp, batch["old_logp"], batch["advantages"], batch["mask"], clip_epsilon,
                             ref_logp=batch.get("ref_logp"), kl_coef=kl_coef)
 

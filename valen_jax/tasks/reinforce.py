@@ -155,13 +155,15 @@ class ReinforceTask(ModelTask):
         """The update step, compiled for the rollout batch's shapes (batch_shapes are the prompts')."""
         self._layout = layout
         update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen, float(self.rl.clip_epsilon),
-                             float(self.rl.kl_coef), int(self.rl.inner_steps))
+                             float(self.rl.kl_coef), int(self.rl.inner_steps), float(self.rl.temperature),
+                             len(self.setup.tokenizer))
         return compile_step(update, layout, self.rollout_shapes())
 
     def step_function(self, compiled):
         layout, rl, config, mesh = self._layout, self.rl, self.config, self.setup.mesh
         tokenizer, graphdef = self.setup.tokenizer, layout.graphdef
-        log_probs = make_log_probs(graphdef)
+        # The sampler's distribution (rollout.sample draws ids < len(tokenizer) at rl.temperature).
+        log_probs = make_log_probs(graphdef, float(rl.temperature), len(tokenizer))
         reference = self._reference(layout)
         grader = self._grader() if GRADER in rl.rewards else None
         sampling = Sampling(temperature=float(rl.temperature), top_p=float(rl.top_p))
