@@ -25,9 +25,11 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
+    # The tower's adapters are those of config.model.lora's `vision/` targets (none: it has none).
     if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
-    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
+        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention,
+                                 lora=cfg.lora)
+    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention, lora=cfg.lora)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
