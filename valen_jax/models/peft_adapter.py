@@ -49,7 +49,7 @@ def _entries(cfg: ModelConfig):
         return
     if cfg.vision.family not in hf_vl.VL_FAMILIES:  # our own tower has no transformers module to adapt
         raise ValueError(f"the adapters on the {cfg.vision.family} vision tower (config.model.lora.targets="
-                         f"{cfg.lora.targets!r}) have no PEFT form: export merged")
+                         f"{cfg.lora.targets!r}) have no PEFT form: that tower has no transformers module")
     for ours, name, _, _ in hf_vl._vision_tensors(cfg):
         # Blocks and the merger only: the deepstack mergers (Qwen3-VL) share fc1/fc2's names but get no adapters.
         if ours[-1] in tower and ours[0] in ("blocks", "merge_in", "merge_out") and name.endswith(".weight"):
