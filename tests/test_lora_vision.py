@@ -97,8 +97,39 @@ def test_a_tower_target_the_tower_lacks_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"config.model.lora.targets=\('vision/qkv',\): the model has no vision tower"):
         ModelConfig(vocab_size=VOCAB, dim=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128,
                     lora=lora.LoraConfig(targets=("vision/qkv",)))
-    with pytest.raises(ConfigError, match=r"config.model.lora.dropout=0.1 with vision/ targets"):
-        lora.LoraConfig(targets=("q", "vision/qkv"), dropout=0.1)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("valen", marks=pytest.mark.slow)])
+def test_tower_adapter_dropout_acts_with_a_training_key_alone(family):
+    """Adapters on the tower alone (none in the decoder), dropout 0.5: a training key changes the hidden
+    states (so the tower's adapters drop their inputs), each key its own masks; no key is the plain model."""
+    from flax import nnx
+
+    from valen_jax.models.transformer import abstract_model
+
+    cfg = dataclasses.replace(vl_cfg(family), lora=lora.LoraConfig(rank=4, alpha=8.0, targets=TOWERS[family],
+                                                                   dropout=0.5))
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    params = lora_params(cfg, mesh, TrainLayout.from_config(cfg, train_cfg(), mesh).param_shardings)
+    assert not any(lora.is_adapter(p) for p in flat(params) if not p.startswith("vision/"))
+    data = vl_batch(cfg)
+
+    @jax.jit
+    def hidden(params, key):
+        model = nnx.merge(abstract_model(cfg)[0], params)
+        inputs = (data["patches"], data["patch_positions"], data["patch_segments"])
+        return model.hidden(data["tokens"], data["positions"], data["segment_ids"], inputs, lora_key=key)
+
+    with jax.set_mesh(mesh):
+        one, again, other = (np.asarray(hidden(params, jax.random.key(k))) for k in (1, 1, 2))
+        plain = np.asarray(hidden(params, None))
+        without = np.asarray(jax.jit(lambda p: nnx.merge(abstract_model(dataclasses.replace(
+            cfg, lora=dataclasses.replace(cfg.lora, dropout=0.0)))[0], p).hidden(
+            data["tokens"], data["positions"], data["segment_ids"],
+            (data["patches"], data["patch_positions"], data["patch_segments"])))(params))
+    assert not np.allclose(one, plain, atol=1e-4) and not np.allclose(one, other, atol=1e-4)
+    np.testing.assert_array_equal(one, again)
+    np.testing.assert_array_equal(plain, without)
 
 
 def _stub(init_from: str = "") -> ml_collections.ConfigDict:

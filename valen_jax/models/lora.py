@@ -88,11 +88,6 @@ class LoraConfig:
             raise ValueError(f"lora rank must be an integer ≥ 1, got {self.rank!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
-        if self.dropout and self.vision_targets:
-            # The tower's forward takes no training key yet, so its adapters would see no dropout where
-            # PEFT's would: refused rather than trained differently from what the config says.
-            raise ConfigError(f"config.model.lora.dropout={self.dropout!r} with vision/ targets "
-                              f"{self.vision_targets}: dropout is implemented on the decoder's adapters only")
 
     @property
     def vision_targets(self) -> tuple[str, ...]:

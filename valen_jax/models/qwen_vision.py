@@ -165,20 +165,21 @@ class QwenVisionBlock(nnx.Module):
         self.attention = attention
         adapt(self, ("qkv", "proj", *ins, out), rngs, lora, param_dtype, adapters.VISION)
 
-    def __call__(self, x, positions, segment_ids):
-        """segment_ids [B, P]: `cell_segments`, patches attend within equal ids (bidirectional)."""
+    def __call__(self, x, positions, segment_ids, lora_key=None):
+        """segment_ids [B, P]: `cell_segments`, patches attend within equal ids (bidirectional). `lora_key`: a
+        training step's key for this block (its adapters' dropout; `layers.linear`)."""
         cdt = self.dtype
         y = self.norm1(x).astype(cdt)
         # `linear`: the weight in the compute dtype, plus its adapter when config.model.lora targets it.
-        qkv = linear(self, "qkv", y) + self.qkv_bias[...].astype(cdt)
+        qkv = linear(self, "qkv", y, lora_key=lora_key) + self.qkv_bias[...].astype(cdt)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = vision_rope(q, positions, self.theta), vision_rope(k, positions, self.theta)
         out = attend(q, k, v, segment_ids, causal=False, implementation=self.attention)
-        x = x + (linear(self, "proj", out, in_dims=2) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
+        x = x + (linear(self, "proj", out, in_dims=2, lora_key=lora_key) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
         y = self.norm2(x).astype(cdt)
 
         def biased(name, value):
-            return linear(self, name, value) + getattr(self, name + "_bias")[...].astype(cdt)
+            return linear(self, name, value, lora_key=lora_key) + getattr(self, name + "_bias")[...].astype(cdt)
 
         if self.swiglu:
             return x + biased("down", self.act(biased("gate", y)) * biased("up", y)).astype(x.dtype)
@@ -208,8 +209,10 @@ class QwenVisionEncoder(nnx.Module):
         self.merge_out_bias = param(rngs, (text_dim,), ("norm",), pdt, "zeros")
         adapt(self, ("merge_in", "merge_out"), rngs, lora, pdt, adapters.VISION)
 
-    def __call__(self, patches, positions, segments):
+    def __call__(self, patches, positions, segments, lora_key=None):
         cfg, cdt = self.cfg, self.dtype
+        # A training step's key (adapter dropout): one per block, one for the merger.
+        keys = [None] * (cfg.num_layers + 1) if lora_key is None else jax.random.split(lora_key, cfg.num_layers + 1)
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(cdt), self.patch_embed[...].astype(cdt))
@@ -223,11 +226,11 @@ class QwenVisionEncoder(nnx.Module):
         window = cfg.window_size // cfg.patch_size // cfg.merge_size * cfg.merge_size if cfg.window_size else 0
         windows = cell_segments(positions, segments, window) if window else frames
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, frames if not window or i in cfg.fullatt_blocks else windows)
+            x = block(x, positions, frames if not window or i in cfg.fullatt_blocks else windows, lora_key=keys[i])
             if qwen3 and i in cfg.deepstack_layers:
                 deep.append(self.deepstack[cfg.deepstack_layers.index(i)](x, cdt))
         x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)
-        hidden = jax.nn.gelu(linear(self, "merge_in", x.astype(cdt)) + self.merge_in_bias[...].astype(cdt),
-                             approximate=False)
-        out = linear(self, "merge_out", hidden) + self.merge_out_bias[...].astype(cdt)
+        hidden = jax.nn.gelu(linear(self, "merge_in", x.astype(cdt), lora_key=keys[-1])
+                             + self.merge_in_bias[...].astype(cdt), approximate=False)
+        out = linear(self, "merge_out", hidden, lora_key=keys[-1]) + self.merge_out_bias[...].astype(cdt)
         return (out, deep) if qwen3 else out

@@ -8,6 +8,7 @@ projected to one text-width token.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -49,16 +50,18 @@ class VisionEncoder(nnx.Module):
         self.merge_out = param(rngs, (merged, text_dim), ("mlp", "embed"), pdt)
         adapt(self, ("merge_in", "merge_out"), rngs, lora, pdt, adapters.VISION)
 
-    def __call__(self, patches, positions, segments):
-        """patches [B, P, patch_dim]; positions int [B, P, 3]; segments int [B, P] → [B, P / merge², text_dim]."""
+    def __call__(self, patches, positions, segments, lora_key=None):
+        """patches [B, P, patch_dim]; positions int [B, P, 3]; segments int [B, P] → [B, P / merge², text_dim].
+        `lora_key`: a training step's key (adapter dropout), one per block and one for the merger."""
         cfg = self.cfg
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
         if cfg.absolute_positions:
             x = x + grid_position_embeddings(positions[..., 1], positions[..., 2], cfg.dim).astype(self.dtype)
-        for block in self.blocks:  # patches attend within their own media item (segment ids; padding 0)
-            x = block(x, positions, segments)
+        keys = [None] * (len(self.blocks) + 1) if lora_key is None else jax.random.split(lora_key, len(self.blocks) + 1)
+        for block, key in zip(self.blocks, keys, strict=False):  # patches attend within their own media item
+            x = block(x, positions, segments, lora_key=key)
         x = self.merge_norm(x.reshape(batch, count // group, group * cfg.dim))
-        hidden = nnx.gelu(linear(self, "merge_in", x.astype(self.dtype)))
-        return linear(self, "merge_out", hidden)
+        hidden = nnx.gelu(linear(self, "merge_in", x.astype(self.dtype), lora_key=keys[-1]))
+        return linear(self, "merge_out", hidden, lora_key=keys[-1])
