@@ -99,6 +99,78 @@ def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(t
     assert np.abs(_hf_logits(adapted, ids, images, videos) - ours).max() <= 1e-4
 
 
+# Every decoder linear layer, and in Qwen2.5-VL's tower every block's qkv, proj and MLP and the merger's two.
+TOWER = ("vision/qkv", "vision/proj", "vision/gate", "vision/up", "vision/down", "vision/merge_in",
+         "vision/merge_out")
+
+
+@pytest.mark.slow  # a VL forward compiled twice, two transformers loads
+def test_qwen2_5_vl_with_tower_and_merger_adapters_equals_its_merged_export_and_its_peft_adapter(tmp_path):
+    """Adapters on the vision tower and patch merger as well as the decoder (an image prompt: two images and
+    a video): our logits equal the merged export in transformers and PeftModel over the base, whose
+    `target_modules` regex wraps exactly the modules we adapted; the folder reads back (init_adapter) to
+    the same adapters."""
+    from tests.test_hf_vl_parity import (
+        IMAGE_GRIDS,
+        VIDEO_GRIDS,
+        _config,
+        _hf_logits,
+        _our_logits,
+        _pixels,
+        _prompt,
+    )
+    from valen_jax.models import lora_init
+
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen2_5_VLForConditionalGeneration(_config("qwen2_5_vl")).float().eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if parameter.ndim == 1:
+                base = 1.0 if ("norm" in name or "ln_q" in name) and name.endswith("weight") else 0.0
+                parameter.copy_(base + 0.3 * torch.randn_like(parameter))
+    hf_model.save_pretrained(tmp_path / "hf")
+    ids, images, videos = _prompt("qwen2_5_vl"), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+
+    adapters = lora.LoraConfig(rank=8, alpha=16.0, targets=lora.ATTENTION + lora.MLP + TOWER)
+    model, cfg = hf.from_pretrained(tmp_path / "hf", lora=adapters)
+    tower_adapters = [p for p in lora.adapter_tree(nnx.to_pure_dict(nnx.state(model))).get("vision", {})]
+    assert tower_adapters  # the tower and merger hold adapters, not only the decoder
+    # Only the tower's adapters perturbed first: the tower's mapping alone must move the logits.
+    graphdef, state = nnx.split(model)
+    keys = iter(jax.random.split(jax.random.key(9), 256))
+    tower_only = jax.tree_util.tree_map_with_path(
+        lambda p, x: 0.05 * jax.random.normal(next(keys), x.shape, x.dtype)
+        if path_of(p).startswith("vision/") and path_of(p).endswith(lora.SUFFIX_B) else x, nnx.to_pure_dict(state))
+    base_logits = _hf_logits(hf_model, ids, images, videos)
+    assert np.abs(_our_logits(nnx.merge(graphdef, tower_only), ids, images, videos) - base_logits).max() > 1e-2
+    model = _perturbed(model)
+    ours = _our_logits(model, ids, images, videos)
+
+    hf.save_pretrained(model, tmp_path / "merged")
+    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", attn_implementation="eager").float().eval()
+    assert np.abs(_hf_logits(merged, ids, images, videos) - ours).max() <= 1e-4
+
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    peft_adapter.save_adapter(cfg, params, tmp_path / "adapter", base=str(tmp_path / "hf"))
+    adapted = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    wrapped = {name.removeprefix("base_model.model.") for name, m in adapted.named_modules()
+               if isinstance(m, peft.tuners.lora.Linear)}
+    blocks = cfg.vision.num_layers
+    assert len(wrapped) == 7 * cfg.num_layers + 5 * blocks + 2
+    assert {f"model.visual.blocks.{i}.{m}" for i in range(blocks) for m in
+            ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")} | \
+        {"model.visual.merger.mlp.0", "model.visual.merger.mlp.2"} <= wrapped
+    assert np.abs(_hf_logits(adapted, ids, images, videos) - ours).max() <= 1e-4
+
+    # init_adapter: the folder read back is our adapters, tower included, bit for bit (f32 both ways).
+    read = peft_adapter.load_adapter(cfg, tmp_path / "adapter", lora_init.adapter_shapes(cfg))
+    ours_adapters = lora.adapter_tree(params)
+    assert jax.tree.structure(read) == jax.tree.structure(ours_adapters)
+    for got, want in zip(jax.tree.leaves(read), jax.tree.leaves(ours_adapters), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_adapter_peft_trained_is_read_back_with_peft_logits_and_a_mismatch_is_refused(scan_layers, tmp_path):
     """`peft_adapter.load_adapter` (config.model.lora.init_adapter): an adapter PEFT itself made and saved

@@ -1,5 +1,6 @@
 """A LoRA run end to end: `configs/vflash.py:hf,lora` from a tiny Qwen2 checkpoint built here trains its
-adapters (the loss falls; its checkpoint holds the adapters and their moments, no base leaf; the base
+adapters and its fresh vision tower (the loss falls; its checkpoint holds those and their moments, no
+imported leaf; the base
 restored from the HF checkpoint is the imported one, bit for bit), evaluate, predict and generate work on
 its workdir, and once a tensor of that HF checkpoint is changed they refuse it in one line."""
 
@@ -27,7 +28,7 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
     import orbax.checkpoint as ocp
     import transformers
 
-    from valen_jax.models import lora
+    from valen_jax.models import build, lora
     from valen_jax.run import restore
     from valen_jax.training import checkpoint
     from valen_jax.training.optim import path_of
@@ -44,23 +45,31 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
               "--config.data.seq_len=512", "--config.media_kwargs.max_frames=3")
     losses = [m["loss"] for m in metrics(workdir)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.05, losses
-    # The saved tree (Orbax's own metadata of the state item): adapters and their moments, nothing of the base.
+    # The saved tree (Orbax's own metadata of the state item): adapters, the fresh vision tower (a text
+    # checkpoint has none, so it trains in full) and their moments; nothing of the imported base.
     saved = checkpoint.paths_of(ocp.PyTreeCheckpointer().metadata(workdir / "checkpoints" / "8" / "state")
                                 .item_metadata.tree)
     params = [p for p in saved if p.startswith("params/")]
-    assert params and all(lora.is_adapter(p) for p in params), params
-    assert all(lora.is_adapter(p) or p.endswith("/count") for p in saved if p.startswith("opt_state/")), saved
-    assert {f"opt_state/1/inner_states/group0/inner_state/0/{m}/{p[len('params/'):]}" for m in ("mu", "nu")
-            for p in params} <= set(saved)
+    tower = [p for p in params if p.startswith("params/vision/")]
+    assert tower and "params/vision/patch_embed" in tower and not any(lora.is_adapter(p) for p in tower), tower
+    assert params and all(lora.is_adapter(p) for p in params if p not in tower), params
+    trained = ("/lora_", "_lora_a", "_lora_b", "/vision/")
+    assert all(any(t in p for t in trained) or p.endswith("/count") for p in saved if p.startswith("opt_state/")), saved
+    moments = {p.split(f"/{m}/", 1)[1] for p in saved for m in ("mu", "nu") if f"/{m}/" in p}
+    assert {p[len("params/"):] for p in params} <= moments
     meta = json.loads((workdir / "checkpoints" / "8" / "meta" / "metadata").read_text())
     assert meta["lora_base"]["init_from"] == str(base) and "layers/attn/q" in meta["lora_base"]["leaves"]
     run = restore(workdir, devices=jax.devices()[:1])
-    assert run.model_cfg.lora == lora.LoraConfig(rank=4, alpha=32.0)
+    assert run.model_cfg.lora == lora.LoraConfig(rank=4, alpha=32.0, train_vision=True)
     # The imported decoder weight is unchanged after 8 steps; its adapter moved.
     hf_q = transformers.AutoModelForCausalLM.from_pretrained(base).state_dict()["model.layers.0.self_attn.q_proj.weight"]
     ours = {path_of(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(run.params)[0]}
     np.testing.assert_array_equal(ours["layers/attn/q"][0].reshape(64, -1).T, hf_q.numpy())
     assert np.abs(ours["layers/attn/q_lora_b"]).max() > 0
+    # The restored tower is the trained one from the checkpoint, not the fresh one the base rebuild drew.
+    shardings = {"vision": jax.tree.map(lambda x: x.sharding, run.params["vision"])}
+    fresh = build.fresh_subtrees(lora.base_config(run.model_cfg), meta["lora_base"]["seed"], shardings, ("vision",))
+    assert not np.array_equal(ours["vision/patch_embed"], np.asarray(fresh["vision"]["patch_embed"]))
 
     eval_data = str(ROOT / "data/smoke/vflash/eval.jsonl")
     _command("valen_jax.evaluate", f"--workdir={workdir}", f"--data={eval_data}", f"--output={tmp_path / 'r.json'}")
@@ -70,7 +79,7 @@ def test_a_lora_run_trains_its_adapters_and_its_workdir_evaluates_generates_and_
     assert (tmp_path / "a.jsonl").read_text().strip()
     _command("valen_jax.predict", f"--workdir={workdir}", f"--data={eval_data}", f"--output={tmp_path / 'p.jsonl'}")
     assert (tmp_path / "p.jsonl").read_text().strip()
-    # A text checkpoint under a VL config gets a fresh (frozen) tower of our own: no HF form, refused in one line.
+    # A text checkpoint under a VL config gets a fresh tower of our own: no HF form, refused in one line.
     refused = run_module("valen_jax.export", f"--workdir={workdir}", f"--output={tmp_path / 'adapter'}", "--adapter",
                          check=False)
     assert refused.returncode == 1 and "vision tower is family 'valen'" in refused.stderr, refused.stderr[-2000:]

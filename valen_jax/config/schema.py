@@ -116,7 +116,11 @@ def _model() -> dict[str, Any]:
     }
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's linear layers (models/lora.TARGETS)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # the decoder's linear layers (models/lora.DECODER)
+# The vision towers' linear layers, targeted as "vision/<name>" (models/lora.VISION_LINEARS: which a tower
+# family has is checked when the model is built, once the checkpoint says which tower it is).
+LORA_VISION_TARGETS = tuple(f"vision/{name}" for name in (*LORA_TARGETS, "qkv", "proj", "fc1", "fc2", "merge_in",
+                                                           "merge_out"))
 LORA_QUANTIZE_BASE = ("none", "nf4")
 
 
@@ -127,7 +131,9 @@ def _lora() -> dict[str, Any]:
         # Dropout on each adapter's input (PEFT's lora_dropout) in training only, its masks drawn per step from
         # config.train.seed (a resume draws the same); evaluation and decoding run without it.
         "dropout": 0.0,
-        # Which of the decoder's linear layers get adapters (every layer's): attention q/k/v/o, MLP gate/up/down.
+        # Which of the decoder's linear layers get adapters (every layer's): attention q/k/v/o, MLP gate/up/down;
+        # "vision/<name>" adds the vision tower's (every block's, e.g. vision/qkv, vision/proj, vision/down) or
+        # the patch merger's (vision/merge_in, vision/merge_out). Without them an imported tower stays frozen.
         "targets": LORA_TARGETS,
         # "nf4": QLoRA, the targeted base weights stored as 4-bit NormalFloat (block 64) and dequantised per
         # layer in the forward; "none": the base kept in config.model.param_dtype.
@@ -353,8 +359,9 @@ def _validate_lora(config: ml_collections.ConfigDict) -> None:
     if not 0.0 <= _finite("model.lora.dropout", lora.dropout) < 1.0:
         raise ConfigError(f"config.model.lora.dropout={lora.dropout!r}: a probability in [0, 1)")
     targets = tuple(lora.targets)
-    if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
-        raise ConfigError(f"config.model.lora.targets={targets!r}: distinct names among {', '.join(LORA_TARGETS)}")
+    allowed = LORA_TARGETS + LORA_VISION_TARGETS
+    if not targets or any(t not in allowed for t in targets) or len(set(targets)) != len(targets):
+        raise ConfigError(f"config.model.lora.targets={targets!r}: distinct names among {', '.join(allowed)}")
     if lora.quantize_base not in LORA_QUANTIZE_BASE:
         raise ConfigError(f"config.model.lora.quantize_base={lora.quantize_base!r}; choose one of "
                           f"{', '.join(LORA_QUANTIZE_BASE)}")

@@ -71,8 +71,9 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         if hf_vl.is_vl(hf_config):
             base = _vl_model_config(config, hf_config, tokenizer, common)
         else:
-            base = hf.config_from_hf(hf_config, image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD),
-                                     vision=_fresh_vision(m.vision), **common)
+            base = _fresh_tower_trains(config, hf.config_from_hf(
+                hf_config, image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=_fresh_vision(m.vision),
+                **common))
         # Added primitive tokens may outgrow the checkpoint's table; never shrink it.
         return dataclasses.replace(base, vocab_size=max(base.vocab_size, padded_vocab(len(tokenizer))))
     unset = [key for key in ARCHITECTURE_KEYS if m[key] is None]
@@ -80,11 +81,27 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         raise ConfigError(f"config.model.{{{', '.join(unset)}}} are unset and config.model.init_from is not given: a "
                           ":hf variant needs --config.model.init_from=PATH (a checkpoint directory or hub name); a "
                           "model trained from scratch needs these keys")
-    return ModelConfig(
+    return _fresh_tower_trains(config, ModelConfig(
         vocab_size=padded_vocab(len(tokenizer)), dim=m.dim, num_layers=m.num_layers, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, rope_theta=float(m.rope_theta),
         tie_embeddings=bool(m.tie_embeddings), image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD),
-        vision=_fresh_vision(m.vision), **common)
+        vision=_fresh_vision(m.vision), **common))
+
+
+def _fresh_tower_trains(config: ml_collections.ConfigDict, cfg: ModelConfig) -> ModelConfig:
+    """`cfg` (whose vision tower, if any, starts fresh: no checkpoint holds it) with that tower training in full
+    under LoRA. Frozen at its random init it would map every image to noise the adapters must learn around;
+    it has nothing pretrained to keep, so it trains like the adapters and is saved with them (the
+    checkpoint holds every trained leaf). Its adapters would then be redundant: `vision/` targets are
+    refused (`LoraConfig.check_tower`), as is a bf16 param_dtype (the tower's master weights)."""
+    if cfg.lora is None or cfg.vision is None:
+        return cfg
+    if cfg.param_dtype != "float32":
+        source = f"config.model.init_from={config.model.init_from!r} is a text checkpoint" if config.model.init_from \
+            else "config.model.init_from is unset"
+        raise ConfigError(f"config.model.param_dtype={cfg.param_dtype}: the vision tower is fresh ({source}), so it "
+                          "trains in full beside the LoRA adapters and needs float32 master weights")
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_vision=True))
 
 
 def lora_config(config: ml_collections.ConfigDict) -> lora.LoraConfig | None:

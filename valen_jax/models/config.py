@@ -114,11 +114,14 @@ class ModelConfig:
     mrope_interleaved: bool = False  # Qwen3-VL: pairs cycle t, h, w instead of running in sections
     score_head: bool = False  # a scalar head for Valen's scored branches
     vision: VisionConfig | None = None
-    # config.model.lora: low-rank adapters on the decoder's linear layers (and QLoRA's NF4 base), or None.
+    # config.model.lora: low-rank adapters on the decoder's (and targeted tower's) linear layers, QLoRA's NF4
+    # base, or None.
     lora: LoraConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_name(self.remat))
+        if self.lora is not None:
+            self.lora.check_tower(self.vision)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -118,14 +118,16 @@ def linear(module, name: str, x, in_dims: int = 1, lora_key=None):
     return y
 
 
-def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype) -> None:
-    """Give `module`'s weights `names` that `lora` targets their adapters (and NF4 storage under QLoRA)."""
+def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype, scope: str = "") -> None:
+    """Give `module`'s weights `names` that `lora` targets their adapters (and NF4 storage under QLoRA).
+    `scope`: "" in the decoder, `adapters.VISION` in the vision tower, whose targets carry that prefix and
+    whose base stays float under QLoRA (NF4 is the decoder's: the tower is a small part of the weights)."""
     module.lora_scale = lora.scale if lora is not None else None
     module.lora_dropout = float(lora.dropout) if lora is not None else 0.0
     if lora is None:
         return
     for name in names:
-        if name not in lora.targets:
+        if scope + name not in lora.targets:
             continue
         weight = getattr(module, name)
         shape, axes = weight.shape, weight.get_metadata()["logical_axes"]
@@ -133,7 +135,7 @@ def adapt(module, names, rngs: nnx.Rngs, lora, param_dtype) -> None:
         a, b = adapters.create(rngs, name, shape, axes, lora.rank, jnp.float32)
         setattr(module, name + adapters.SUFFIX_A, a)
         setattr(module, name + adapters.SUFFIX_B, b)
-        if lora.quantize_base == "nf4":
+        if lora.quantize_base == "nf4" and not scope:
             setattr(module, name, adapters.NF4Weight(shape, param_dtype, rngs, f"{type(module).__name__}.{name}"))
 
 
@@ -240,7 +242,7 @@ class Attention(nnx.Module):
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, *, bias: bool, rope_theta: float | None,
                  dtype, param_dtype, rngs: nnx.Rngs, qk_norm: bool = False, rope_scaling=None, eps=1e-6,
                  causal: bool = True, mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False,
-                 implementation: str = "auto", lora=None):
+                 implementation: str = "auto", lora=None, lora_scope: str = ""):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"attention implementation {implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
         if num_heads % num_kv_heads:
@@ -265,7 +267,7 @@ class Attention(nnx.Module):
         self.mrope_section = tuple(mrope_section) if mrope_section else None
         self.mrope_interleaved = mrope_interleaved
         self.implementation = implementation
-        adapt(self, adapters.ATTENTION, rngs, lora, param_dtype)
+        adapt(self, adapters.ATTENTION, rngs, lora, param_dtype, lora_scope)
 
     def _project(self, x, positions, lora_key=None):
         """Queries [B, T, N, H] and keys, values [B, T, K, H], normed and rotated as the model attends them."""
@@ -337,12 +339,12 @@ gated_silu.defvjp(_gated_silu_forward, _gated_silu_backward)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs, lora=None):
+    def __init__(self, dim, hidden, dtype, param_dtype, rngs: nnx.Rngs, lora=None, lora_scope: str = ""):
         self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
         self.up = param(rngs, (dim, hidden), ("embed", "mlp"), param_dtype)
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), param_dtype)
         self.dtype = dtype
-        adapt(self, adapters.MLP, rngs, lora, param_dtype)
+        adapt(self, adapters.MLP, rngs, lora, param_dtype, lora_scope)
 
     def __call__(self, x, lora_key=None):
         x = x.astype(self.dtype)
@@ -356,14 +358,15 @@ class Block(nnx.Module):
 
     def __init__(self, dim, num_heads, num_kv_heads, head_dim, mlp_dim, *, bias, rope_theta, eps,
                  dtype, param_dtype, rngs, qk_norm=False, rope_scaling=None, causal=True, mrope_section=None,
-                 mrope_interleaved=False, attention="auto", lora=None):
+                 mrope_interleaved=False, attention="auto", lora=None, lora_scope=""):
         self.attn_norm = RMSNorm(dim, eps, param_dtype, rngs)
         self.attn = Attention(dim, num_heads, num_kv_heads, head_dim, bias=bias, rope_theta=rope_theta,
                               dtype=dtype, param_dtype=param_dtype, rngs=rngs, qk_norm=qk_norm,
                               rope_scaling=rope_scaling, eps=eps, causal=causal, mrope_section=mrope_section,
-                              mrope_interleaved=mrope_interleaved, implementation=attention, lora=lora)
+                              mrope_interleaved=mrope_interleaved, implementation=attention, lora=lora,
+                              lora_scope=lora_scope)
         self.mlp_norm = RMSNorm(dim, eps, param_dtype, rngs)
-        self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs, lora=lora)
+        self.mlp = SwiGLU(dim, mlp_dim, dtype, param_dtype, rngs, lora=lora, lora_scope=lora_scope)
 
     def __call__(self, x, positions, segment_ids, branch_ids=None, lora_key=None):
         """`lora_key`: a training step's key for this layer (its adapters' dropout; `linear`)."""

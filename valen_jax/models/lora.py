@@ -1,4 +1,5 @@
-"""Low-rank adapters (LoRA, Hu et al. 2021) on the decoder's linear layers, and QLoRA's quantised base.
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the decoder's linear layers (and the vision tower's when
+targeted), and QLoRA's quantised base.
 
 A targeted weight W (say `layers/3/attn/q`, [D, N, H]) gains two parameters beside it: `q_lora_a`
 [D, r] and `q_lora_b` [r, N, H], and the layer computes x·W + (alpha / r)·(x·A)·B (`layers.Attention` and
@@ -7,7 +8,12 @@ starts as the base. Their logical axes are W's input axes + `lora_rank`, and `lo
 so they shard like the weight they adapt (fsdp over `embed`, tensor over heads or mlp), and, being built
 where W is, scanned layers stack them on the `layers` axis as they stack W.
 
-With `quantize_base="nf4"` every targeted W is stored as NF4 codes + block absmax (`models/nf4.py`,
+A target is a decoder weight's name (`q`, ..., `down`: every decoder layer's) or `vision/` + a tower weight's
+name (`vision/qkv`: every tower block's; `vision/merge_in`: the patch merger's), from the tower family's
+own list (`VISION_LINEARS`): a name the model's tower lacks is refused naming config.model.lora.targets.
+Without `vision/` targets the tower has no adapters and stays frozen, as before.
+
+With `quantize_base="nf4"` every targeted decoder W is stored as NF4 codes + block absmax (`models/nf4.py`,
 `NF4Weight`) and dequantised in the compute dtype in each forward: the frozen base of QLoRA.
 
 Why our own and not `qwix.LoraProvider` (tried, qwix 0.1.8): qwix creates adapters by intercepting
@@ -28,13 +34,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from valen_jax.errors import ConfigError
 from valen_jax.models import nf4
 
 # The decoder's linear layers an adapter can target, with the number of leading input axes of each
 # weight (`layers.dense`'s in_dims): q, k, v [D, N|K, H]; o [N, H, D]; gate, up [D, F]; down [F, D].
-TARGETS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+DECODER = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 ATTENTION, MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
-_STREAM = {name: index for index, name in enumerate(TARGETS)}  # each target's dropout stream within a layer
+# The vision towers' own linear layers (qwen_vision: fused qkv [D, 3, N, H], proj [N, H, D], Qwen2-VL's
+# fc1/fc2; both towers' merger merge_in/merge_out), targeted as VISION + name.
+VISION = "vision/"
+TOWER = {"qkv": 1, "proj": 2, "fc1": 1, "fc2": 1, "merge_in": 1, "merge_out": 1}
+TARGETS = {**DECODER, **TOWER}  # in_dims of every weight an adapter can sit on
+VISION_LINEARS = {  # each tower family's adaptable weights, blocks first, then the merger's
+    "valen": (*ATTENTION, *MLP, "merge_in", "merge_out"),
+    "qwen2_vl": ("qkv", "proj", "fc1", "fc2", "merge_in", "merge_out"),
+    "qwen2_5_vl": ("qkv", "proj", *MLP, "merge_in", "merge_out"),
+    "qwen3_vl": ("qkv", "proj", "fc1", "fc2", "merge_in", "merge_out"),
+}
+# Each target's dropout stream within a layer: the decoder's first, so their streams are those of before.
+_STREAM = {name: index for index, name in enumerate(TARGETS)}
 QUANTIZE_BASE = ("none", "nf4")
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
 
@@ -52,19 +71,44 @@ class LoraConfig:
     trainable: tuple[str, ...] = ()
     # Dropout on each adapter's input (PEFT's lora_dropout), in training only: a step passes its key.
     dropout: float = 0.0
+    # Set by `models.build` when the vision tower is fresh (not imported): it trains in full beside the
+    # adapters, having nothing pretrained to keep (frozen at its random init it would be useless).
+    train_vision: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "targets", tuple(self.targets))
         object.__setattr__(self, "trainable", tuple(self.trainable))
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets:
-            raise ValueError(f"lora targets {self.targets}: choose some of {', '.join(TARGETS)}")
+        names = (*DECODER, *dict.fromkeys(VISION + name for linears in VISION_LINEARS.values() for name in linears))
+        unknown = [t for t in self.targets if t not in names]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"config.model.lora.targets={self.targets!r}: distinct names among {', '.join(names)}")
         if self.quantize_base not in QUANTIZE_BASE:
             raise ValueError(f"lora quantize_base={self.quantize_base!r}; choose one of {', '.join(QUANTIZE_BASE)}")
         if not (isinstance(self.rank, int) and self.rank >= 1):
             raise ValueError(f"lora rank must be an integer ≥ 1, got {self.rank!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def vision_targets(self) -> tuple[str, ...]:
+        return tuple(t[len(VISION):] for t in self.targets if t.startswith(VISION))
+
+    def check_tower(self, vision) -> None:
+        """Refuse `vision/` targets the model's tower (`vision`: its VisionConfig, or None) does not have, and
+        adapters on a tower that trains in full anyway."""
+        vision_targets = self.vision_targets
+        if not vision_targets:
+            return
+        if vision is None:
+            raise ConfigError(f"config.model.lora.targets={self.targets!r}: the model has no vision tower")
+        missing = [name for name in vision_targets if name not in VISION_LINEARS[vision.family]]
+        if missing:
+            raise ConfigError(f"config.model.lora.targets={self.targets!r}: the {vision.family} vision tower has no "
+                              f"{missing[0]!r}; its linear layers are "
+                              f"{', '.join(VISION + n for n in VISION_LINEARS[vision.family])}")
+        if self.train_vision:
+            raise ConfigError(f"config.model.lora.targets={self.targets!r} names the vision tower, but it is fresh "
+                              "(not imported) and trains in full: drop the vision/ targets")
 
     @property
     def scale(self) -> float:
@@ -119,7 +163,7 @@ def is_adapter(path: str) -> bool:
 def trainable_patterns(lora: LoraConfig, has_score_head: bool) -> tuple[str, ...]:
     """The param-group patterns of what trains under LoRA: every adapter, the named extras, the score head."""
     patterns = (rf".*(?:{SUFFIX_A}|{SUFFIX_B})", *lora.trainable)
-    return patterns + (("score_head/.*",) if has_score_head else ())
+    return patterns + (("score_head/.*",) if has_score_head else ()) + ((VISION + ".*",) if lora.train_vision else ())
 
 
 def product(a, b, name: str):
@@ -186,7 +230,7 @@ def quantise_base(params: dict, cfg) -> dict:
         for key, value in node.items():
             if isinstance(value, dict):
                 out[key] = visit(value)
-            elif key in names and key in TARGETS:
+            elif key in names and key in DECODER:
                 leading = value.ndim - len(weight_shape(cfg, key))
                 codes, absmax = nf4.quantise_stacked(value, leading)
                 out[key] = {"codes": codes, "absmax": absmax}

@@ -11,14 +11,15 @@ way the HF importer flattens them (`hf_text._layer_tensors`).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from valen_jax.models import lora
+from valen_jax.models import hf_vl, lora
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.hf_common import HFImportError
+from valen_jax.models.hf_common import HFImportError, get_path
 from valen_jax.models.safetensors_io import SafetensorsFile, save_file
 
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -33,32 +34,55 @@ def _decoder_prefix(cfg: ModelConfig) -> str:
         "base_model.model.model.layers"
 
 
+def _entries(cfg: ModelConfig):
+    """(our path of an adapted weight, its layer's index in a stacked leaf or None, PEFT's module path) for
+    every adapter of `cfg`: the decoder's targets in each layer, then the tower's `vision/` targets, named
+    as the HF importer names the tower's weights (`hf_vl._vision_tensors`, in transformers 5's layout:
+    `model.visual.blocks.N.attn.qkv`, `model.visual.merger.mlp.0`, ...)."""
+    decoder = [name for name in cfg.lora.targets if name in lora.DECODER]
+    for i in range(cfg.num_layers):
+        for name in decoder:
+            path = ("layers", _GROUP[name], name) if cfg.scan_layers else ("layers", i, _GROUP[name], name)
+            yield path, i if cfg.scan_layers else None, f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}"
+    tower = cfg.lora.vision_targets
+    if not tower:
+        return
+    if cfg.vision.family not in hf_vl.VL_FAMILIES:  # our own tower has no transformers module to adapt
+        raise ValueError(f"the adapters on the {cfg.vision.family} vision tower (config.model.lora.targets="
+                         f"{cfg.lora.targets!r}) have no PEFT form: that tower has no transformers module")
+    for ours, name, _, _ in hf_vl._vision_tensors(cfg):
+        # Blocks and the merger only: the deepstack mergers (Qwen3-VL) share fc1/fc2's names but get no adapters.
+        if ours[-1] in tower and ours[0] in ("blocks", "merge_in", "merge_out") and name.endswith(".weight"):
+            yield ("vision", *ours), None, "base_model.model." + hf_vl._Tensors.new_name(name)[: -len(".weight")]
+
+
 def adapter_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """PEFT's state dict of the adapters in host `params` (unscanned or stacked layers)."""
     tensors = {}
-    for i in range(cfg.num_layers):
-        layer = params["layers"][i] if not cfg.scan_layers else None
-        for name in cfg.lora.targets:
-            group = (layer if layer is not None else params["layers"])[_GROUP[name]]
-            a, b = group[name + lora.SUFFIX_A], group[name + lora.SUFFIX_B]
-            if layer is None:
-                a, b = a[i], b[i]
-            a = np.asarray(a, np.float32).reshape(-1, cfg.lora.rank)  # [in, r]
-            b = np.asarray(b, np.float32).reshape(cfg.lora.rank, -1)  # [r, out]
-            stem = f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}"
-            tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.T)
-            tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.T)
+    for path, index, stem in _entries(cfg):
+        *where, name = path
+        group = get_path(params, tuple(where))
+        a, b = group[name + lora.SUFFIX_A], group[name + lora.SUFFIX_B]
+        if index is not None:
+            a, b = a[index], b[index]
+        a = np.asarray(a, np.float32).reshape(-1, cfg.lora.rank)  # [in, r]
+        b = np.asarray(b, np.float32).reshape(cfg.lora.rank, -1)  # [r, out]
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a.T)
+        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b.T)
     return tensors
 
 
 def _target_modules(cfg: ModelConfig) -> list[str] | str:
     """PEFT's `target_modules`: the projection names for a text model; for a Qwen-VL model a regex (PEFT
-    full-matches a string against each module's path) held to the decoder, because its vision tower has
-    `gate_proj`/`up_proj`/`down_proj` too and a list of names would wrap those in fresh adapters."""
-    names = sorted(_MODULES[name].split(".")[-1] for name in cfg.lora.targets)
+    full-matches a string against each module's path) of exactly the modules adapted, because its vision
+    tower has `gate_proj`/`up_proj`/`down_proj` too and a list of names would wrap those in fresh adapters
+    (or miss the tower's `qkv`, `proj` and merger when they are targeted)."""
+    decoder = [name for name in cfg.lora.targets if name in lora.DECODER]
+    names = sorted(_MODULES[name].split(".")[-1] for name in decoder)
     if cfg.mrope_section is None:
         return names
-    return rf"model\.language_model\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(names)})"
+    stems = {stem.removeprefix("base_model.model.") for _, _, stem in _entries(cfg)}
+    return "|".join(sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(stem)) for stem in stems}))
 
 
 def adapter_config(cfg: ModelConfig, base: str) -> dict:
@@ -130,14 +154,17 @@ def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
 def _adapter_tree(cfg: ModelConfig, tensors: dict, template: dict) -> dict:
     """`tensors` (PEFT's names) as our adapter tree shaped and typed like `template` (stacked over the
     layers under `scan_layers`, else one subtree per layer index)."""
+    stems: dict[tuple, list[str]] = {}
+    for path, _, stem in _entries(cfg):  # a stacked weight's stems in layer order
+        stems.setdefault(tuple(str(key) for key in path), []).append(stem)
+
     def leaf(path, like):
-        keys = [entry.key for entry in path]
-        name, which = keys[-1][: -len(lora.SUFFIX_A)], "lora_A" if keys[-1].endswith(lora.SUFFIX_A) else "lora_B"
-
-        def of_layer(i):  # PEFT's A [r, in] / B [out, r], ours transposed
-            return tensors[f"{_decoder_prefix(cfg)}.{i}.{_MODULES[name]}.{which}.weight"].T
-
-        value = np.stack([of_layer(i) for i in range(cfg.num_layers)]) if cfg.scan_layers else of_layer(int(keys[1]))
+        keys = [str(entry.key) for entry in path]
+        which = "lora_A" if keys[-1].endswith(lora.SUFFIX_A) else "lora_B"
+        weight = (*keys[:-1], keys[-1][: -len(lora.SUFFIX_A)])
+        # PEFT's A [r, in] / B [out, r], ours transposed
+        values = [tensors[f"{stem}.{which}.weight"].T for stem in stems[weight]]
+        value = np.stack(values) if cfg.scan_layers and weight[0] == "layers" else values[0]
         return value.reshape(like.shape).astype(like.dtype)
 
     return jax.tree_util.tree_map_with_path(leaf, template)

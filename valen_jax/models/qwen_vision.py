@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models import lora as adapters
 from valen_jax.models.attention import IMPLEMENTATIONS, attend
 from valen_jax.models.config import VisionConfig, dtype_of
-from valen_jax.models.layers import RMSNorm, dense, inverse_frequencies, param, rotate
+from valen_jax.models.layers import RMSNorm, adapt, dense, inverse_frequencies, linear, param, rotate
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
@@ -136,7 +137,7 @@ class Merger(nnx.Module):
 
 
 class QwenVisionBlock(nnx.Module):
-    def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs, attention: str = "auto"):
+    def __init__(self, cfg: VisionConfig, dtype, param_dtype, rngs: nnx.Rngs, attention: str = "auto", lora=None):
         if attention not in IMPLEMENTATIONS:
             raise ValueError(f"attention implementation {attention!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
         d, n = cfg.dim, cfg.num_heads
@@ -162,24 +163,27 @@ class QwenVisionBlock(nnx.Module):
         self.theta = cfg.rope_theta
         self.dtype = dtype
         self.attention = attention
+        adapt(self, ("qkv", "proj", *ins, out), rngs, lora, param_dtype, adapters.VISION)
 
-    def __call__(self, x, positions, segment_ids):
-        """segment_ids [B, P]: `cell_segments`, patches attend within equal ids (bidirectional)."""
+    def __call__(self, x, positions, segment_ids, lora_key=None):
+        """segment_ids [B, P]: `cell_segments`, patches attend within equal ids (bidirectional). `lora_key`: a
+        training step's key for this block (its adapters' dropout; `layers.linear`)."""
         cdt = self.dtype
         y = self.norm1(x).astype(cdt)
-        qkv = jnp.einsum("bpd,dsnh->bpsnh", y, self.qkv[...].astype(cdt)) + self.qkv_bias[...].astype(cdt)
+        # `linear`: the weight in the compute dtype, plus its adapter when config.model.lora targets it.
+        qkv = linear(self, "qkv", y, lora_key=lora_key) + self.qkv_bias[...].astype(cdt)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = vision_rope(q, positions, self.theta), vision_rope(k, positions, self.theta)
         out = attend(q, k, v, segment_ids, causal=False, implementation=self.attention)
-        x = x + (dense(out, self.proj[...].astype(cdt), in_dims=2) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
+        x = x + (linear(self, "proj", out, in_dims=2, lora_key=lora_key) + self.proj_bias[...].astype(cdt)).astype(x.dtype)
         y = self.norm2(x).astype(cdt)
 
-        def linear(name, value):
-            return dense(value, getattr(self, name)[...].astype(cdt)) + getattr(self, name + "_bias")[...].astype(cdt)
+        def biased(name, value):
+            return linear(self, name, value, lora_key=lora_key) + getattr(self, name + "_bias")[...].astype(cdt)
 
         if self.swiglu:
-            return x + linear("down", self.act(linear("gate", y)) * linear("up", y)).astype(x.dtype)
-        return x + linear("fc2", self.act(linear("fc1", y))).astype(x.dtype)
+            return x + biased("down", self.act(biased("gate", y)) * biased("up", y)).astype(x.dtype)
+        return x + biased("fc2", self.act(biased("fc1", y))).astype(x.dtype)
 
 
 class QwenVisionEncoder(nnx.Module):
@@ -187,7 +191,7 @@ class QwenVisionEncoder(nnx.Module):
     deepstack layers (Qwen3-VL) → (that, [one such array per deepstack layer])."""
 
     def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs,
-                 attention: str = "auto"):
+                 attention: str = "auto", lora=None):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
@@ -196,16 +200,19 @@ class QwenVisionEncoder(nnx.Module):
             self.patch_bias = param(rngs, (cfg.dim,), ("norm",), pdt, "zeros")
             self.pos_embed = param(rngs, (cfg.num_position_embeddings, cfg.dim), ("patch", "embed"), pdt)
             self.deepstack = nnx.List([Merger(cfg, text_dim, LayerNorm, True, pdt, rngs) for _ in cfg.deepstack_layers])
-        self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs, attention) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([QwenVisionBlock(cfg, cdt, pdt, rngs, attention, lora) for _ in range(cfg.num_layers)])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
         self.ln_q = (RMSNorm if cfg.family == "qwen2_5_vl" else LayerNorm)(cfg.dim, 1e-6, pdt, rngs)
         self.merge_in = param(rngs, (merged, merged), ("embed", "mlp"), pdt)
         self.merge_in_bias = param(rngs, (merged,), ("mlp",), pdt, "zeros")
         self.merge_out = param(rngs, (merged, text_dim), ("mlp", "embed"), pdt)
         self.merge_out_bias = param(rngs, (text_dim,), ("norm",), pdt, "zeros")
+        adapt(self, ("merge_in", "merge_out"), rngs, lora, pdt, adapters.VISION)
 
-    def __call__(self, patches, positions, segments):
+    def __call__(self, patches, positions, segments, lora_key=None):
         cfg, cdt = self.cfg, self.dtype
+        # A training step's key (adapter dropout): one per block, one for the merger.
+        keys = [None] * (cfg.num_layers + 1) if lora_key is None else jax.random.split(lora_key, cfg.num_layers + 1)
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(cdt), self.patch_embed[...].astype(cdt))
@@ -219,11 +226,11 @@ class QwenVisionEncoder(nnx.Module):
         window = cfg.window_size // cfg.patch_size // cfg.merge_size * cfg.merge_size if cfg.window_size else 0
         windows = cell_segments(positions, segments, window) if window else frames
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, frames if not window or i in cfg.fullatt_blocks else windows)
+            x = block(x, positions, frames if not window or i in cfg.fullatt_blocks else windows, lora_key=keys[i])
             if qwen3 and i in cfg.deepstack_layers:
                 deep.append(self.deepstack[cfg.deepstack_layers.index(i)](x, cdt))
         x = self.ln_q(x).reshape(batch, count // group, group * cfg.dim)
-        hidden = jax.nn.gelu(dense(x, self.merge_in[...].astype(cdt)) + self.merge_in_bias[...].astype(cdt),
-                             approximate=False)
-        out = dense(hidden, self.merge_out[...].astype(cdt)) + self.merge_out_bias[...].astype(cdt)
+        hidden = jax.nn.gelu(linear(self, "merge_in", x.astype(cdt), lora_key=keys[-1])
+                             + self.merge_in_bias[...].astype(cdt), approximate=False)
+        out = linear(self, "merge_out", hidden, lora_key=keys[-1]) + self.merge_out_bias[...].astype(cdt)
         return (out, deep) if qwen3 else out

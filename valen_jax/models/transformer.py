@@ -15,6 +15,8 @@ from valen_jax.models.remat import checkpoint_policy
 from valen_jax.models.sharding import constrain
 from valen_jax.models.vision import VisionEncoder
 
+_TOWER_STREAM = 0x766973  # "vis": the vision tower's adapter-dropout stream within a step's key
+
 
 def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     return Block(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, bias=cfg.attention_bias,
@@ -25,9 +27,11 @@ def _block(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 def _vision(cfg: ModelConfig, rngs: nnx.Rngs):
+    # The tower's adapters are those of config.model.lora's `vision/` targets (none: it has none).
     if cfg.vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
-    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention)
+        return QwenVisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention,
+                                 lora=cfg.lora)
+    return VisionEncoder(cfg.vision, cfg.dim, cfg.dtype, cfg.param_dtype, rngs, attention=cfg.attention, lora=cfg.lora)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -104,15 +108,18 @@ class Transformer(nnx.Module):
         """
         return self._embed(tokens, vision_inputs)[0]
 
-    def _embed(self, tokens, vision_inputs):
-        """(embeddings, deepstack additions: a list of [B, T, D], empty unless the tower is Qwen3-VL's)."""
+    def _embed(self, tokens, vision_inputs, lora_key=None):
+        """(embeddings, deepstack additions: a list of [B, T, D], empty unless the tower is Qwen3-VL's).
+        `lora_key`: a training step's key; the tower's adapters draw their dropout from its own stream."""
         # Gather rows from a table whole along `embed`: an fsdp-split lookup would need a
         # full rematerialisation to reach the batch-sharded activation layout.
         table = constrain(self.embed[...], ("act_vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(self.dtype)
         if self.vision is None or vision_inputs is None or vision_inputs[0].shape[1] == 0:
             return x, []
-        features = self.vision(*vision_inputs)
+        # fold_in, not one more split: the decoder's per-layer keys (`_run_layers`) stay what they were.
+        tower_key = None if lora_key is None else jax.random.fold_in(lora_key, _TOWER_STREAM)
+        features = self.vision(*vision_inputs, lora_key=tower_key)
         deep = []
         if isinstance(features, tuple):
             features, deep = features
@@ -139,7 +146,7 @@ class Transformer(nnx.Module):
         """Final-norm hidden states [B, T, D] (what heads read). `lora_key`: a training step's key, which turns
         on the adapters' dropout (config.model.lora.dropout); evaluation and decoding pass none."""
         self._check_positions(positions, vision_inputs)
-        x, deepstack = self._embed(tokens, vision_inputs)
+        x, deepstack = self._embed(tokens, vision_inputs, lora_key)
         x = constrain(x, ("batch", "length", "act_embed"))
         x = self._run_layers(x, positions, (segment_ids, branch_ids), deepstack, lora_key)
         return self.final_norm(x)

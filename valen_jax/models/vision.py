@@ -8,11 +8,13 @@ projected to one text-width token.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models import lora as adapters
 from valen_jax.models.config import VisionConfig, dtype_of
-from valen_jax.models.layers import Block, RMSNorm, param
+from valen_jax.models.layers import Block, RMSNorm, adapt, linear, param
 
 
 def grid_position_embeddings(rows, columns, dim: int, theta: float = 10000.0):
@@ -31,7 +33,7 @@ def grid_position_embeddings(rows, columns, dim: int, theta: float = 10000.0):
 
 class VisionEncoder(nnx.Module):
     def __init__(self, cfg: VisionConfig, text_dim: int, dtype: str, param_dtype: str, rngs: nnx.Rngs,
-                 attention: str = "auto"):
+                 attention: str = "auto", lora=None):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
@@ -39,24 +41,27 @@ class VisionEncoder(nnx.Module):
         self.blocks = nnx.List([
             Block(cfg.dim, cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.mlp_dim, bias=True,
                   rope_theta=cfg.rope_theta, eps=1e-6, dtype=cdt, param_dtype=pdt, rngs=rngs,
-                  causal=False, attention=attention)
+                  causal=False, attention=attention, lora=lora, lora_scope=adapters.VISION)
             for _ in range(cfg.num_layers)
         ])
         merged = cfg.dim * cfg.merge_size * cfg.merge_size
         self.merge_norm = RMSNorm(merged, 1e-6, pdt, rngs)
         self.merge_in = param(rngs, (merged, merged), ("embed", "mlp"), pdt)
         self.merge_out = param(rngs, (merged, text_dim), ("mlp", "embed"), pdt)
+        adapt(self, ("merge_in", "merge_out"), rngs, lora, pdt, adapters.VISION)
 
-    def __call__(self, patches, positions, segments):
-        """patches [B, P, patch_dim]; positions int [B, P, 3]; segments int [B, P] → [B, P / merge², text_dim]."""
+    def __call__(self, patches, positions, segments, lora_key=None):
+        """patches [B, P, patch_dim]; positions int [B, P, 3]; segments int [B, P] → [B, P / merge², text_dim].
+        `lora_key`: a training step's key (adapter dropout), one per block and one for the merger."""
         cfg = self.cfg
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
         x = jnp.einsum("bpc,cd->bpd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
         if cfg.absolute_positions:
             x = x + grid_position_embeddings(positions[..., 1], positions[..., 2], cfg.dim).astype(self.dtype)
-        for block in self.blocks:  # patches attend within their own media item (segment ids; padding 0)
-            x = block(x, positions, segments)
+        keys = [None] * (len(self.blocks) + 1) if lora_key is None else jax.random.split(lora_key, len(self.blocks) + 1)
+        for block, key in zip(self.blocks, keys, strict=False):  # patches attend within their own media item
+            x = block(x, positions, segments, lora_key=key)
         x = self.merge_norm(x.reshape(batch, count // group, group * cfg.dim))
-        hidden = nnx.gelu(jnp.einsum("btd,df->btf", x, self.merge_in[...].astype(self.dtype)))
-        return jnp.einsum("btf,fd->btd", hidden, self.merge_out[...].astype(self.dtype))
+        hidden = nnx.gelu(linear(self, "merge_in", x.astype(self.dtype), lora_key=keys[-1]))
+        return linear(self, "merge_out", hidden, lora_key=keys[-1])

@@ -8,8 +8,9 @@ schedule. A pattern that matches no parameter is an error: a typo must not freez
 
 Under LoRA (`config.model.lora`, `models/lora.py`) the configured groups come first, then implicit
 ones: every adapter (`*_lora_a`, `*_lora_b`), each `config.model.lora.trainable` pattern and the score
-head (when the model has one) train at the schedule's rate, and everything else is frozen (`.*`), the
-vision tower included: the base gets no update and no moments.
+head (when the model has one) train at the schedule's rate, a fresh vision tower (`LoraConfig.train_vision`,
+set by `models.build`) at `config.train.vision_lr_multiplier` times it, as in a full run, and everything
+else is frozen (`.*`), an imported vision tower included: the base gets no update and no moments.
 
 Otherwise the vision tower (`vision/...`, when the model has one) trains at `config.train.vision_lr_multiplier`
 times the schedule: an implicit group after the configured ones, so a configured group that matches
@@ -83,7 +84,7 @@ def frozen_mask(params, groups: Sequence):
 VISION_PATTERN = "vision/.*"
 
 
-def _lora_groups(lora, params) -> list[dict]:
+def _lora_groups(lora, params, vision_multiplier: float) -> list[dict]:
     """LoRA's implicit groups after the configured ones: what trains, then the frozen rest."""
     paths = [path_of(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for index, pattern in enumerate(lora.trainable):
@@ -91,7 +92,8 @@ def _lora_groups(lora, params) -> list[dict]:
             raise ParamGroupError(f"config.model.lora.trainable[{index}] {pattern!r} matches no parameter; paths "
                                   f"look like {', '.join(paths[:4])}")
     has_head = any(p.startswith("score_head/") for p in paths)
-    return [*({"pattern": pattern, "lr_multiplier": 1.0} for pattern in trainable_patterns(lora, has_head)),
+    return [*({"pattern": pattern, "lr_multiplier": vision_multiplier if pattern == VISION_PATTERN else 1.0}
+              for pattern in trainable_patterns(lora, has_head)),
             {"pattern": ".*", "frozen": True}]
 
 
@@ -103,7 +105,7 @@ def groups_of(train_cfg, params, lora=None) -> list[dict]:
     if lora is not None:
         if params is None:
             raise ValueError("groups_of: LoRA's groups need the parameter shapes")
-        return groups + _lora_groups(lora, params)
+        return groups + _lora_groups(lora, params, float(train_cfg.vision_lr_multiplier))
     multiplier = float(train_cfg.vision_lr_multiplier)
     if multiplier != 1.0 and params is not None and any(
             path_of(p).startswith("vision/") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]):
