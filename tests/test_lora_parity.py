@@ -55,20 +55,10 @@ def test_merged_export_and_the_peft_adapter_give_our_logits(family, scan_layers,
     assert np.abs(_torch_logits(adapted, ids) - ours).max() <= 1e-4
 
 
-@pytest.mark.slow  # a VL forward compiled twice, two transformers loads
-def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(tmp_path):
-    """Qwen2.5-VL with adapters on its decoder (images and a video through the frozen tower): our logits
-    equal the merged export in transformers and PeftModel over the base (PEFT's names under
-    `model.language_model`)."""
-    from tests.test_hf_vl_parity import (
-        IMAGE_GRIDS,
-        VIDEO_GRIDS,
-        _config,
-        _hf_logits,
-        _our_logits,
-        _pixels,
-        _prompt,
-    )
+def _qwen2_5_vl_base(folder):
+    """A tiny random Qwen2.5-VL with its norms and biases perturbed (so no vector sits at its identity init),
+    saved to `folder`, and a prompt of two images and a video: (model, ids, images, videos)."""
+    from tests.test_hf_vl_parity import IMAGE_GRIDS, VIDEO_GRIDS, _config, _pixels, _prompt
 
     torch.manual_seed(0)
     hf_model = transformers.Qwen2_5_VLForConditionalGeneration(_config("qwen2_5_vl")).float().eval()
@@ -77,8 +67,18 @@ def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(t
             if parameter.ndim == 1:
                 base = 1.0 if ("norm" in name or "ln_q" in name) and name.endswith("weight") else 0.0
                 parameter.copy_(base + 0.3 * torch.randn_like(parameter))
-    hf_model.save_pretrained(tmp_path / "hf")
-    ids, images, videos = _prompt("qwen2_5_vl"), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+    hf_model.save_pretrained(folder)
+    return hf_model, _prompt("qwen2_5_vl"), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+
+
+@pytest.mark.slow  # a VL forward compiled twice, two transformers loads
+def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(tmp_path):
+    """Qwen2.5-VL with adapters on its decoder (images and a video through the frozen tower): our logits
+    equal the merged export in transformers and PeftModel over the base (PEFT's names under
+    `model.language_model`)."""
+    from tests.test_hf_vl_parity import _hf_logits, _our_logits
+
+    hf_model, ids, images, videos = _qwen2_5_vl_base(tmp_path / "hf")
     base_logits = _hf_logits(hf_model, ids, images, videos)
 
     model, cfg = hf.from_pretrained(tmp_path / "hf", lora=ADAPTERS)
@@ -110,26 +110,10 @@ def test_qwen2_5_vl_with_tower_and_merger_adapters_equals_its_merged_export_and_
     a video): our logits equal the merged export in transformers and PeftModel over the base, whose
     `target_modules` regex wraps exactly the modules we adapted; the folder reads back (init_adapter) to
     the same adapters."""
-    from tests.test_hf_vl_parity import (
-        IMAGE_GRIDS,
-        VIDEO_GRIDS,
-        _config,
-        _hf_logits,
-        _our_logits,
-        _pixels,
-        _prompt,
-    )
+    from tests.test_hf_vl_parity import _hf_logits, _our_logits
     from valen_jax.models import lora_init
 
-    torch.manual_seed(0)
-    hf_model = transformers.Qwen2_5_VLForConditionalGeneration(_config("qwen2_5_vl")).float().eval()
-    with torch.no_grad():
-        for name, parameter in hf_model.named_parameters():
-            if parameter.ndim == 1:
-                base = 1.0 if ("norm" in name or "ln_q" in name) and name.endswith("weight") else 0.0
-                parameter.copy_(base + 0.3 * torch.randn_like(parameter))
-    hf_model.save_pretrained(tmp_path / "hf")
-    ids, images, videos = _prompt("qwen2_5_vl"), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
+    hf_model, ids, images, videos = _qwen2_5_vl_base(tmp_path / "hf")
 
     adapters = lora.LoraConfig(rank=8, alpha=16.0, targets=lora.ATTENTION + lora.MLP + TOWER)
     model, cfg = hf.from_pretrained(tmp_path / "hf", lora=adapters)
