@@ -8,7 +8,9 @@ MLP 1408, vocabulary 32000, untied head) is written to a temporary directory and
 library (`hf.from_pretrained`): whole (every parameter trains: full fine-tuning), with LoRA r=16 on every
 linear layer of the decoder on a bf16 base, and with QLoRA (the same adapters on an NF4 base, its
 untargeted leaves in bf16). Each trains with the same
-AdamW step on the same token batch (`step_setup.compiled_step`, the layout's frozen mask applied).
+AdamW step on the same token batch (`step_setup.compiled_step`, the layout's frozen mask applied), with the
+layer settings a run from an imported checkpoint uses (the `:hf` variant: `remat=full`, scanned layers;
+`--remat=none --no-scan` gives the model's defaults instead).
 Step time: the mean of `--steps` steps after one warm-up. Peak memory: what XLA plans for one step
 (arguments + outputs − donated aliases + temporaries: the train state, gradients, moments and
 activations), i.e. the device memory the step needs, not the host process's resident size.
@@ -37,6 +39,11 @@ def parse_args():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
+    # The `:hf` variant's settings (configs/common.py), what a run from an imported checkpoint uses; the
+    # earlier figures were measured with --remat=none --no-scan.
+    parser.add_argument("--remat", default="full", help="remat policy of both steps (none | full | save_dots)")
+    parser.add_argument("--scan", default=True, action=argparse.BooleanOptionalAction,
+                        help="scanned layers in both steps")
     return parser.parse_args()
 
 
@@ -59,12 +66,14 @@ def batch(size: int, seq: int) -> dict:
             "patch_segments": np.zeros((size, 0), np.int32)}
 
 
-def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps: int) -> tuple[float, int, int]:
+def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps: int, remat: str = "none",
+            scan: bool = False) -> tuple[float, int, int]:
     """(seconds per step, planned peak bytes of one step, of which the train state and batch: the arguments).
     Full fine-tuning keeps f32 master weights; under (Q)LoRA the frozen base is stored in bf16 (what the issue
     asks and `config.model.param_dtype=bfloat16` gives a LoRA run), the adapters in f32, the step in f32."""
     param_dtype = "float32" if adapters is None else "bfloat16"
-    model, cfg = hf.from_pretrained(directory, param_dtype=param_dtype, **({"lora": adapters} if adapters else {}))
+    model, cfg = hf.from_pretrained(directory, param_dtype=param_dtype, remat=remat, scan_layers=scan,
+                                    **({"lora": adapters} if adapters else {}))
     mesh, tx, _, layout = train_layout(cfg, learning_rate=1e-4)
     params = nnx.to_pure_dict(nnx.state(model))
     state = {"params": params, "opt_state": jax.jit(tx.init)(params), "step": jnp.zeros((), jnp.int32)}
@@ -85,12 +94,13 @@ def main():
                 "qlora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, quantize_base="nf4")}
         results = {}
         for name, adapters in runs.items():
-            seconds, peak, state = measure(directory, adapters, data, args.steps)
+            seconds, peak, state = measure(directory, adapters, data, args.steps, args.remat, args.scan)
             results[name] = (seconds, peak)
             print(f"{name:6s} step {seconds:7.3f} s   peak {peak / 2**20:8.1f} MiB (state + batch {state / 2**20:7.1f} MiB)"
                   f"   load {os.getloadavg()[0]:.2f}", flush=True)
     full, low, quantised = results["full"], results["lora"], results["qlora"]
-    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32 steps "
+    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32 steps, "
+          f"remat={args.remat}, {'scanned' if args.scan else 'unscanned'} layers "
           "(full: f32 weights; LoRA: bf16 base, f32 adapters), "
           f"{jax.devices()[0].platform}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"lora_step_vs_full={low[0] / full[0]:.3f} lora_memory_vs_full={low[1] / full[1]:.3f} "
