@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.scripts import ROOT, load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("file_seconds", ROOT / "tests" / "file_seconds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tests/file_seconds.py")
 
 
 def test_a_junit_report_sums_into_seconds_per_file_heaviest_first(tmp_path):

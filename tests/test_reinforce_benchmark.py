@@ -2,16 +2,15 @@
 from the same exported start, a few updates each at two seeds; the per-seed and summary lines, the last
 line's format, and the one-line refusals of bad flags."""
 
-import importlib.util
 import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.scripts import ROOT, load_script
+
 LAST = re.compile(r"reinforce_reward_vs_trl=(\S+) steps_per_s_vs_trl=(\S+)")
 PER_SEED = re.compile(r"^(ours|TRL) seed=(\d+): reward over the last (\d+) rollouts (\S+); (\S+) updates/s",
                       re.MULTILINE)
@@ -66,10 +65,7 @@ def test_bad_flags_are_refused_in_one_line_naming_the_flag(tmp_path, flags, name
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("reinforce_benchmark", ROOT / "benchmarks" / "reinforce.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/reinforce.py", "reinforce_benchmark")
 
 
 def test_the_summary_is_the_mean_over_seeds_with_its_standard_error_and_the_median_rate(capsys):
