@@ -86,17 +86,24 @@ def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(t
     ours = _our_logits(model, ids, images, videos)
     assert np.abs(ours - base_logits).max() > 1e-2  # the adapters change the function
 
-    hf.save_pretrained(model, tmp_path / "merged")
-    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        tmp_path / "merged", attn_implementation="eager").float().eval()
-    assert np.abs(_hf_logits(merged, ids, images, videos) - ours).max() <= 1e-4
-
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    peft_adapter.save_adapter(cfg, params, tmp_path / "adapter", base=str(tmp_path / "hf"))
-    adapted = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    _, adapted = _merged_export_checked_then_peft(model, cfg, hf_model, tmp_path, (ids, images, videos), ours)
     # Only the decoder's linear layers are wrapped (the tower keeps its own qkv/proj untouched).
     assert len([m for m in adapted.modules() if isinstance(m, peft.tuners.lora.Linear)]) == 7 * cfg.num_layers
     assert np.abs(_hf_logits(adapted, ids, images, videos) - ours).max() <= 1e-4
+
+
+def _merged_export_checked_then_peft(model, cfg, hf_model, tmp_path, inputs, ours):
+    """Asserts the merged export (`hf.save_pretrained`, read by transformers) gives `ours` within 1e-4, then
+    writes the PEFT adapter folder and returns (our params as NumPy, PeftModel over `hf_model` with it)."""
+    from tests.test_hf_vl_parity import _hf_logits
+
+    hf.save_pretrained(model, tmp_path / "merged")
+    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", attn_implementation="eager").float().eval()
+    assert np.abs(_hf_logits(merged, *inputs) - ours).max() <= 1e-4
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    peft_adapter.save_adapter(cfg, params, tmp_path / "adapter", base=str(tmp_path / "hf"))
+    return params, peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
 
 
 # Every decoder linear layer, and in Qwen2.5-VL's tower every block's qkv, proj and MLP and the merger's two.
@@ -130,14 +137,7 @@ def test_qwen2_5_vl_with_tower_and_merger_adapters_equals_its_merged_export_and_
     model = _perturbed(model)
     ours = _our_logits(model, ids, images, videos)
 
-    hf.save_pretrained(model, tmp_path / "merged")
-    merged = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        tmp_path / "merged", attn_implementation="eager").float().eval()
-    assert np.abs(_hf_logits(merged, ids, images, videos) - ours).max() <= 1e-4
-
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
-    peft_adapter.save_adapter(cfg, params, tmp_path / "adapter", base=str(tmp_path / "hf"))
-    adapted = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    params, adapted = _merged_export_checked_then_peft(model, cfg, hf_model, tmp_path, (ids, images, videos), ours)
     wrapped = {name.removeprefix("base_model.model.") for name, m in adapted.named_modules()
                if isinstance(m, peft.tuners.lora.Linear)}
     blocks = cfg.vision.num_layers
