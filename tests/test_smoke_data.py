@@ -300,6 +300,28 @@ def test_regenerated_smoke_data_is_byte_identical(tmp_path):
     assert _tree_digests(tmp_path / "smoke") == ours
 
 
+def test_regenerated_smoke_scenes_are_byte_identical_and_make_train_reads_every_smoke_entry(tmp_path):
+    """`make train`'s data (configs/vflash.py's default variant, issue 25): the grid scenes and the two
+    recipes beside the smoke recipe, regenerated bit for bit; its recipe holds each smoke entry unchanged
+    but for its paths, so the smoke recipe stays the one home of them."""
+    make_vision_tasks = _load_script("make_vision_tasks")
+    (tmp_path / "smoke").mkdir()
+    (tmp_path / "smoke" / "vflash").symlink_to(VFLASH, target_is_directory=True)
+    make_vision_tasks.make_smoke_scenes(tmp_path / "smoke" / "scenes", tmp_path / "smoke" / "vflash")
+    assert _tree_digests(tmp_path / "smoke" / "scenes") == _tree_digests(SMOKE / "scenes")
+    smoke = json.loads((VFLASH / "recipe.json").read_text())
+    recipe = json.loads((SMOKE / "scenes" / "recipe.json").read_text())
+    assert list(recipe) == [*smoke, "smoke_scenes"] and recipe["smoke_scenes"]["length"] == 400
+    for name, entry in smoke.items():
+        ours = recipe[name]
+        assert {k: v for k, v in ours.items() if k not in ("annotation", "root")} == \
+            {k: v for k, v in entry.items() if k not in ("annotation", "root")}
+        assert (SMOKE / "scenes" / ours["root"]).resolve() == VFLASH.resolve()
+    answers = {json.loads(line)["conversations"][1]["value"]
+               for line in (SMOKE / "scenes" / "train.jsonl").read_text().splitlines()}
+    assert len(answers) > 300  # nine places, each jittered: no answer a model could learn by heart
+
+
 def test_regenerated_tokenizer_is_byte_identical(tmp_path):
     make_tokenizer = _load_script("make_tokenizer")
     make_tokenizer.main(["--data", str(SMOKE), "--out", str(tmp_path / "tok")])

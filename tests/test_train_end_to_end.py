@@ -40,7 +40,7 @@ def test_default_config_on_8_devices_checkpoints_meta_and_evaluates(tmp_path):
             f"mgr = checkpoint.manager({str(workdir)!r}, read_only=True)\n"
             "meta = checkpoint.restore_meta(mgr, mgr.latest_step())\n"
             "tok = checkpoint.load_tokenizer(" + repr(str(workdir)) + ", meta['tokenizer']['fingerprint'])\n"
-            f"report = evaluate_workdir({str(workdir)!r}, {str(ROOT / 'data/smoke/vflash/eval.jsonl')!r})\n"
+            f"report = evaluate_workdir({str(workdir)!r}, {str(ROOT / 'data/smoke/scenes/eval_recipe.json')!r})\n"
             "print(json.dumps({'step': mgr.latest_step(), 'media_kwargs': meta['media_kwargs'],\n"
             "  'fingerprint': meta['tokenizer']['fingerprint'], 'report_step': report['step'],\n"
             "  'manifest_records': meta['shards']['train']['counts']['records'],\n"
@@ -52,7 +52,7 @@ def test_default_config_on_8_devices_checkpoints_meta_and_evaluates(tmp_path):
     assert restored["media_kwargs"] == {"min_pixels": 1024, "max_pixels": 4096, "fps": 2.0, "max_frames": 8,
                                         "min_frames": 1, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
                                         "video_min_pixels": 1024, "video_max_pixels": 4096, "video_pixels_per": "frame"}
-    assert restored["config_steps"] == 4 and restored["manifest_records"] == 96
+    assert restored["config_steps"] == 4 and restored["manifest_records"] == 496  # the smoke recipe's 96 and 400 scenes
 
     from transformers import AutoTokenizer
 
