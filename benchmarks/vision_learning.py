@@ -1,6 +1,6 @@
 """Does a VFlash target trained from scratch learn to look? (issue 25) Localising one small disc.
 
-    .venv/bin/python benchmarks/vision_learning.py                     # 2000 scenes, 1500 steps (~8 min CPU)
+    .venv/bin/python benchmarks/vision_learning.py                     # 2000 scenes, 2500 steps (~35 min, 2 cores at load ~6)
     .venv/bin/python benchmarks/vision_learning.py --steps=300 --every=100 --train-records=400   # a check
     .venv/bin/python benchmarks/vision_learning.py --workdir=/tmp/vl --task=leftright --steps=300
 
@@ -9,7 +9,8 @@
    record, the answer its centre as `<point><x><y></point>` on seed 004's 0..1000 grid; --train-records
    (2000) training and --eval-records (100) test scenes from one seed, no image shared.
 2. Training: `python -m valen_jax.train --config=configs/vflash.py` with the config's defaults (model,
-   learning rate and its schedule, `train.vision_lr_multiplier`, batch), only the data, --steps (1500)
+   learning rate and its schedule, `train.vision_lr_multiplier`, batch), only the data, --steps (2500:
+   the fixed budget; the cosine schedule spans it)
    and a checkpoint every --every (250) steps changed (and `data.seq_len`, fitted to these rows).
 3. Evaluation of every checkpoint on the test scenes, in this process, through the library's
    `valen_jax.evaluate.evaluate_workdir` (what `python -m valen_jax.evaluate` runs): point accuracy =
@@ -49,7 +50,8 @@ def _generator():
 def train(workdir: Path, data: Path, steps: int, every: int, extra: list[str]) -> float:
     """The train CLI on `data` → seconds it took (checkpoints every `every` steps, all kept)."""
     command = [sys.executable, "-m", "valen_jax.train", "--config=configs/vflash.py", f"--workdir={workdir}",
-               "--config.data.format=vflash", f"--config.data.train={data / 'train.jsonl'}",
+               "--config.data.format=vflash", "--config.data.eval_format=vflash",
+               f"--config.data.train={data / 'train.jsonl'}",
                f"--config.data.eval={data / 'eval.jsonl'}", f"--config.train.steps={steps}",
                f"--config.train.checkpoint_every={every}", f"--config.train.keep_checkpoints={steps // every + 1}",
                "--config.eval.every=0", "--config.eval.at_end=False",
@@ -71,10 +73,10 @@ def evaluate(workdir: Path, data: Path, step: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="locate", choices=("locate", "leftright"))
+    parser.add_argument("--task", default="locate", choices=_generator().TASKS)
     parser.add_argument("--train-records", type=int, default=2000)
     parser.add_argument("--eval-records", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="default: a new temporary directory")
