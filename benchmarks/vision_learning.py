@@ -72,8 +72,9 @@ def evaluate(workdir: Path, data: Path, step: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    generator = _generator()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", default="locate", choices=_generator().TASKS)
+    parser.add_argument("--task", default="locate", choices=generator.TASKS)
     parser.add_argument("--train-records", type=int, default=2000)
     parser.add_argument("--eval-records", type=int, default=100)
     parser.add_argument("--steps", type=int, default=2500)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps % args.every:
         parser.error(f"--steps={args.steps} must be a multiple of --every={args.every}")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="vision_learning_"))
-    data = _generator().make(args.task, root / "data", args.train_records, args.eval_records, args.seed)["train"].parent
+    data = generator.make(args.task, root / "data", args.train_records, args.eval_records, args.seed)["train"].parent
     seconds = train(root / "run", data, args.steps, args.every, [f"--config.{kv}" for kv in args.config])
     print(f"trained {args.steps} steps in {seconds:.0f} s ({args.task}, {args.train_records} scenes): {root / 'run'}")
     located, final = None, None

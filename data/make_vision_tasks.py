@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import random
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def make_smoke_scenes(output: str | Path = SMOKE / "scenes", vflash: str | Path 
     recipe = {}
     for name, entry in json.loads((vflash / "recipe.json").read_text()).items():
         files = entry["annotation"]
-        entry = {**entry, "root": f"{there}/{entry.get('root', '.')}".removesuffix("/."),
+        entry = {**entry, "root": posixpath.normpath(f"{there}/{entry.get('root', '')}"),
                  "annotation": [f"{there}/{f}" for f in files] if isinstance(files, list) else f"{there}/{files}"}
         recipe[name] = entry
     recipe["smoke_scenes"] = {"annotation": "train.jsonl", "root": ".", "repeat_time": 1.0, "data_augment": False,
