@@ -13,9 +13,10 @@ from valen_jax.serving.app import build_app
 
 
 class Served:
-    def __init__(self, workdir, *, slots: int, max_queue: int, api_key: str | None = None):
+    def __init__(self, workdir, *, slots: int, max_queue: int, api_key: str | None = None, drafter=None):
         # No warm-up: compiling every prompt bucket up front costs the suite seconds its prompts never use.
-        self.service = load_service(workdir, slots=slots, max_queue=max_queue, api_key=api_key, warm=False)
+        self.service = load_service(workdir, slots=slots, max_queue=max_queue, api_key=api_key, warm=False,
+                                    drafter=drafter)
         with socket.socket() as probe:  # a free port: the kernel picks, the server binds it next
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]

@@ -228,10 +228,10 @@ def test_full_queue_answers_429_with_retry_after(served):
 def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
     """16 slots, 3 requests (slots 0-2, so each decode runs 8 slot rows of 16) of which one has a prompt
     past 128 tokens (the cache prefix grows from 128 to 256 positions): token for token offline's."""
-    from valen_jax.serving.slots import Request, SlotEngine, _cover, _shape_buckets
+    from valen_jax.serving.slots import Request, SlotEngine, _shape_buckets, cover
 
     assert _shape_buckets(32, 8) == [8, 16, 32] and _shape_buckets(4, 8) == [4]
-    assert _shape_buckets(512, 128) == [128, 256, 512] and _cover([128, 256, 512], 129) == 256
+    assert _shape_buckets(512, 128) == [128, 256, 512] and cover([128, 256, 512], 129) == 256
     service = served.service
     run = service.restored
     engine = SlotEngine(run.params, run.graphdef, vocab=len(service.tokenizer), stop_ids=(service.eot,), slots=16,

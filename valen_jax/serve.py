@@ -2,7 +2,7 @@
 batching over fixed decode slots.
 
     python -m valen_jax.serve --workdir=runs/chat-smoke [--host=127.0.0.1] [--port=8000] [--max-batch=8] \
-        [--max-queue=64] [--api-key=KEY]
+        [--max-queue=64] [--api-key=KEY] [--drafter=DRAFTER_WORKDIR]
     curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
         -d '{"model": "chat-smoke", "messages": [{"role": "user", "content": "What is 4 plus 23?"}]}'
 
@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--steps-per-sync", type=int, default=4,
              help="decode steps on the device between two host syncs, when requests join and leave (default 4)")
     add_flag(parser, "--api-key", default=None, help="default: $VALEN_API_KEY, else no key")
-    parser.add_argument("--drafter", default=None, help="a drafter workdir for speculative decoding (not yet served)")
+    parser.add_argument("--drafter", default=None,
+                        help="a vflash drafter workdir trained against --workdir: announced blocks are decoded "
+                             "speculatively (lossless; usage reports accepted tokens and verify passes)")
     return parser
 
 
@@ -51,30 +53,32 @@ def main(argv=None) -> int:
         raise SystemExit(f"--max-queue={args.max_queue}: must be >= 1")
     if args.steps_per_sync < 1:
         raise SystemExit(f"--steps-per-sync={args.steps_per_sync}: must be >= 1")
-    if args.drafter is not None:
-        # Refused, not ignored: a user asking for speculative decoding must not get plain decoding silently.
-        raise SystemExit(f"--drafter={args.drafter}: speculative serving is not implemented yet")
-    if not os.path.isdir(args.workdir):
-        raise SystemExit(f"--workdir={args.workdir}: no such directory")
+    for flag, path in (("--workdir", args.workdir), ("--drafter", args.drafter)):
+        if path is not None and not os.path.isdir(path):
+            raise SystemExit(f"{flag}={path}: no such directory")
     cli_logging.configure()
-    with error_boundary("valen_jax.serve", paths=(args.workdir,)):
+    with error_boundary("valen_jax.serve", paths=(args.workdir, *([args.drafter] if args.drafter else []))):
         import uvicorn
 
         from valen_jax.serving.app import build_app
         app = build_app(load_service(args.workdir, args.step, slots=args.max_batch, max_queue=args.max_queue,
-                                     steps_per_sync=args.steps_per_sync, api_key=args.api_key or os.environ.get("VALEN_API_KEY")))
+                                     steps_per_sync=args.steps_per_sync, api_key=args.api_key or os.environ.get("VALEN_API_KEY"),
+                                     drafter=args.drafter))
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
 def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, steps_per_sync: int = 4,
-                 api_key: str | None = None, warm: bool = True):
-    """The restored workdir and its slot engine, ready for `serving.app.build_app`."""
-    from valen_jax.run import restore_model
+                 api_key: str | None = None, warm: bool = True, drafter=None):
+    """The restored workdir and its slot engine, ready for `serving.app.build_app`; `drafter`: a vflash
+    workdir (its latest step) trained against this workdir's weights, refused otherwise (`run.check_target`)."""
+    from valen_jax.run import restore_drafter, restore_model
     from valen_jax.serving.service import Service
 
-    return Service(restore_model(workdir, step), slots=slots, max_queue=max_queue, steps_per_sync=steps_per_sync,
-                   api_key=api_key, warm=warm)
+    restored = restore_model(workdir, step)
+    draft = None if drafter is None else restore_drafter(drafter, target=restored)
+    return Service(restored, slots=slots, max_queue=max_queue, steps_per_sync=steps_per_sync, api_key=api_key,
+                   warm=warm, drafter=draft)
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def _target(model, rule, draft_params, rows: Rows, tokens, positions, method: st
                                       rows.cursor)
 
 
-class _Passes:
+class Passes:
     """The loop's two passes for one model, drafter rule and sampling (inside the traced program)."""
 
     def __init__(self, model, rule, draft_params, sampling: Sampling, vocab: int, width: int, row_keys, stop_ids,
@@ -214,6 +214,19 @@ class _Passes:
                       s.histogram + (drafting[:, None] & (jnp.arange(width + 1)[None] == accepted[:, None])))
         return after._replace(stats=stats)
 
+    def pass_(self, rows: Rows) -> Rows:
+        """One pass: a verify pass when some live row is inside a span (and there is a drafter), else a step."""
+        if self.rule is None:
+            return self.step(rows)
+        drafting = jnp.any(self.live(rows) & (rows.spans.left > 0))
+        return jax.lax.cond(drafting, self.verify, self.step, rows)
+
+    def repeat(self, rows: Rows, passes: int) -> Rows:
+        """`passes` passes (a server's sync), each skipped once no row is live."""
+        def body(_, rows):
+            return jax.lax.cond(jnp.any(self.live(rows)), self.pass_, lambda r: r, rows)
+        return jax.lax.fori_loop(0, passes, body, rows)
+
     def run(self, rows: Rows) -> Rows:
         """Passes until no row is live (every pass commits a token per live row: at most max(budget))."""
         limit = jnp.max(rows.budget)
@@ -224,15 +237,40 @@ class _Passes:
 
         def body(carry):
             step, rows = carry
-            if self.rule is None:
-                return step + 1, self.step(rows)
-            drafting = jnp.any(self.live(rows) & (rows.spans.left > 0))
-            return step + 1, jax.lax.cond(drafting, self.verify, self.step, rows)
+            return step + 1, self.pass_(rows)
 
         return jax.lax.while_loop(cond, body, (jnp.int32(0), rows))[1]
 
 
-def _empty(batch: int, width: int, out_length: int, budget):
+def slot_keys(seeds, choices):
+    """One key per row from its own seed and choice index: `token_key`'s row keys, for rows of different
+    requests (a server's slots); `_keys_at(slot_keys(...), i)` is then row token i's key."""
+    return jax.vmap(lambda seed, choice: jax.random.fold_in(jax.random.key(seed), choice))(seeds, choices)
+
+
+def prompt_spans(tables, tokens, lengths, last, active) -> tuple[Spans, jax.Array]:
+    """Each row's prompt ids (tokens [B, P], the first lengths[b] real, then `last`) through the
+    announcement automaton → (Spans, held): a prompt ending with a call opens a span at output 0 (only the
+    last id's event counts); held: it ends with a call the device cannot read (the host reads it)."""
+    zeros = jnp.zeros(tokens.shape[0], jnp.int32)
+
+    def read(carry, column):
+        state, registers = carry
+        j, token = column
+        moved, moved_registers, _ = announcements.advance(tables, state, registers, token)
+        inside = j < lengths
+        return (jnp.where(inside, moved, state), jnp.where(inside[:, None], moved_registers, registers)), None
+
+    (state, registers), _ = jax.lax.scan(read, (zeros, jnp.zeros((tokens.shape[0], 2), jnp.int32)),
+                                         (jnp.arange(tokens.shape[1]), tokens.T))
+    state, registers, event = announcements.advance(tables, state, registers, last)
+    announce = active & (event == announcements.ANNOUNCE)
+    spans = Spans(state, registers, jnp.where(announce, registers[:, 0], 0), jnp.where(announce, registers[:, 0], 0),
+                  jnp.where(announce, registers[:, 1], 0), announce)
+    return spans, active & (event == announcements.ASK_HOST)
+
+
+def blank(batch: int, width: int, out_length: int, budget):
     zeros = jnp.zeros(batch, jnp.int32)
     spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool))
     stats = Stats(zeros, zeros, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), jnp.int32),
@@ -250,18 +288,28 @@ def engine_program(graphdef, sampling: Sampling, vocab: int, cache_length: int, 
         logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
         row_keys = _row_keys(seed, rows)
         batch = tokens.shape[0]
-        spans, stats, out, budget = _empty(batch, 0, out_length, max_new)
+        spans, stats, out, budget = blank(batch, 0, out_length, max_new)
         # As if the prompt's last token had just been `last`: committing the first token moves the cursor
         # and position onto its own slot (lengths) and position (next_position).
         state = Rows(cache, (), jnp.zeros(batch, jnp.int32), lengths - 1, next_position - 1,
                      jnp.zeros(batch, jnp.int32), budget, ~active, jnp.zeros(batch, bool), out, spans, stats)
         first = sample(logits, _keys_at(row_keys, state.count), sampling, vocab)
         state = _commit(state, first[:, None], active.astype(jnp.int32), stop_ids, None)
-        state = _Passes(model, None, (), sampling, vocab, 0, row_keys, stop_ids, None).run(state)
+        state = Passes(model, None, (), sampling, vocab, 0, row_keys, stop_ids, None).run(state)
         # Batch-sharded like the inputs, so each process reads back exactly its own rows.
         return constrain(state.out, ("batch", None)), constrain(state.count, ("batch",))
 
     return jax.jit(run)
+
+
+def prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths, cache_length: int, vision):
+    """The target's prefill and the drafter's state from the same pass (its context, when it reads the
+    target's layers) → (logits at each row's last token, target cache, drafter state)."""
+    if rule.collect:
+        logits, cache, features = model.prefill(tokens, positions, lengths, cache_length, vision, collect=rule.collect)
+        return logits, cache, rule.init(draft_params, features, text_positions(positions), cache_length)
+    logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
+    return logits, cache, rule.init(draft_params, None, None, cache_length)
 
 
 @functools.cache
@@ -275,35 +323,17 @@ def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: 
     def start(params, draft_params, tokens, positions, lengths, last, last_position, active, vision, stop_ids, seed,
               rows, budget, tables):
         model = nnx.merge(graphdef, params)
-        if rule.collect:
-            _, cache, features = model.prefill(tokens, positions, lengths, cache_length, vision, collect=rule.collect)
-            draft = rule.init(draft_params, features, text_positions(positions), cache_length)
-        else:
-            _, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
-            draft = rule.init(draft_params, None, None, cache_length)
+        _, cache, draft = prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths, cache_length,
+                                               vision)
         batch = tokens.shape[0]
-        spans, stats, out, budget = _empty(batch, width, out_length, budget)
-
-        def read(carry, column):  # the prompt's ids through the automaton; only its last id's event counts
-            state, registers = carry
-            j, token = column
-            moved, moved_registers, _ = announcements.advance(tables, state, registers, token)
-            inside = j < lengths
-            return (jnp.where(inside, moved, state), jnp.where(inside[:, None], moved_registers, registers)), None
-
-        (state, registers), _ = jax.lax.scan(read, (spans.automaton, spans.registers),
-                                             (jnp.arange(tokens.shape[1]), tokens.T))
-        state, registers, event = announcements.advance(tables, state, registers, last)
-        announce = active & (event == announcements.ANNOUNCE)
-        spans = Spans(state, registers, jnp.where(announce, registers[:, 0], 0), jnp.where(announce, registers[:, 0], 0),
-                      jnp.where(announce, registers[:, 1], 0), announce)
-        held = active & (event == announcements.ASK_HOST)
+        _, stats, out, budget = blank(batch, width, out_length, budget)
+        spans, held = prompt_spans(tables, tokens, lengths, last, active)
         state = Rows(cache, draft, last, lengths, last_position, jnp.zeros(batch, jnp.int32), budget,
                      ~active | (budget <= 0), held, out, spans, stats)
         return _passes(model, draft_params, seed, rows, stop_ids, tables).run(state)
 
     def _passes(model, draft_params, seed, rows, stop_ids, tables):
-        return _Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables)
+        return Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables)
 
     def resume(params, draft_params, state: Rows, stop_ids, seed, rows, tables):
         return _passes(nnx.merge(graphdef, params), draft_params, seed, rows, stop_ids, tables).run(state)

@@ -122,6 +122,20 @@ class Timing:
 _HOST_CAP = 1 << 15
 
 
+def open_host_span(calls: AtomicCalls, ids: list[int], spans: dict, row: int) -> bool:
+    """A held row's ids (prompt and output) end with a call outside the device's spelling: read it with
+    `AtomicCalls.announced` (the rule's one home) and open the span it announces in row `row` of `spans`
+    (host arrays `left`, `size`, `count`, `fresh`) → whether it announced one (else the row decodes on:
+    another tool, or text)."""
+    found = calls.announced(ids)
+    if found is None:
+        return False
+    size = min(found.block_size, _HOST_CAP)
+    spans["left"][row], spans["size"][row] = size, size
+    spans["count"][row], spans["fresh"][row] = min(found.count or 0, _HOST_CAP), True
+    return True
+
+
 class SpeculativeDecoder:
     """Greedy (`Sampling()`) or sampled decoding of a batch of prompts with speculative blocks: one compiled
     loop per batch (`decoding.loop`); `width`: the draft slots per pass of a drafter without a block size."""
@@ -222,11 +236,7 @@ class SpeculativeDecoder:
         spans = {k: np.array(getattr(state.spans, k)) for k in ("left", "size", "count", "fresh")}
         for row in np.flatnonzero(held):
             self.timing.host_reads += 1
-            found = self.calls.announced(list(rows[row][0]) + out[row, :count[row]].tolist())
-            if found is not None:
-                size = min(found.block_size, _HOST_CAP)
-                spans["left"][row], spans["size"][row] = size, size
-                spans["count"][row], spans["fresh"][row] = min(found.count or 0, _HOST_CAP), True
+            open_host_span(self.calls, list(rows[row][0]) + out[row, :count[row]].tolist(), spans, row)
         return state._replace(held=jnp.zeros_like(state.held),
                               spans=state.spans._replace(**{k: jnp.asarray(v) for k, v in spans.items()}))
 

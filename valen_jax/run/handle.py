@@ -151,9 +151,11 @@ def _on_base(workdir: Path, step: int, config, model_cfg: ModelConfig, tokenizer
     return adapter_checkpoint.with_trained(params, trained)
 
 
-def restore_drafter(workdir: str | Path, step: int | None = None, devices=None) -> DrafterRun:
+def restore_drafter(workdir: str | Path, step: int | None = None, devices=None, *,
+                    target: ModelRun | None = None) -> DrafterRun:
     """The drafter at `step` (default: the latest) and its target, refused unless the target's params are
-    the ones recorded at training (`check_target`) and share the drafter's tokenizer."""
+    the ones recorded at training (`check_target`) and share the drafter's tokenizer. `target`: a model
+    already restored to decode with (a server's workdir), checked instead of restoring the recorded one."""
     workdir = Path(workdir).resolve()
     mgr = checkpoint.manager(workdir, read_only=True)
     try:
@@ -162,7 +164,10 @@ def restore_drafter(workdir: str | Path, step: int | None = None, devices=None) 
         if "drafter" not in meta:
             raise checkpoint.CheckpointError(f"{workdir}: checkpoint {step} holds no drafter (not a vflash run)")
         record = meta["drafter"]["target"]
-        target = _recorded_target(workdir, step, record, devices)
+        if target is None:
+            target = _recorded_target(workdir, step, record, devices)
+        else:
+            check_target(workdir, step, record, target)
         if target.fingerprint != meta["tokenizer"]["fingerprint"]:
             raise checkpoint.CheckpointError(
                 f"{workdir}: drafter tokenizer {meta['tokenizer']['fingerprint']}, its target {target.workdir} "

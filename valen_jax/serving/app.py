@@ -117,8 +117,16 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
 
     def usage():
         completion = sum(len(r.tokens) for r in requests)
-        return {"prompt_tokens": len(ids) * len(requests), "completion_tokens": completion,
-                "total_tokens": len(ids) * len(requests) + completion}
+        counts = {"prompt_tokens": len(ids) * len(requests), "completion_tokens": completion,
+                  "total_tokens": len(ids) * len(requests) + completion}
+        if service.drafter is None:
+            return counts
+        # OpenAI's predicted-output counts, and ours: verify passes and the tokens they committed in blocks.
+        spec = {k: sum((r.speculation or {}).get(k, 0) for r in requests)
+                for k in ("verify_passes", "block_tokens", "drafted_tokens", "accepted_tokens")}
+        return dict(counts, completion_tokens_details={
+            "accepted_prediction_tokens": spec["accepted_tokens"],
+            "rejected_prediction_tokens": spec["drafted_tokens"] - spec["accepted_tokens"]}, valen=spec)
 
     def valen(choice: _Choice) -> dict:
         extension = service.extension(choice.sent)
@@ -145,6 +153,9 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
                 await next_event()
         finally:
             cancel_all()
+        if any(c.finish == "error" for c in choices):
+            raise APIError(500, f"the decode engine failed: {service.engine.failure}", None, "engine_failed",
+                           "server_error")
         return JSONResponse(dict(head, choices=[final(c, i) for i, c in enumerate(choices)], usage=usage()))
 
     chunk_head = dict(head, object="chat.completion.chunk" if chat else "text_completion")

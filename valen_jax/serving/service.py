@@ -18,9 +18,11 @@ import numpy as np
 from data_pipeline.chat_templates import template_family
 from data_pipeline.format_registry import FORMATS
 from data_pipeline.formats.errors import FormatError
+from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.decoding.engine import bucket
 from valen_jax.decoding.sampling import Sampling
+from valen_jax.decoding.speculative import CachedDrafter
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation.answers import vflash_fields
 from valen_jax.evaluation.chat import parse_tool_calls
@@ -29,13 +31,16 @@ from valen_jax.serving import images
 from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
+from valen_jax.serving.speculative_slots import SpeculativeSlotEngine
 
 log = logging.getLogger(__name__)
 
 
 class Service:
     def __init__(self, restored, *, slots: int, max_queue: int, api_key: str | None = None, steps_per_sync: int = 4,
-                 warm: bool = True):
+                 warm: bool = True, drafter=None):
+        """restored: the workdir's `run.ModelRun`; drafter: a `run.DrafterRun` trained against it (speculative
+        decoding of announced blocks, `serving.speculative_slots`), or None."""
         self.restored, self.tokenizer, self.api_key = restored, restored.tokenizer, api_key
         self.name = Path(restored.workdir).name
         self.context = int(restored.spec.seq_len)
@@ -45,9 +50,15 @@ class Service:
         # A VFlash workdir's answers carry their parsed primitives (`extension`), as `generate` writes them.
         self.vflash = FORMATS[restored.config.data.eval_format].family == "vflash"
         # Every prompt bucket of a prompt within the context must fit the cache (kv_cache.from_prefill).
-        self.engine = SlotEngine(restored.params, restored.graphdef, vocab=len(self.tokenizer), stop_ids=(self.eot,),
-                                 slots=slots, cache_length=bucket(self.context), max_queue=max_queue,
-                                 steps_per_sync=steps_per_sync)
+        engine = dict(vocab=len(self.tokenizer), stop_ids=(self.eot,), slots=slots, cache_length=bucket(self.context),
+                      max_queue=max_queue, steps_per_sync=steps_per_sync)
+        self.drafter = drafter
+        if drafter is None:
+            self.engine = SlotEngine(restored.params, restored.graphdef, **engine)
+        else:
+            self.engine = SpeculativeSlotEngine(
+                restored.params, restored.graphdef, calls=AtomicCalls(self.tokenizer),
+                drafter=CachedDrafter(drafter.graphdef, drafter.params, len(self.tokenizer)), **engine)
         if warm:
             self.engine.warm()
             log.info("serve: compiled every prefill bucket and decode shape in %.1f s (warm-up)",
@@ -57,8 +68,14 @@ class Service:
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",
                 "valen": {"workdir": str(self.restored.workdir), "step": self.restored.step,
-                          "tokenizer": str(getattr(self.tokenizer, "name_or_path", "")), "drafter": None,
+                          "tokenizer": str(getattr(self.tokenizer, "name_or_path", "")), "drafter": self.drafter_card(),
                           "context": self.context, "slots": self.engine.slots}}
+
+    def drafter_card(self) -> dict | None:
+        if self.drafter is None:
+            return None
+        return {"workdir": str(self.drafter.workdir), "step": self.drafter.step,
+                "block_size": self.drafter.cfg.block_size}
 
     def check_model(self, body: Sampled | ScoreRequest) -> None:
         if body.model != self.name:
@@ -113,6 +130,11 @@ class Service:
             field = "messages" if isinstance(body, ChatRequest) else "prompt"
             raise APIError(400, f"{field}: {len(ids)} prompt tokens; the model's context is {self.context}",
                            field, "context_length_exceeded")
+        if self.drafter is not None and len(ids) < 2:
+            # The speculative prefill covers every prompt token but the last (`speculative_slots`).
+            field = "messages" if isinstance(body, ChatRequest) else "prompt"
+            raise APIError(400, f"{field}: 1 prompt token; with a drafter the server needs at least 2", field,
+                           "prompt_too_short")
         if asked is None:
             return min(self.default_max, self.context - len(ids))
         if len(ids) + asked > self.context:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from valen_jax.decoding import loop
 from valen_jax.decoding.engine import batch_arrays, bucket
 from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.models.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 PREFILL_ROWS = 4  # rows of a prefill of several admitted requests (`SlotEngine._start`)
 # Prompt tokens (rows x bucket) one prefill may pad to: a CPU runs 4 rows of 384 tokens ~7x slower than one
@@ -82,6 +85,9 @@ class Request:
     # submitted (in the queue), admitted (given a slot, at a sync), prefill_start / first_token (its prefill
     # call begun / its first token chosen and on the host).
     times: dict = field(default_factory=dict)
+    # With a drafter (`speculative_slots`): verify passes, tokens committed in announced blocks, drafted and
+    # accepted draft tokens so far (the route's `usage`); None without one.
+    speculation: dict | None = None
 
 
 @functools.cache
@@ -144,7 +150,7 @@ def _shape_buckets(limit: int, smallest: int) -> list[int]:
     return [*sizes, limit]
 
 
-def _cover(sizes: list[int], n: int) -> int:
+def cover(sizes: list[int], n: int) -> int:
     return next(s for s in sizes if s >= n)
 
 
@@ -177,6 +183,7 @@ class SlotEngine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
+        self.failure: str | None = None  # why the engine thread ended, if it failed (`_run`)
         self.steps = 0  # decode steps run (the tests read it to see slots shared)
         # The first-token paths of the latest requests and the latest decode calls' seconds (`metrics`).
         self._firsts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=METRICS_WINDOW)
@@ -191,20 +198,13 @@ class SlotEngine:
         Padding rows only: their slots are out of range, so the cache is untouched. Its seconds are
         `warm_seconds` (in `metrics`, and the server logs them)."""
         started = time.perf_counter()
-        sizes, size = [], bucket(1)
-        while size <= self.cache_length:
-            sizes.append(size)
-            size = bucket(size + 1)
-        for rows in sorted({1, min(PREFILL_ROWS, self.slots)}):
-            for size in sizes:
-                if rows > 1 and rows * size > self.prefill_tokens:
-                    continue  # `_start` never runs this one
-                zeros = np.zeros((rows, size), np.int32)
-                positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
-                logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
-                                                    np.full(rows, self.slots, np.int32), None)
-                _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
-                                                 np.zeros(rows, np.int32))
+        for rows, size in self._prefill_shapes():
+            zeros = np.zeros((rows, size), np.int32)
+            positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
+            logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
+                                                np.full(rows, self.slots, np.int32), None)
+            _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
+                                             np.zeros(rows, np.int32))
         zeros = np.zeros(self.slots, np.int32)
         for rows in self._row_sizes:
             for length in self._length_sizes:
@@ -215,12 +215,24 @@ class SlotEngine:
         np.asarray(tokens)
         self.warm_seconds = time.perf_counter() - started
 
+    def _prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, prompt bucket) of every prefill `_start` can run: one row per bucket up to the cache, and
+        `PREFILL_ROWS` rows where they fit the prefill token budget."""
+        sizes, size = [], bucket(1)
+        while size <= self.cache_length:
+            sizes.append(size)
+            size = bucket(size + 1)
+        return [(rows, size) for rows in sorted({1, min(PREFILL_ROWS, self.slots)}) for size in sizes
+                if rows == 1 or rows * size <= self.prefill_tokens]
+
     # -- the request side (any thread) --
     def submit(self, request: Request) -> None:
         if len(request.ids) + request.max_new > self.cache_length:
             raise ValueError(f"{len(request.ids)} prompt tokens + {request.max_new} new tokens exceed the "
                              f"model's context of {self.cache_length} tokens")
         with self._wake:
+            if self.failure is not None:
+                raise QueueFull(f"the decode engine failed ({self.failure}); restart the server")
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
@@ -276,6 +288,23 @@ class SlotEngine:
 
     # -- the engine thread --
     def _run(self) -> None:
+        """The engine loop; if it fails (a bug, the device lost), every request it holds ends with
+        finish_reason "error" (the route answers 500 naming the failure) and new ones are refused (503),
+        rather than waiting forever on a thread that is gone."""
+        try:
+            self._serve()
+        except Exception as error:  # noqa: BLE001  (any failure must reach the clients, then the log)
+            log.exception("serve: the decode engine failed; refusing requests from now on")
+            with self._wake:
+                self.failure, self._stopping = f"{type(error).__name__}: {error}", True
+                held = [r for r in self._live if r is not None] + list(self._waiting)
+                self._waiting.clear()
+                self._live = [None] * self.slots
+            for request in held:
+                request.finish_reason = "error"
+                request.emit(None)
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 while not self._stopping and not self._waiting and not any(self._live):
@@ -368,8 +397,8 @@ class SlotEngine:
             counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
         # Only the slots up to the highest live one (slots are taken lowest first) and the cache positions
         # the live cursors reach in this call: a light load computes a fraction of the cache.
-        rows = _cover(self._row_sizes, max(r.slot for r in live) + 1)
-        length = _cover(self._length_sizes, min(self.cache_length, int(cursor.max()) + self.steps_per_sync))
+        rows = cover(self._row_sizes, max(r.slot for r in live) + 1)
+        length = cover(self._length_sizes, min(self.cache_length, int(cursor.max()) + self.steps_per_sync))
         for sampling in {r.sampling for r in live}:
             mine = [r for r in live if r.sampling == sampling]
             mask = np.zeros(self.slots, bool)

@@ -1,0 +1,216 @@
+"""Speculative decoding in the decode slots (`python -m valen_jax.serve --drafter=WORKDIR`).
+
+The slot engine of `serving.slots` whose sync runs `steps_per_sync` passes of the decode loop
+(`decoding.loop.Passes`, the program `generate_batch` and evaluation run) instead of plain steps: a
+pass is a decode step while no live slot is inside an announced block, else one draft → verify pass
+for every slot (a slot outside a block takes the target's token at slot 0 as a plain step). So a
+greedy answer is the target's own (as `SpeculativeDecoder`, tests/test_serve_speculative.py compares
+it with `generate`), and a sampled one is rejection-sampled: its distribution is the target's.
+
+What each slot keeps across syncs, besides the target's cache row:
+- the drafter's context cache row (`[L_d, S, K, C, H]`, written by the prefill and every pass, donated
+  like the target's);
+- its announcement automaton and announced span (`loop.Spans`), and its verify statistics
+  (`loop.Stats`: passes, tokens committed in blocks, drafted and accepted per position), on the host
+  between syncs (a few ints per slot), reset by the slot's prefill.
+
+As in `SpeculativeDecoder`, the prefill covers each prompt but its last token, which the first pass
+feeds: a prompt ending with an `atomic_decoding` call has its block drafted from output 0, and the first
+token arrives with the first sync after the prefill (one pass later than in plain serving). A call the
+device's automaton cannot read holds its slot until the sync ends; the host reads it with
+`AtomicCalls.announced` (`speculative.open_host_span`) and the slot goes on at the next sync.
+
+A pass costs a verify `extend` over width + 1 positions for every slot up to the highest live one as soon
+as any of them is inside a block; the other slots take their plain token from the same pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from data_pipeline.primitives import AtomicCalls
+from valen_jax.decoding import announcements, loop
+from valen_jax.decoding.engine import batch_arrays, bucket
+from valen_jax.decoding.sampling import Sampling
+from valen_jax.decoding.speculative import open_host_span
+from valen_jax.serving.slots import Request, SlotEngine, cover
+
+
+def _into_slots(whole, rows, slots):
+    """Rows [L, A, ...] of a prefill into their slots of a slot-wide cache (padding rows: out of range, dropped)."""
+    return jax.tree.map(lambda w, r: w.at[:, slots].set(r.astype(w.dtype), mode="drop"), whole, rows)
+
+
+@functools.cache
+def _prefill_program(graphdef, rule, cache_length: int):
+    def prefill(params, draft_params, cache, draft, tokens, positions, lengths, slots, vision, last, tables):
+        """Prompts but their last token [A, P] into their slots, the drafter's context with them, and the
+        automaton over the whole prompt → (cache, draft, Spans, held) of the A rows."""
+        model = nnx.merge(graphdef, params)
+        _, rows, context = loop.prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths,
+                                                     cache_length, vision)
+        spans, held = loop.prompt_spans(tables, tokens, lengths, last, slots < cache.keys.shape[1])
+        return _into_slots(cache, rows, slots), _into_slots(draft, context, slots), spans, held
+
+    def empty(params, draft_params, slots):
+        model = nnx.merge(graphdef, params)
+        tokens = jnp.zeros((slots, 1), jnp.int32)
+        return loop.prefill_with_drafter(model, rule, draft_params, tokens, tokens, jnp.ones(slots, jnp.int32),
+                                         cache_length, None)[2]
+
+    return jax.jit(prefill, donate_argnums=(2, 3)), jax.jit(empty, static_argnums=(2,))
+
+
+@functools.cache
+def _sync_program(graphdef, rule, vocab: int, sampling: Sampling, width: int, passes: int, rows: int, length: int):
+    """`passes` loop passes of slots [0, rows) over cache positions [0, length) (the rest untouched) →
+    (the tokens each slot committed [rows, passes·(width + 1)], from its count on; counts; held; Spans; Stats;
+    both caches)."""
+    window = passes * (width + 1)
+
+    def sync(params, draft_params, cache, draft, last, cursor, offsets, seeds, choices, counts, live, budgets,
+             spans, stats, stop_ids, tables):
+        model = nnx.merge(graphdef, params)
+        whole, whole_draft = cache, draft
+        cut = functools.partial(jax.tree.map, lambda x: x[:, :rows, :, :length])
+        first = functools.partial(jax.tree.map, lambda x: x[:rows])
+        last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats = first(
+            (last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats))
+        # `_commit` writes a slot's tokens at its output index: room for the budget and one sync beyond it.
+        out = jnp.zeros((rows, whole.keys.shape[3] + window), jnp.int32)
+        state = loop.Rows(cut(whole), cut(whole_draft), last, cursor, cursor + offsets, counts, budgets, ~live,
+                          jnp.zeros(rows, bool), out, spans, stats)
+        state = loop.Passes(model, rule, draft_params, sampling, vocab, width, loop.slot_keys(seeds, choices),
+                            stop_ids, tables).repeat(state, passes)
+        tokens = jax.vmap(lambda o, c: jax.lax.dynamic_slice(o, (c,), (window,)))(state.out, counts)
+
+        def back(full, part):
+            return jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim), full, part)
+
+        return (tokens, state.count, state.held, state.spans, state.stats, back(whole, state.cache),
+                back(whole_draft, state.draft))
+
+    return jax.jit(sync, donate_argnums=(2, 3))
+
+
+class SpeculativeSlotEngine(SlotEngine):
+    """`SlotEngine` with a block drafter (module docstring). drafter: a device drafter with a block size
+    (a `CachedDrafter` of a vflash workdir trained against this target; the tests' `ScriptedDrafter`);
+    calls: the target tokenizer's `AtomicCalls`."""
+
+    def __init__(self, params, graphdef, *, drafter, calls: AtomicCalls, slots: int,
+                 cache_length: int, **kwargs):
+        self.drafter, self.calls, self.width = drafter, calls, int(drafter.rule.block_size)
+        self._spec_prefill, empty = _prefill_program(graphdef, drafter.rule, int(cache_length))
+        self._draft = empty(params, drafter.params, int(slots))
+        self._tables = announcements.tables(calls, nnx.merge(graphdef, params).cfg.vocab_size)
+        self._spans, self._stats = jax.tree.map(np.array, loop.blank(slots, self.width, 1, 0)[:2])
+        super().__init__(params, graphdef, slots=slots, cache_length=cache_length, **kwargs)
+
+    def warm(self) -> None:
+        """Compile every speculative prefill (both row counts, every prompt bucket) and the greedy sync of
+        every slot count and cache prefix before serving (`SlotEngine.warm`'s reasons)."""
+        started = time.perf_counter()
+        for rows, size in self._prefill_shapes():
+            zeros = np.zeros((rows, size), np.int32)
+            positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
+            self._cache, self._draft, *_ = self._spec_prefill(
+                self.params, self.drafter.params, self._cache, self._draft, zeros, positions,
+                np.ones(rows, np.int32), np.full(rows, self.slots, np.int32), None, np.zeros(rows, np.int32),
+                self._tables)
+        for rows in self._row_sizes:
+            for length in self._length_sizes:
+                self._sync(Sampling(), rows, length, [])
+        self.warm_seconds = time.perf_counter() - started
+
+    def _prefill_rows(self, requests: list[Request], rows: int) -> None:
+        """The prompts but their last tokens into the requests' slots (the first pass feeds the last), their
+        spans from the automaton, their statistics reset; no token yet (it comes with the next sync)."""
+        patches = max((len(r.vision["patches"]) for r in requests if r.vision), default=0)
+        chunk = [(r.ids[:-1], (np.arange(len(r.ids), dtype=np.int32) if r.positions is None else r.positions)[:-1])
+                 for r in requests]
+        arrays = batch_arrays(chunk, [r.vision for r in requests], rows, bucket(max(len(c) for c, _ in chunk)),
+                              patches, self.model_cfg, self.mrope)
+        slots, last = np.full(rows, self.slots, np.int32), np.zeros(rows, np.int32)
+        for row, request in enumerate(requests):
+            # The last prompt token (at the prompt's largest position) is fed at slot len(ids) - 1.
+            slots[row], last[row] = request.slot, request.ids[-1]
+            request.offset = int(arrays["next_position"][row]) - (len(request.ids) - 1)
+        vision = (arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None
+        started = time.perf_counter()
+        for request in requests:
+            request.times["prefill_start"] = started
+        self._cache, self._draft, spans, held = self._spec_prefill(
+            self.params, self.drafter.params, self._cache, self._draft, arrays["tokens"], arrays["positions"],
+            arrays["lengths"], slots, vision, last, self._tables)
+        spans, held = jax.tree.map(np.asarray, spans), np.asarray(held)
+        for row, request in enumerate(requests):
+            for mine, new in zip(self._spans, spans, strict=True):
+                mine[request.slot] = new[row]
+            for mine in self._stats:
+                mine[request.slot] = 0
+            if held[row]:
+                self._read_call(request, list(request.ids))
+
+    def _read_call(self, request: Request, ids: list[int]) -> None:
+        spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh")}
+        open_host_span(self.calls, ids, spans, request.slot)
+
+    def _sync(self, sampling: Sampling, rows: int, length: int, mine: list[Request]):
+        last = np.zeros(self.slots, np.int32)
+        cursor, offsets, counts, budgets = (np.zeros_like(last) for _ in range(4))
+        seeds, choices, live = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32), np.zeros(self.slots, bool)
+        for r in mine:
+            # The last committed token (the prompt's last before the first) is fed at the slot after the rest.
+            last[r.slot] = r.tokens[-1] if r.tokens else r.ids[-1]
+            cursor[r.slot], offsets[r.slot] = len(r.ids) + len(r.tokens) - 1, r.offset
+            counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
+            live[r.slot] = True
+        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, sampling, self.width,
+                                self.steps_per_sync, rows, length)
+        tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
+            self.params, self.drafter.params, self._cache, self._draft, last, cursor, offsets, seeds, choices, counts,
+            live, budgets, self._spans, self._stats, self._stops, self._tables)
+        tokens, new_counts, held = np.asarray(tokens), np.asarray(new_counts), np.asarray(held)
+        for mine_field, new in zip((*self._spans, *self._stats), (*spans, *stats), strict=True):
+            mine_field[:rows] = np.asarray(new)
+        return tokens, new_counts, held
+
+    def _step(self) -> None:
+        live = [r for r in self._live if r is not None]
+        rows = cover(self._row_sizes, max(r.slot for r in live) + 1)
+        # Each pass writes width + 1 positions above a slot's cursor.
+        reach = max(len(r.ids) + len(r.tokens) for r in live) + self.steps_per_sync * (self.width + 1)
+        length = cover(self._length_sizes, min(self.cache_length, reach))
+        for sampling in {r.sampling for r in live}:
+            mine = [r for r in live if r.sampling == sampling]
+            started = time.perf_counter()
+            tokens, counts, held = self._sync(sampling, rows, length, mine)
+            self._decode_seconds.append(time.perf_counter() - started)
+            self.steps += self.steps_per_sync
+            for r in mine:
+                had = len(r.tokens)
+                self._note_stats(r)  # before the commits: the last one may end the answer, read by the route
+                for token in tokens[r.slot, :counts[r.slot] - had]:
+                    if r.finish_reason is not None or r.cancelled:
+                        break
+                    self._commit(r, token, notify=False)
+                if had == 0 and r.tokens:
+                    r.times["first_token"] = time.perf_counter()
+                    self._record(r)
+                if r.finish_reason is None and held[r.slot]:
+                    self._read_call(r, list(r.ids) + r.tokens)
+                if r.finish_reason is None and len(r.tokens) > had:
+                    r.emit(r.tokens[-1])
+
+    def _note_stats(self, request: Request) -> None:
+        s, slot = self._stats, request.slot
+        request.speculation = {"verify_passes": int(s.passes[slot]), "block_tokens": int(s.committed[slot]),
+                               "drafted_tokens": int(s.drafted_at[slot].sum()),
+                               "accepted_tokens": int(s.accepted_at[slot].sum())}
