@@ -40,13 +40,13 @@ def left_right(tmp_path_factory) -> dict[str, Path]:
             "blank": make_vision_tasks.make("leftright", root / "blank", 400, 100, seed=0, blank=True)["train"].parent}
 
 
-def train_and_report(config: str, workdir: Path, data: Path, steps: int, *overrides: str):
+def train_and_report(config: str, workdir: Path, data: Path, steps: int, *overrides: str, timeout: int = 900):
     """Train `config` on `data`'s train.jsonl, evaluate at the end on its eval.jsonl → (report, CLI result)."""
     result = run_train(config, workdir, "--config.data.format=vflash", "--config.data.eval_format=vflash",
                        f"--config.data.train={data / 'train.jsonl'}",
                        f"--config.data.eval={data / 'eval.jsonl'}", f"--config.train.steps={steps}",
                        f"--config.train.checkpoint_every={steps}", "--config.eval.every=0",
-                       "--config.eval.at_end=True", "--config.eval.max_examples=100", *overrides, timeout=900)
+                       "--config.eval.at_end=True", "--config.eval.max_examples=100", *overrides, timeout=timeout)
     return json.loads((workdir / "eval" / f"report-{steps}.json").read_text()), result
 
 
