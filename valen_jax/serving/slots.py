@@ -357,15 +357,7 @@ class SlotEngine:
         """One prefill of `requests` padded to `rows` rows and their prompt bucket, the host arrays built by
         `engine.batch_arrays` (generate's; an image row with its patches, their count unpadded as generate's, so
         an image prompt's program is compiled per patch count: a processor's `max_pixels` keeps them few)."""
-        patches = max((len(r.vision["patches"]) for r in requests if r.vision), default=0)
-        chunk = [(r.ids, np.arange(len(r.ids), dtype=np.int32) if r.positions is None else r.positions)
-                 for r in requests]
-        arrays = batch_arrays(chunk, [r.vision for r in requests], rows, bucket(max(len(r.ids) for r in requests)),
-                              patches, self.model_cfg, self.mrope)
-        slots = np.full(rows, self.slots, np.int32)  # out of range: the padding rows' writes are dropped
-        for row, request in enumerate(requests):
-            slots[row], request.offset = request.slot, int(arrays["next_position"][row]) - len(request.ids)
-        vision = ((arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None)
+        arrays, slots, vision = self._prompt_arrays(requests, rows, len)
         started = time.perf_counter()
         for request in requests:
             request.times["prefill_start"] = started
@@ -378,6 +370,48 @@ class SlotEngine:
             self._record(request)
             self._commit(request, token)
 
+    def _prompt_arrays(self, requests: list[Request], rows: int, prefilled) -> tuple[dict, np.ndarray, tuple | None]:
+        """The prefill's host arrays of each request's first `prefilled(ids)` prompt tokens (`engine.batch_arrays`,
+        generate's; an image row with its patches, their count unpadded as generate's, so an image prompt's
+        program is compiled per patch count: a processor's `max_pixels` keeps them few), padded to `rows` rows
+        and their bucket → (arrays, each row's slot, vision inputs or None); sets each request's `offset`."""
+        patches = max((len(r.vision["patches"]) for r in requests if r.vision), default=0)
+        chunk = []
+        for r in requests:
+            n = prefilled(r.ids)
+            chunk.append((r.ids[:n], (np.arange(len(r.ids), dtype=np.int32) if r.positions is None else r.positions)[:n]))
+        arrays = batch_arrays(chunk, [r.vision for r in requests], rows, bucket(max(len(c) for c, _ in chunk)),
+                              patches, self.model_cfg, self.mrope)
+        slots = np.full(rows, self.slots, np.int32)  # out of range: the padding rows' writes are dropped
+        for row, (request, (ids, _)) in enumerate(zip(requests, chunk, strict=True)):
+            # The next token after the prefilled ones sits at slot len(ids), position len(ids) + offset.
+            slots[row], request.offset = request.slot, int(arrays["next_position"][row]) - len(ids)
+        vision = (arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None
+        return arrays, slots, vision
+
+    def _slot_arrays(self, requests: list[Request]) -> dict[str, np.ndarray]:
+        """Per slot, the host arrays a decode call reads, filled for `requests` (zeros elsewhere): the last
+        committed token (the prompt's last before the first output), which is not in the cache yet and goes to
+        the slot after the prompt and the others (`cursor`), position offsets, output counts, budgets, seeds,
+        choice indices, and `live` (these requests)."""
+        a = {k: np.zeros(self.slots, np.int32) for k in ("last", "cursor", "offsets", "counts", "budgets")}
+        a.update(seeds=np.zeros(self.slots, np.uint32), choices=np.zeros(self.slots, np.uint32),
+                 live=np.zeros(self.slots, bool))
+        for r in requests:
+            a["last"][r.slot] = r.tokens[-1] if r.tokens else r.ids[-1]
+            a["cursor"][r.slot], a["offsets"][r.slot] = len(r.ids) + len(r.tokens) - 1, r.offset
+            a["counts"][r.slot], a["budgets"][r.slot] = len(r.tokens), r.max_new
+            a["seeds"][r.slot], a["choices"][r.slot], a["live"][r.slot] = r.seed, r.choice, True
+        return a
+
+    def _decode_shape(self, live: list[Request], ahead: int) -> tuple[int, int]:
+        """(slot rows, cache positions) of a decode call: only the slots up to the highest live one (slots are
+        taken lowest first) and the positions the live cursors reach `ahead` positions on, so a light load
+        computes a fraction of the cache."""
+        rows = cover(self._row_sizes, max(r.slot for r in live) + 1)
+        cursor = max(len(r.ids) + len(r.tokens) - 1 for r in live)
+        return rows, cover(self._length_sizes, min(self.cache_length, cursor + ahead))
+
     def _record(self, request: Request) -> None:
         t = request.times
         with self._wake:
@@ -388,25 +422,16 @@ class SlotEngine:
         """`steps_per_sync` tokens of every live slot: one program per sampling among them (the rare mixed
         case runs the model once per sampling, each for its own rows)."""
         live = [r for r in self._live if r is not None]
-        last = np.zeros(self.slots, np.int32)
-        cursor, offsets, counts, budgets = (np.zeros_like(last) for _ in range(4))
-        seeds, choices = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32)
-        for r in live:
-            # The last token is not in the cache yet: it goes to the slot after the prompt and the others.
-            last[r.slot], cursor[r.slot], offsets[r.slot] = r.tokens[-1], len(r.ids) + len(r.tokens) - 1, r.offset
-            counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
-        # Only the slots up to the highest live one (slots are taken lowest first) and the cache positions
-        # the live cursors reach in this call: a light load computes a fraction of the cache.
-        rows = cover(self._row_sizes, max(r.slot for r in live) + 1)
-        length = cover(self._length_sizes, min(self.cache_length, int(cursor.max()) + self.steps_per_sync))
+        a = self._slot_arrays(live)
+        rows, length = self._decode_shape(live, self.steps_per_sync)
         for sampling in {r.sampling for r in live}:
             mine = [r for r in live if r.sampling == sampling]
             mask = np.zeros(self.slots, bool)
             mask[[r.slot for r in mine]] = True
             decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
             started = time.perf_counter()
-            tokens, self._cache = decode(self.params, self._cache, last, cursor, offsets, seeds, choices, counts, mask,
-                                         budgets, self._stops)
+            tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
+                                         a["choices"], a["counts"], mask, a["budgets"], self._stops)
             tokens = np.asarray(tokens)
             self._decode_seconds.append(time.perf_counter() - started)
             self.steps += self.steps_per_sync

@@ -36,10 +36,9 @@ from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding import announcements, loop
-from valen_jax.decoding.engine import batch_arrays, bucket
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.speculative import open_host_span
-from valen_jax.serving.slots import Request, SlotEngine, cover
+from valen_jax.serving.slots import Request, SlotEngine
 
 
 def _into_slots(whole, rows, slots):
@@ -132,17 +131,10 @@ class SpeculativeSlotEngine(SlotEngine):
     def _prefill_rows(self, requests: list[Request], rows: int) -> None:
         """The prompts but their last tokens into the requests' slots (the first pass feeds the last), their
         spans from the automaton, their statistics reset; no token yet (it comes with the next sync)."""
-        patches = max((len(r.vision["patches"]) for r in requests if r.vision), default=0)
-        chunk = [(r.ids[:-1], (np.arange(len(r.ids), dtype=np.int32) if r.positions is None else r.positions)[:-1])
-                 for r in requests]
-        arrays = batch_arrays(chunk, [r.vision for r in requests], rows, bucket(max(len(c) for c, _ in chunk)),
-                              patches, self.model_cfg, self.mrope)
-        slots, last = np.full(rows, self.slots, np.int32), np.zeros(rows, np.int32)
-        for row, request in enumerate(requests):
-            # The last prompt token (at the prompt's largest position) is fed at slot len(ids) - 1.
-            slots[row], last[row] = request.slot, request.ids[-1]
-            request.offset = int(arrays["next_position"][row]) - (len(request.ids) - 1)
-        vision = (arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None
+        # The last prompt token (at the prompt's largest position) is fed by the first pass, at slot len(ids) - 1.
+        arrays, slots, vision = self._prompt_arrays(requests, rows, lambda ids: len(ids) - 1)
+        last = np.zeros(rows, np.int32)
+        last[:len(requests)] = [r.ids[-1] for r in requests]
         started = time.perf_counter()
         for request in requests:
             request.times["prefill_start"] = started
@@ -163,20 +155,12 @@ class SpeculativeSlotEngine(SlotEngine):
         open_host_span(self.calls, ids, spans, request.slot)
 
     def _sync(self, sampling: Sampling, rows: int, length: int, mine: list[Request]):
-        last = np.zeros(self.slots, np.int32)
-        cursor, offsets, counts, budgets = (np.zeros_like(last) for _ in range(4))
-        seeds, choices, live = np.zeros(self.slots, np.uint32), np.zeros(self.slots, np.uint32), np.zeros(self.slots, bool)
-        for r in mine:
-            # The last committed token (the prompt's last before the first) is fed at the slot after the rest.
-            last[r.slot] = r.tokens[-1] if r.tokens else r.ids[-1]
-            cursor[r.slot], offsets[r.slot] = len(r.ids) + len(r.tokens) - 1, r.offset
-            counts[r.slot], budgets[r.slot], seeds[r.slot], choices[r.slot] = len(r.tokens), r.max_new, r.seed, r.choice
-            live[r.slot] = True
+        a = self._slot_arrays(mine)
         program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, sampling, self.width,
                                 self.steps_per_sync, rows, length)
         tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
-            self.params, self.drafter.params, self._cache, self._draft, last, cursor, offsets, seeds, choices, counts,
-            live, budgets, self._spans, self._stats, self._stops, self._tables)
+            self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"], a["seeds"],
+            a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables)
         tokens, new_counts, held = np.asarray(tokens), np.asarray(new_counts), np.asarray(held)
         for mine_field, new in zip((*self._spans, *self._stats), (*spans, *stats), strict=True):
             mine_field[:rows] = np.asarray(new)
@@ -184,10 +168,8 @@ class SpeculativeSlotEngine(SlotEngine):
 
     def _step(self) -> None:
         live = [r for r in self._live if r is not None]
-        rows = cover(self._row_sizes, max(r.slot for r in live) + 1)
-        # Each pass writes width + 1 positions above a slot's cursor.
-        reach = max(len(r.ids) + len(r.tokens) for r in live) + self.steps_per_sync * (self.width + 1)
-        length = cover(self._length_sizes, min(self.cache_length, reach))
+        # Each pass writes width + 1 positions from a slot's cursor on.
+        rows, length = self._decode_shape(live, self.steps_per_sync * (self.width + 1) + 1)
         for sampling in {r.sampling for r in live}:
             mine = [r for r in live if r.sampling == sampling]
             started = time.perf_counter()
