@@ -11,7 +11,8 @@ untargeted leaves in bf16). Each trains with the same
 AdamW step on the same token batch (`step_setup.compiled_step`, the layout's frozen mask applied), with the
 layer settings a run from an imported checkpoint uses (the `:hf` variant: `remat=full`, scanned layers;
 `--remat=none --no-scan` gives the model's defaults instead).
-Step time: the mean of `--steps` steps after one warm-up. Peak memory: what XLA plans for one step
+Step time: the median of `--steps` steps after one warm-up, the three runs taking turns step by step
+(`step_setup.interleaved_seconds`: a drift in the host's load then touches all three alike). Peak memory: what XLA plans for one step
 (arguments + outputs − donated aliases + temporaries: the train state, gradients, moments and
 activations), i.e. the device memory the step needs, not the host process's resident size.
 The host is shared, so the 1-minute load average is printed beside the times.
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from step_setup import compiled_step, seconds_per_step, train_layout
+from step_setup import compiled_step, interleaved_seconds, train_layout
 
 from valen_jax.models import hf, lora, sharding
 
@@ -37,7 +38,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=7, help="timed steps of each run, taken in turns")
     parser.add_argument("--rank", type=int, default=16)
     # The `:hf` variant's settings (configs/common.py), what a run from an imported checkpoint uses; the
     # earlier figures were measured with --remat=none --no-scan.
@@ -66,9 +67,10 @@ def batch(size: int, seq: int) -> dict:
             "patch_segments": np.zeros((size, 0), np.int32)}
 
 
-def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps: int, remat: str = "none",
-            scan: bool = False) -> tuple[float, int, int]:
-    """(seconds per step, planned peak bytes of one step, of which the train state and batch: the arguments).
+def prepare(directory: str, adapters: lora.LoraConfig | None, data: dict, remat: str = "none",
+            scan: bool = False) -> tuple[tuple, int, int]:
+    """((compiled step, train state, device batch, mesh), planned peak bytes of one step, of which the train
+    state and batch: the arguments).
     Full fine-tuning keeps f32 master weights; under (Q)LoRA the frozen base is stored in bf16 (what the issue
     asks and `config.model.param_dtype=bfloat16` gives a LoRA run), the adapters in f32, the step in f32."""
     param_dtype = "float32" if adapters is None else "bfloat16"
@@ -82,7 +84,7 @@ def measure(directory: str, adapters: lora.LoraConfig | None, data: dict, steps:
     analysis = compiled.memory_analysis()
     peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes)
-    return seconds_per_step(compiled, state, device_batch, mesh, steps), peak, analysis.argument_size_in_bytes
+    return (compiled, state, device_batch, mesh), peak, analysis.argument_size_in_bytes
 
 
 def main():
@@ -92,12 +94,13 @@ def main():
         write_checkpoint(directory)
         runs = {"full": None, "lora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank),
                 "qlora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, quantize_base="nf4")}
+        prepared = {name: prepare(directory, adapters, data, args.remat, args.scan) for name, adapters in runs.items()}
+        seconds = interleaved_seconds({name: p[0] for name, p in prepared.items()}, args.steps)
         results = {}
-        for name, adapters in runs.items():
-            seconds, peak, state = measure(directory, adapters, data, args.steps, args.remat, args.scan)
-            results[name] = (seconds, peak)
-            print(f"{name:6s} step {seconds:7.3f} s   peak {peak / 2**20:8.1f} MiB (state + batch {state / 2**20:7.1f} MiB)"
-                  f"   load {os.getloadavg()[0]:.2f}", flush=True)
+        for name, (_, peak, state) in prepared.items():
+            results[name] = (seconds[name], peak)
+            print(f"{name:6s} step {seconds[name]:7.3f} s   peak {peak / 2**20:8.1f} MiB "
+                  f"(state + batch {state / 2**20:7.1f} MiB)", flush=True)
     full, low, quantised = results["full"], results["lora"], results["qlora"]
     print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32 steps, "
           f"remat={args.remat}, {'scanned' if args.scan else 'unscanned'} layers "

@@ -5,10 +5,12 @@ place, so they compare alike).
     mesh, tx, schedule, layout = train_layout(cfg, learning_rate=1e-4)
     compiled = compiled_step(layout, batch)   # batch: arrays or ShapeDtypeStructs
     seconds = seconds_per_step(compiled, state, device_batch, mesh, steps=3)
+    medians = interleaved_seconds({"full": (compiled, state, device_batch, mesh), "lora": (...)}, rounds=7)
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -54,3 +56,23 @@ def seconds_per_step(compiled, state: dict, device_batch: dict, mesh, steps: int
             state, metrics = compiled(state, device_batch)
         jax.block_until_ready(metrics)
     return (time.perf_counter() - start) / steps
+
+
+def interleaved_seconds(runs: dict[str, tuple], rounds: int) -> dict[str, float]:
+    """Median wall seconds of one step of each run, the runs taking turns (one step each per round, after a
+    warm-up step each): on a shared host the load drifts over minutes, and steps measured one run after the
+    other would compare one run's quiet minute with another's busy one. `runs`: name → (compiled, state,
+    device batch, mesh), each state donated and carried from step to step as in training."""
+    states, times = {}, {name: [] for name in runs}
+    for name, (compiled, state, device_batch, mesh) in runs.items():
+        with jax.set_mesh(mesh):
+            states[name], metrics = compiled(state, device_batch)
+            jax.block_until_ready(metrics)
+    for _ in range(rounds):
+        for name, (compiled, _, device_batch, mesh) in runs.items():
+            with jax.set_mesh(mesh):
+                start = time.perf_counter()
+                states[name], metrics = compiled(states[name], device_batch)
+                jax.block_until_ready(metrics)
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
