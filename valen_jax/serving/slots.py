@@ -164,6 +164,8 @@ def _chooser(sampling: Sampling, vocab: int):
 class SlotEngine:
     """The decode slots of one model and the thread that steps them (module docstring)."""
 
+    min_decode_rows = MIN_DECODE_ROWS  # the fewest slots a decode program runs (`_shape_buckets`)
+
     def __init__(self, params, graphdef, *, vocab: int, stop_ids, slots: int, cache_length: int,
                  max_queue: int, steps_per_sync: int = 4):
         self.params, self.vocab, self.slots, self.cache_length = params, int(vocab), int(slots), int(cache_length)
@@ -176,7 +178,7 @@ class SlotEngine:
         self.mrope = self.model_cfg.mrope_section is not None
         platform = next(iter(jax.tree.leaves(params)[0].devices())).platform  # where the model runs, not the host
         self.prefill_tokens = PREFILL_TOKENS.get(platform, PREFILL_TOKENS_ACCELERATOR)
-        self._row_sizes = _shape_buckets(self.slots, MIN_DECODE_ROWS)
+        self._row_sizes = _shape_buckets(self.slots, self.min_decode_rows)
         self._length_sizes = _shape_buckets(self.cache_length, MIN_DECODE_LENGTH)
         self._cache = empty(params, self.slots)
         self._live: list[Request | None] = [None] * self.slots

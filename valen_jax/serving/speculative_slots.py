@@ -103,6 +103,11 @@ class SpeculativeSlotEngine(SlotEngine):
     (a `CachedDrafter` of a vflash workdir trained against this target; the tests' `ScriptedDrafter`);
     calls: the target tokenizer's `AtomicCalls`."""
 
+    # A verify pass computes block_size + 1 positions of every slot up to the highest live one, so an idle
+    # lane costs as much as a live one: sync programs of 1, 2, 4, ... slots (plain decode starts at 8, where
+    # a lane is one position), so one request alone pays for one lane.
+    min_decode_rows = 1
+
     def __init__(self, params, graphdef, *, drafter, calls: AtomicCalls, slots: int,
                  cache_length: int, **kwargs):
         self.drafter, self.calls, self.width = drafter, calls, int(drafter.rule.block_size)
