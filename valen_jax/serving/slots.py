@@ -438,12 +438,7 @@ class SlotEngine:
             self._decode_seconds.append(time.perf_counter() - started)
             self.steps += self.steps_per_sync
             for r in mine:
-                for token in tokens[:, r.slot]:
-                    if r.finish_reason is not None or r.cancelled:
-                        break
-                    self._commit(r, token, notify=False)
-                if r.finish_reason is None:  # one event per sync (a finished one had its None)
-                    r.emit(r.tokens[-1])
+                self._commit_sync(r, tokens[:, r.slot])
 
     def _choose(self, logits, requests: list[Request]) -> np.ndarray:
         """The first token of each new request from its prompt's logits [rows, V] (rows >= requests: the
@@ -458,6 +453,17 @@ class SlotEngine:
             picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
             out[picks] = chosen[picks]
         return out
+
+    def _commit_sync(self, request: Request, tokens) -> None:
+        """A sync's tokens of one request, up to its end (a stop, its budget, or the client gone), then one
+        event for them all (a finished request had its None from `_free`)."""
+        had = len(request.tokens)
+        for token in tokens:
+            if request.finish_reason is not None or request.cancelled:
+                break
+            self._commit(request, token, notify=False)
+        if request.finish_reason is None and len(request.tokens) > had:
+            request.emit(request.tokens[-1])
 
     def _commit(self, request: Request, token: int, notify: bool = True) -> None:
         """One token onto the request; `notify`: tell its route now (else the caller does, once per sync)."""

@@ -184,17 +184,12 @@ class SpeculativeSlotEngine(SlotEngine):
             for r in mine:
                 had = len(r.tokens)
                 self._note_stats(r)  # before the commits: the last one may end the answer, read by the route
-                for token in tokens[r.slot, :counts[r.slot] - had]:
-                    if r.finish_reason is not None or r.cancelled:
-                        break
-                    self._commit(r, token, notify=False)
+                self._commit_sync(r, tokens[r.slot, :counts[r.slot] - had])
                 if had == 0 and r.tokens:
                     r.times["first_token"] = time.perf_counter()
                     self._record(r)
                 if r.finish_reason is None and held[r.slot]:
                     self._read_call(r, list(r.ids) + r.tokens)
-                if r.finish_reason is None and len(r.tokens) > had:
-                    r.emit(r.tokens[-1])
 
     def _note_stats(self, request: Request) -> None:
         s, slot = self._stats, request.slot
