@@ -45,7 +45,7 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.errors import EvaluationError
 from valen_jax.evaluation import answers
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.run import restore_model
+from valen_jax.run import decoding_layout, restore_model
 from valen_jax.training import checkpoint
 
 
@@ -53,7 +53,7 @@ def generate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
                      max_new_tokens: int | None = None, sampling: Sampling = answers.GREEDY, seed: int = 0,
                      batch_size: int | None = None) -> list[dict]:
     """The answer lines of the workdir's checkpoint (latest unless `step`) on `data`, in data order."""
-    restored = restore_model(workdir, step)
+    restored = decoding_layout(restore_model(workdir, step))
     fmt, options = eval_workdir.data_format(restored, fmt)
     answers.refuse_family(FORMATS[fmt].family, str(data))  # before the data is converted
     with jax.set_mesh(restored.mesh):

@@ -20,6 +20,7 @@ unless `--host` says otherwise; with `--api-key` (or `VALEN_API_KEY`) every rout
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -72,11 +73,14 @@ def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, ste
                  api_key: str | None = None, warm: bool = True, drafter=None):
     """The restored workdir and its slot engine, ready for `serving.app.build_app`; `drafter`: a vflash
     workdir (its latest step) trained against this workdir's weights, refused otherwise (`run.check_target`)."""
-    from valen_jax.run import restore_drafter, restore_model
+    from valen_jax.run import decoding_layout, restore_drafter, restore_model
     from valen_jax.serving.service import Service
 
     restored = restore_model(workdir, step)
     draft = None if drafter is None else restore_drafter(drafter, target=restored)
+    restored = decoding_layout(restored)  # after the drafter's check of the target as saved
+    if draft is not None:
+        draft = dataclasses.replace(draft, target=restored)
     return Service(restored, slots=slots, max_queue=max_queue, steps_per_sync=steps_per_sync, api_key=api_key,
                    warm=warm, drafter=draft)
 

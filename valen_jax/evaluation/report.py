@@ -15,7 +15,7 @@ from data_pipeline.format_registry import FORMATS
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation import image_reliance, registry
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.run import ModelRun, holds_drafter, restore_model
+from valen_jax.run import ModelRun, decoding_layout, holds_drafter, restore_model
 from valen_jax.training import checkpoint
 from valen_jax.vflash import evaluation as speculative
 
@@ -67,7 +67,7 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
         return speculative.evaluate_workdir(workdir, data, step, fmt, **options)
     if options.pop("from_call", False):
         raise UsageError(f"--from-call: {workdir} is not a vflash (drafter) workdir; it only applies to one")
-    restored = restore_model(workdir, step)
+    restored = decoding_layout(restore_model(workdir, step))
     fmt, converter_options = eval_workdir.data_format(restored, fmt)
     if not Path(data, "manifest.json").is_file():  # a shard directory says its own format when loaded
         registry.evaluator_for(FORMATS[fmt].family, str(data))  # refused before it is converted into the workdir

@@ -13,12 +13,12 @@ import numpy as np
 from data_pipeline.tokenizer import end_of_turn_id
 from valen_jax.decoding.engine import generate_ids
 from valen_jax.evaluation.tokens import decode
-from valen_jax.run import restore_model
+from valen_jax.run import decoding_layout, restore_model
 
 
 def workdir_grader(workdir: str | Path, max_new_tokens: int, mesh):
     """`generate(conversations) -> answers` of `workdir`'s latest checkpoint, laid out on `mesh`."""
-    grader = restore_model(Path(workdir), mesh=mesh)
+    grader = decoding_layout(restore_model(Path(workdir), mesh=mesh))
     tokenizer, eot = grader.tokenizer, end_of_turn_id(grader.tokenizer)
 
     def generate(conversations: list[list[dict]]) -> list[str]:

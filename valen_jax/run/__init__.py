@@ -18,6 +18,7 @@ from valen_jax.run.handle import (
     DrafterRun,
     ModelRun,
     check_target,
+    decoding_layout,
     holds_drafter,
     restore,
     restore_drafter,
@@ -27,5 +28,5 @@ from valen_jax.run.handle import (
 )
 from valen_jax.run.mesh import evaluation_mesh, fitted_mesh_shape
 
-__all__ = ["DrafterRun", "ModelRun", "check_target", "evaluation_mesh", "fitted_mesh_shape", "holds_drafter",
+__all__ = ["DrafterRun", "ModelRun", "check_target", "decoding_layout", "evaluation_mesh", "fitted_mesh_shape", "holds_drafter",
            "restore", "restore_drafter", "restore_model", "restore_start", "target_record"]

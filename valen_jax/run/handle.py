@@ -11,6 +11,7 @@ holds the base too and is read whole. A run's weights are identified by those di
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from valen_jax.models import drafter as block_drafter
 from valen_jax.models import sharding
 from valen_jax.models.build import lora_base
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.transformer import abstract_model
+from valen_jax.models.transformer import abstract_model, per_layer
 from valen_jax.run.mesh import evaluation_mesh
 from valen_jax.training import adapter_checkpoint, checkpoint
 
@@ -118,6 +119,18 @@ def restore_model(workdir: str | Path, step: int | None = None, devices=None, *,
                       meta["media_kwargs"])
     return ModelRun(workdir, step, config, model_cfg, tokenizer, fingerprint, spec, mesh, graphdef, params,
                     checkpoint.params_identity(meta, f"{workdir}: checkpoint {step}"))
+
+
+def decoding_layout(run: ModelRun) -> ModelRun:
+    """`run` with its decoder laid out per layer (`transformer.per_layer`) for the programs that decode: a run
+    trained with `scan_layers` (the `hf` variant's default) stacks every layer's weights, which each decode step
+    would copy out again. Called after the checks that read the checkpoint's layout (a drafter's target check),
+    on runs whose stacked params the caller then drops; the weights and their identity are unchanged."""
+    if not run.model_cfg.scan_layers:
+        return run
+    cfg, graphdef, params = per_layer(run.model_cfg, run.params, run.mesh)
+    log.info("%s: decoding with the %d scanned layers laid out per layer", run.workdir, cfg.num_layers)
+    return dataclasses.replace(run, model_cfg=cfg, graphdef=graphdef, params=params)
 
 
 def restore_start(workdir: str | Path, where: str, fingerprint: dict, mesh: Mesh, *, first: str,

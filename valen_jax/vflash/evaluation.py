@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -51,7 +51,7 @@ from valen_jax.evaluation import hosts, prompts, tokens, vflash
 from valen_jax.evaluation import workdir as eval_workdir
 from valen_jax.evaluation.options import Options
 from valen_jax.evaluation.workdir import local_batch_size
-from valen_jax.run import DrafterRun, ModelRun, restore_drafter
+from valen_jax.run import DrafterRun, ModelRun, decoding_layout, restore_drafter
 from valen_jax.training import checkpoint
 from valen_jax.vflash.metrics import TAU_CONVENTION, BlockSums
 
@@ -226,7 +226,8 @@ def evaluate_workdir(workdir: str | Path, data: str | Path, step: int | None = N
     `evaluate.run`'s; the data's format and the decoding defaults are the target's, so `ar` is exactly the
     target workdir's own report."""
     run = restore_drafter(workdir, step)
-    target = run.target
+    target = decoding_layout(run.target)
+    run = replace(run, target=target)
     fmt, converter_options = eval_workdir.data_format(target, fmt)
     with jax.set_mesh(target.mesh):
         examples, family, available = eval_workdir.load_examples(

@@ -65,7 +65,7 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.errors import UserError
 from valen_jax.evaluation import answers, prompts, tokens
 from valen_jax.evaluation import workdir as eval_workdir
-from valen_jax.run import restore_model
+from valen_jax.run import decoding_layout, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Regenerator:
                  sampling: Sampling, seed: int):
         if jax.process_count() > 1:
             raise SystemExit("regenerate runs in one process; split the data and run one per part")
-        self.target = restore_model(workdir)
+        self.target = decoding_layout(restore_model(workdir))
         config = self.target.config
         if config.train.mode != "ar":
             raise SystemExit(f"--workdir={workdir}: a {config.train.mode!r} run; regenerate needs the ar target "
