@@ -9,8 +9,12 @@ library (`hf.from_pretrained`): whole (every parameter trains: full fine-tuning)
 linear layer of the decoder on a bf16 base, and with QLoRA (the same adapters on an NF4 base, its
 untargeted leaves in bf16). Each trains with the same
 AdamW step on the same token batch (`step_setup.compiled_step`, the layout's frozen mask applied), with the
-layer settings a run from an imported checkpoint uses (the `:hf` variant: `remat=full`, scanned layers;
-`--remat=none --no-scan` gives the model's defaults instead).
+layer settings a run from an imported checkpoint uses (the `:hf` variant: `remat=full`, scanned layers, bf16
+compute; `--remat=none --no-scan` gives the model's defaults instead, `--dtype=float32` an f32 step). The
+compute dtype matters to the ratio: in an f32 step the bf16 base is cast to f32 at every use (forward, the
+remat recompute, the backward), which XLA:CPU runs as unpartitioned loops (156 ms of a 2.4 s LoRA step in an
+xprof trace, the head's cast alone 67 ms), while in a bf16 step the base is read as stored and full
+fine-tuning casts its f32 master weights instead, as on an accelerator.
 Step time: the median of `--steps` steps after one warm-up, the three runs taking turns step by step
 (`step_setup.interleaved_seconds`: a drift in the host's load then touches all three alike). Peak memory: what XLA plans for one step
 (arguments + outputs − donated aliases + temporaries: the train state, gradients, moments and
@@ -45,6 +49,8 @@ def parse_args():
     parser.add_argument("--remat", default="full", help="remat policy of both steps (none | full | save_dots)")
     parser.add_argument("--scan", default=True, action=argparse.BooleanOptionalAction,
                         help="scanned layers in both steps")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="compute dtype of every step (the `:hf` variant's bfloat16, or float32)")
     return parser.parse_args()
 
 
@@ -68,13 +74,13 @@ def batch(size: int, seq: int) -> dict:
 
 
 def prepare(directory: str, adapters: lora.LoraConfig | None, data: dict, remat: str = "none",
-            scan: bool = False) -> tuple[tuple, int, int]:
+            scan: bool = False, dtype: str = "float32") -> tuple[tuple, int, int]:
     """((compiled step, train state, device batch, mesh), planned peak bytes of one step, of which the train
     state and batch: the arguments).
     Full fine-tuning keeps f32 master weights; under (Q)LoRA the frozen base is stored in bf16 (what the issue
-    asks and `config.model.param_dtype=bfloat16` gives a LoRA run), the adapters in f32, the step in f32."""
+    asks and `config.model.param_dtype=bfloat16` gives a LoRA run), the adapters in f32, the step in `dtype`."""
     param_dtype = "float32" if adapters is None else "bfloat16"
-    model, cfg = hf.from_pretrained(directory, param_dtype=param_dtype, remat=remat, scan_layers=scan,
+    model, cfg = hf.from_pretrained(directory, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan,
                                     **({"lora": adapters} if adapters else {}))
     mesh, tx, _, layout = train_layout(cfg, learning_rate=1e-4)
     params = nnx.to_pure_dict(nnx.state(model))
@@ -94,7 +100,7 @@ def main():
         write_checkpoint(directory)
         runs = {"full": None, "lora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank),
                 "qlora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, quantize_base="nf4")}
-        prepared = {name: prepare(directory, adapters, data, args.remat, args.scan) for name, adapters in runs.items()}
+        prepared = {name: prepare(directory, adapters, data, args.remat, args.scan, args.dtype) for name, adapters in runs.items()}
         seconds = interleaved_seconds({name: p[0] for name, p in prepared.items()}, args.steps)
         results = {}
         for name, (_, peak, state) in prepared.items():
@@ -102,7 +108,7 @@ def main():
             print(f"{name:6s} step {seconds[name]:7.3f} s   peak {peak / 2**20:8.1f} MiB "
                   f"(state + batch {state / 2**20:7.1f} MiB)", flush=True)
     full, low, quantised = results["full"], results["lora"], results["qlora"]
-    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, f32 steps, "
+    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, {args.dtype} steps, "
           f"remat={args.remat}, {'scanned' if args.scan else 'unscanned'} layers "
           "(full: f32 weights; LoRA: bf16 base, f32 adapters), "
           f"{jax.devices()[0].platform}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
