@@ -354,3 +354,42 @@ def test_a_read_completion_reaching_a_closed_loop_is_dropped_and_other_reports_a
     finally:
         sys.unraisablehook = previous
     assert [str(u.exc_value) for u in seen] == ["other"]
+
+
+def test_an_abandoned_checkpoint_reads_report_is_dropped_and_other_asyncio_records_are_kept():
+    """After a failed restore, the garbage collector may log an abandoned Orbax read's "Future exception was
+    never retrieved" before the restore's own error reaches the boundary (a CI run under load printed its
+    traceback ahead of the one line). The boundary's filter drops exactly those records."""
+    import logging
+
+    from valen_jax.cli import boundary as cli_errors
+
+    def raised_in(filename: str) -> BaseException:
+        namespace = {}
+        exec(compile("def read():\n    raise OSError('Encountered error while reading array index')\n", filename,
+                     "exec"), namespace)
+        try:
+            namespace["read"]()
+        except OSError as error:
+            return error
+        raise AssertionError("not raised")
+
+    orbax = raised_in("/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+    other = raised_in("/site-packages/someone/else.py")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.exc_info[1] if record.exc_info else None)
+
+    asyncio_log, handler = logging.getLogger("asyncio"), Keep()
+    asyncio_log.addHandler(handler)
+    try:
+        with cli_errors.error_boundary("test"):
+            pass
+        for error in (orbax, other):
+            asyncio_log.error("Future exception was never retrieved", exc_info=(type(error), error, error.__traceback__))
+        asyncio_log.error("no exception at all")
+    finally:
+        asyncio_log.removeHandler(handler)
+    assert seen == [other, None]
