@@ -8,7 +8,8 @@ training task all read: config, model, tokenizer, row layout, mesh and params (v
 save-time digests), and the weights' identity from those digests (nothing gathered). `DrafterRun`
 holds a vflash drafter and the `ModelRun` of the target it was trained against, refused unless that
 target still holds the same weights (`check_target`). The mesh a restored model runs on is the
-training run's, fitted to the devices here (`mesh.py`).
+training run's, fitted to the devices here (`mesh.py`). `decoding_layout(run)` lays a scanned run's decoder
+out per layer for the commands that decode (its stacked weights would be copied out at every step).
 
 Layer: above the training and decoding layers (it reads checkpoints and builds models), below tasks,
 vflash and evaluation, which take its handles as their input.
