@@ -96,13 +96,13 @@ def run(args: list[str], what: str, failures: list[str], timeout: float, env: di
         stdout, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
-        stdout, stderr = child.communicate()
-        print(stdout.rstrip(), flush=True)
+        stdout, _ = child.communicate()
         failures.append(f"{what}: killed after {timeout:.0f} s")
-        return stdout
+    else:
+        if child.returncode:
+            last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+            failures.append(f"{what}: exit {child.returncode}: {last}")
     print(stdout.rstrip(), flush=True)
-    if child.returncode:
-        failures.append(f"{what}: exit {child.returncode}: {(stderr.strip().splitlines() or ['(no output)'])[-1]}")
     return stdout
 
 

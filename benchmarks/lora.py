@@ -100,7 +100,8 @@ def main():
         write_checkpoint(directory)
         runs = {"full": None, "lora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank),
                 "qlora": lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, quantize_base="nf4")}
-        prepared = {name: prepare(directory, adapters, data, args.remat, args.scan, args.dtype) for name, adapters in runs.items()}
+        prepared = {name: prepare(directory, adapters, data, args.remat, args.scan, args.dtype)
+                    for name, adapters in runs.items()}
         seconds = interleaved_seconds({name: p[0] for name, p in prepared.items()}, args.steps)
         results = {}
         for name, (_, peak, state) in prepared.items():
@@ -108,7 +109,8 @@ def main():
             print(f"{name:6s} step {seconds[name]:7.3f} s   peak {peak / 2**20:8.1f} MiB "
                   f"(state + batch {state / 2**20:7.1f} MiB)", flush=True)
     full, low, quantised = results["full"], results["lora"], results["qlora"]
-    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, {args.dtype} steps, "
+    print(f"batch {args.batch} × {args.seq} tokens, rank {args.rank} on q,k,v,o,gate,up,down of 8 layers, "
+          f"{args.dtype} steps, "
           f"remat={args.remat}, {'scanned' if args.scan else 'unscanned'} layers "
           "(full: f32 weights; LoRA: bf16 base, f32 adapters), "
           f"{jax.devices()[0].platform}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

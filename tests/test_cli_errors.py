@@ -388,7 +388,8 @@ def test_an_abandoned_checkpoint_reads_report_is_dropped_and_other_asyncio_recor
         with cli_errors.error_boundary("test"):
             pass
         for error in (orbax, other):
-            asyncio_log.error("Future exception was never retrieved", exc_info=(type(error), error, error.__traceback__))
+            asyncio_log.error("Future exception was never retrieved",
+                              exc_info=(type(error), error, error.__traceback__))
         asyncio_log.error("no exception at all")
     finally:
         asyncio_log.removeHandler(handler)

@@ -29,5 +29,5 @@ from valen_jax.run.handle import (
 )
 from valen_jax.run.mesh import evaluation_mesh, fitted_mesh_shape
 
-__all__ = ["DrafterRun", "ModelRun", "check_target", "decoding_layout", "evaluation_mesh", "fitted_mesh_shape", "holds_drafter",
-           "restore", "restore_drafter", "restore_model", "restore_start", "target_record"]
+__all__ = ["DrafterRun", "ModelRun", "check_target", "decoding_layout", "evaluation_mesh", "fitted_mesh_shape",
+           "holds_drafter", "restore", "restore_drafter", "restore_model", "restore_start", "target_record"]
