@@ -18,10 +18,11 @@ from flax import nnx
 
 from tests.train_runs import ROOT, env_with_devices
 from valen_jax.decoding import generate_ids
+from valen_jax.decoding.sampling import Sampling
 from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.lora import LoraConfig
-from valen_jax.models.transformer import Transformer, per_layer
+from valen_jax.models.transformer import PerLayer, Transformer, per_layer
 
 VOCAB = 97
 
@@ -70,6 +71,30 @@ def test_per_layer_decodes_like_the_stacked_layout(lora):
     flat_tokens = generate_ids(flat, flat_graphdef, prompts, max_new_tokens=8, stop_ids=(), vocab=VOCAB)
     assert flat_tokens == stacked_tokens
     assert len({tuple(t) for t in stacked_tokens}) > 1  # the prompts matter
+
+
+def test_a_splitter_compiles_once_and_splits_the_params_it_is_given():
+    """A reinforcement run splits its policy before every rollout (`tasks.reinforce`): the split program must
+    compile once, split the params of the moment (not those it first saw), and sample as the stacked layout."""
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+                      scan_layers=True)
+    graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
+    first = nnx.to_pure_dict(state)
+    split = PerLayer(cfg, sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1]))
+    prompts = [{"ids": np.arange(3, 3 + n, dtype=np.int32), "positions": np.arange(n, dtype=np.int32)}
+               for n in (4, 7)]
+    sampled = []
+    for params in (first, _perturbed(first)):
+        flat = split(params)
+        jax.tree.map(lambda stacked, one: np.testing.assert_array_equal(np.asarray(stacked)[1], np.asarray(one)),
+                     params["layers"], flat["layers"][1])
+        draws = [generate_ids(p, g, prompts, max_new_tokens=6, stop_ids=(), vocab=VOCAB,
+                              sampling=Sampling(temperature=1.0), seed=3)
+                 for p, g in ((params, graphdef), (flat, split.graphdef))]
+        assert draws[0] == draws[1]
+        sampled.append(draws[0])
+    assert sampled[0] != sampled[1]  # the second split decoded the perturbed weights
+    assert split._take._cache_size() == 1
 
 
 def test_per_layer_refuses_leaves_that_are_not_stacked_layers():

@@ -211,10 +211,12 @@ def data_overrides(tmp_path: Path, max_operand: int = 10) -> tuple[str, ...]:
 
 
 @pytest.mark.slow
-def test_the_mode_end_to_end_with_a_kl_reference(tmp_path):
+def test_the_mode_end_to_end_with_a_kl_reference_and_scanned_layers(tmp_path):
     workdir = tmp_path / "run"
-    run_train(TINY, workdir, *data_overrides(tmp_path), "--config.train.steps=2", "--config.rl.kl_coef=0.05",
-              "--config.eval.at_end=True")
+    # Scanned layers: the rollouts decode a per-layer copy of the policy of the moment (`PerLayer`).
+    result = run_train(TINY, workdir, *data_overrides(tmp_path), "--config.train.steps=2",
+                       "--config.rl.kl_coef=0.05", "--config.eval.at_end=True", "--config.model.scan_layers=True")
+    assert "rollouts decode the policy's 2 scanned layers laid out per layer" in result.stderr
     records = metrics(workdir)
     assert [r["step"] for r in records] == [1, 2]
     for key in ("loss", "kl", "clip_fraction", "reward/exact/mean", "reward/exact/std", "advantage/std",
