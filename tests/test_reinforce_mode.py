@@ -169,6 +169,17 @@ def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_complet
     assert float(new[0, 2]) > float(old[0, 2])  # A = +1: the sampled token 8 became likelier
     assert float(new[1, 2]) < float(old[1, 2])  # A = -1: the sampled token 9 less likely
 
+    # A rollout's first update without old_logp takes them from its own forward pass: the same update,
+    # and the log-probabilities it returns are the rollout's, for the updates after it.
+    with jax.set_mesh(mesh):
+        state = {"params": params, "opt_state": optax.sgd(0.01).init(params), "step": jnp.zeros((), jnp.int32)}
+        first_state, first = update(state, batch)
+    np.testing.assert_allclose(np.asarray(first["old_logp"]), np.asarray(old), rtol=1e-6, atol=1e-6)
+    assert float(first["loss"]) == pytest.approx(float(m["loss"]), abs=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 first_state["params"], new_state["params"])
+    assert "old_logp" not in m  # given old_logp, nothing extra comes back
+
 
 def test_the_model_grader_scores_a_rollout_beside_the_registry_rewards():
     from valen_jax.reinforce.rollout import Rollout, score

@@ -153,17 +153,21 @@ class ReinforceTask(ModelTask):
         return shapes
 
     def compile(self, layout, batch_shapes: dict):
-        """The update step, compiled for the rollout batch's shapes (batch_shapes are the prompts')."""
+        """The update step, compiled for the rollout batch's shapes (batch_shapes are the prompts'): the one
+        on rollout-time old log-probabilities; a rollout's first update (which makes them) is compiled
+        beside it by `step_function` (the same program but for that input and output)."""
         self._layout = layout
-        update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen, float(self.rl.clip_epsilon),
-                             float(self.rl.kl_coef), int(self.rl.inner_steps), float(self.rl.temperature),
-                             len(self.setup.tokenizer))
-        return compile_step(update, layout, self.rollout_shapes())
+        self._update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen,
+                                   float(self.rl.clip_epsilon), float(self.rl.kl_coef), int(self.rl.inner_steps),
+                                   float(self.rl.temperature), len(self.setup.tokenizer))
+        return compile_step(self._update, layout, self.rollout_shapes())
 
     def step_function(self, compiled):
         layout, rl, config, mesh = self._layout, self.rl, self.config, self.setup.mesh
         tokenizer, graphdef = self.setup.tokenizer, layout.graphdef
-        # The sampler's distribution (rollout.sample draws ids < len(tokenizer) at rl.temperature).
+        first_update = compile_step(self._update, layout,
+                                    {k: v for k, v in self.rollout_shapes().items() if k != "old_logp"})
+        # The KL reference's log-probabilities, as the sampler draws (ids < len(tokenizer), rl.temperature).
         log_probs = make_log_probs(graphdef, float(rl.temperature), len(tokenizer))
         reference = self._reference(layout)
         grader = self._grader() if GRADER in rl.rewards else None
@@ -194,11 +198,14 @@ class ReinforceTask(ModelTask):
             rows = rollouts.training_rows(drawn, group, int(config.data.seq_len))
             with jax.set_mesh(mesh):
                 on_device = sharding.global_batch({**rows, "advantages": advantages.astype(np.float32)}, mesh)
-                on_device["old_logp"] = log_probs(state["params"], on_device)
                 if reference is not None:
                     on_device["ref_logp"] = log_probs(reference, on_device)
-                updates = []
-                for _ in range(inner):
+                # The first update's forward gives the rollout-time log-probabilities the others clip against.
+                state, metrics = first_update(state, on_device)
+                # (metrics come back replicated: laid out again as the batch is, as `compiled` takes them).
+                on_device["old_logp"] = jax.device_put(metrics.pop("old_logp"), on_device["mask"].sharding)
+                updates = [metrics]
+                for _ in range(inner - 1):
                     state, metrics = compiled(state, on_device)
                     updates.append(metrics)
             self.samples = [{"gold": drawn.golds[i // group].get("content"), "completion": drawn.texts[i],
@@ -226,7 +233,7 @@ class ReinforceTask(ModelTask):
 
     def flops_per_step(self) -> float:
         rows = int(self.rl.prompts_per_rollout) * int(self.rl.group_size)
-        passes = int(self.rl.inner_steps) + (1 + (float(self.rl.kl_coef) > 0)) / 3  # forwards are 1/3 of a step
+        passes = int(self.rl.inner_steps) + (float(self.rl.kl_coef) > 0) / 3  # a forward is 1/3 of a step
         return model_flops_per_step(self.model_cfg, rows, int(self.config.data.seq_len)) * passes
 
     def result(self) -> dict:
