@@ -42,9 +42,22 @@ the run's end-of-run `evaluate` report; TRL: `generate` greedy scored by the sam
 
 Last line: `reinforce_reward_vs_trl=X steps_per_s_vs_trl=Y` (ours / TRL).
 
-Measured (2 CPU cores shared with other engineers' jobs: load average 2.4 at the start, 7-8 throughout,
-5.9 / 7.2 / 7.9 over 1 / 5 / 15 min at the end; JAX 1 CPU device, torch 2 threads), at commit 0c43a35,
-from this session's `:sft` run of the README's command (p0 = 0.245):
+Measured on an idle host (2026-12-04, load 0.3, nothing else running; JAX 1 CPU device, torch 2 threads),
+from a fresh `:sft` start (p0 0.215), at commit 119bacd (a rollout's first update makes the old
+log-probabilities):
+
+    python benchmarks/reinforce.py --out /tmp/rl-bench6 --sft /tmp/rl-sft250 --updates 40 --seeds 3   # ~10 min
+
+Reward over the last 10 rollouts: ours 0.192 / 0.186 / 0.198 (mean 0.192, s.e. 0.003), TRL 0.209 / 0.187 /
+0.199 (0.198, s.e. 0.007); updates/s ours 0.539 / 0.566 / 0.616, TRL 0.370 / 0.419 / 0.397; eval
+answer_exact_match ours 0.265 / 0.225 / 0.245, TRL 0.265 / 0.245 / 0.205. Last line
+`reinforce_reward_vs_trl=0.967 steps_per_s_vs_trl=1.425`; just before that commit
+`reinforce_reward_vs_trl=0.957 steps_per_s_vs_trl=1.344`. Neither goal is met idle: the 2.78x below was a
+loaded host's, where TRL's eager torch lost far more than our compiled step.
+
+Earlier, on a loaded host (2 CPU cores shared with other engineers' jobs: load average 2.4 at the
+start, 7-8 throughout, 5.9 / 7.2 / 7.9 over 1 / 5 / 15 min at the end; JAX 1 CPU device, torch 2 threads), at commit 0c43a35,
+from that session's `:sft` run of the README's command (p0 = 0.245):
 
     python benchmarks/reinforce.py --out /tmp/rl-bench3 --sft /tmp/rl-sft250 --updates 40 --seeds 3
 
