@@ -297,7 +297,6 @@ class PerLayer:
     drops them; a split from a training state's params lives until the caller drops it)."""
 
     def __init__(self, cfg: ModelConfig, mesh):
-        self.stacked_cfg = cfg
         self.cfg = dataclasses.replace(cfg, scan_layers=False)
         self.graphdef, abstract = abstract_model(self.cfg)
         wanted = nnx.to_pure_dict(abstract)["layers"]
@@ -311,9 +310,9 @@ class PerLayer:
         stacked = params["layers"]
         found = jax.tree.map(lambda leaf: tuple(leaf.shape), stacked)
         if self._expected != found:
-            raise ValueError(f"per_layer: the stacked decoder leaves {found} are not {self.stacked_cfg.num_layers} "
+            raise ValueError(f"per_layer: the stacked decoder leaves {found} are not {self.cfg.num_layers} "
                              f"layers of the unscanned model's {self._expected}")
-        return {**params, "layers": {i: self._take(stacked, i) for i in range(self.stacked_cfg.num_layers)}}
+        return {**params, "layers": {i: self._take(stacked, i) for i in range(self.cfg.num_layers)}}
 
 
 def per_layer(cfg: ModelConfig, params: dict, mesh) -> tuple[ModelConfig, nnx.GraphDef, dict]:
