@@ -121,22 +121,27 @@ def test_training_rows_mark_exactly_the_completion_targets():
 
     prompts = [{"ids": np.array([5, 6, 7], np.int32), "positions": np.arange(3, dtype=np.int32)}]
     rollout = Rollout(prompts, [{"content": "x"}], completions=[[8, 9], [4]], texts=["a", "b"])
-    rows = training_rows(rollout, group_size=2, seq_len=6)
+    rows = training_rows(rollout, group_size=2, seq_len=6, window=3)
     np.testing.assert_array_equal(rows["tokens"], [[5, 6, 7, 8, 9, 0], [5, 6, 7, 4, 0, 0]])
-    np.testing.assert_array_equal(rows["targets"], [[6, 7, 8, 9, 0, 0], [6, 7, 4, 0, 0, 0]])
-    # the targets 8, 9 (row 0) and 4 (row 1) are the sampled tokens: the only ones the loss reads
-    np.testing.assert_array_equal(rows["mask"], [[0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]])
+    # the window starts at the prompt's last token, whose next token is the completion's first: the
+    # targets 8, 9 (row 0) and 4 (row 1) are the sampled tokens, the only ones the loss reads
+    np.testing.assert_array_equal(rows["completion_start"], [2, 2])
+    np.testing.assert_array_equal(rows["targets"], [[8, 9, 0], [4, 0, 0]])
+    np.testing.assert_array_equal(rows["mask"], [[1, 1, 0], [1, 0, 0]])
     np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 0]])
     np.testing.assert_array_equal(rows["segment_ids"], [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="rollout row 0: 2 completion tokens exceed the window of 1"):
+        training_rows(rollout, group_size=2, seq_len=6, window=1)
 
 
 def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_completion():
     import optax
+    from flax import nnx
 
     from data_pipeline.tokenizer import load_tokenizer
     from valen_jax.models.build import model_config
     from valen_jax.models.transformer import abstract_model
-    from valen_jax.reinforce.objective import clipped_loss
+    from valen_jax.reinforce.objective import clipped_loss, token_log_probs
     from valen_jax.reinforce.update import make_log_probs, make_update
     from valen_jax.training.step import TrainLayout
 
@@ -152,22 +157,29 @@ def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_complet
     with jax.set_mesh(mesh):
         params = init_params(cfg, 0, layout.param_shardings)
     tokens = jnp.array([[5, 6, 7, 8, 0, 0], [5, 6, 7, 9, 0, 0]], jnp.int32)
+    # the window (3 positions from the prompt's last token, 2) reads the sampled tokens 8 and 9; its last
+    # position (5) is past the rows' end
     batch = {"tokens": tokens, "positions": jnp.tile(jnp.arange(6), (2, 1)),
              "segment_ids": jnp.array([[1, 1, 1, 1, 0, 0]] * 2, jnp.int32),
-             "targets": jnp.concatenate([tokens[:, 1:], jnp.zeros((2, 1), jnp.int32)], 1),
-             "mask": jnp.array([[0, 0, 1, 0, 0, 0]] * 2, jnp.float32), "advantages": jnp.array([1.0, -1.0])}
+             "completion_start": jnp.array([2, 2], jnp.int32), "targets": jnp.array([[8, 0, 0], [9, 0, 0]], jnp.int32),
+             "mask": jnp.array([[1, 0, 0]] * 2, jnp.float32), "advantages": jnp.array([1.0, -1.0])}
     with jax.set_mesh(mesh):
         old = make_log_probs(graphdef, 1.0, None)(params, batch)
+        # the window's log-probabilities are the whole sequence's at its positions, from the full logits
+        full = token_log_probs(nnx.merge(graphdef, params)(tokens, batch["positions"], batch["segment_ids"]),
+                               jnp.concatenate([tokens[:, 1:], jnp.zeros((2, 1), jnp.int32)], 1))
         state = {"params": params, "opt_state": optax.sgd(0.01).init(params), "step": jnp.zeros((), jnp.int32)}
         update = jax.jit(make_update(graphdef, optax.sgd(0.01), None, None, 0.2, 0.0, 1, 1.0, None))
         new_state, m = update(state, {**batch, "old_logp": old})
         new = make_log_probs(graphdef, 1.0, None)(new_state["params"], batch)
+    assert old.shape == (2, 3)
+    np.testing.assert_allclose(np.asarray(old[:, 0]), np.asarray(full[:, 2]), rtol=1e-5, atol=1e-6)
     # at the rollout's own params the ratio is 1: the loss is -mean(A) over the 2 completion tokens = 0
     expected, _ = clipped_loss(old, old, batch["advantages"], batch["mask"], 0.2)
     assert float(m["loss"]) == pytest.approx(float(expected), abs=1e-6) and float(m["clip_fraction"]) == 0.0
     assert int(new_state["step"]) == 0  # the run's step counts rollouts, not updates
-    assert float(new[0, 2]) > float(old[0, 2])  # A = +1: the sampled token 8 became likelier
-    assert float(new[1, 2]) < float(old[1, 2])  # A = -1: the sampled token 9 less likely
+    assert float(new[0, 0]) > float(old[0, 0])  # A = +1: the sampled token 8 became likelier
+    assert float(new[1, 0]) < float(old[1, 0])  # A = -1: the sampled token 9 less likely
 
     # A rollout's first update without old_logp takes them from its own forward pass: the same update,
     # and the log-probabilities it returns are the rollout's, for the updates after it.

@@ -26,7 +26,7 @@ def group_advantages(rewards, group_size: int, scale_by_std: bool = True, eps: f
 
 
 def clipped_loss(logp, old_logp, advantages, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0):
-    """logp/old_logp/ref_logp/mask [N, T]; advantages [N]. Returns (loss, stats).
+    """logp/old_logp/ref_logp/mask [N, K] (each row's completion window); advantages [N]. Returns (loss, stats).
 
     Per token: -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A); the KL to the reference is the k3
     estimator exp(ref-logp) - (ref-logp) - 1, added with kl_coef."""

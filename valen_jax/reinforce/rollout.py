@@ -90,27 +90,38 @@ def score(rollout: Rollout, weights: Mapping[str, float], group_size: int, *, to
     return totals, each
 
 
-def training_rows(rollout: Rollout, group_size: int, seq_len: int) -> dict[str, np.ndarray]:
-    """The P·G rows (prompt then completion, right-padded to `seq_len`) with next-token targets and the
-    completion mask (`reinforce.update`'s SEQUENCE_KEYS)."""
+def training_rows(rollout: Rollout, group_size: int, seq_len: int, window: int) -> dict[str, np.ndarray]:
+    """The P·G rows the update reads (`reinforce.update`'s SEQUENCE_KEYS): prompt then completion,
+    right-padded to `seq_len` (tokens, positions, segment_ids [N, seq_len]), and the completion window:
+    `completion_start` [N], the position whose next token is the completion's first, `targets` [N, window]
+    the completion's tokens, `mask` [N, window] 1 on each of them (the stop token included: the policy
+    learns to stop). `window` is the longest completion (config.rl.max_new_tokens): only those positions
+    get logits."""
     n = len(rollout.completions)
     tokens, positions = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32)
-    segment_ids, mask = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.float32)
+    segment_ids = np.zeros((n, seq_len), np.int32)
+    starts = np.zeros((n,), np.int32)
+    targets, mask = np.zeros((n, window), np.int32), np.zeros((n, window), np.float32)
     for row, completion in enumerate(rollout.completions):
         prompt = rollout.prompts[row // group_size]
-        ids = np.concatenate([prompt["ids"], np.asarray(completion, np.int32)]).astype(np.int32)
+        completion = np.asarray(completion, np.int32)
+        ids = np.concatenate([prompt["ids"], completion]).astype(np.int32)
         if len(ids) > seq_len:
             raise ValueError(f"rollout row {row}: {len(ids)} tokens exceed data.seq_len={seq_len}")
+        if len(completion) > window:
+            raise ValueError(f"rollout row {row}: {len(completion)} completion tokens exceed the window of {window} "
+                             "(config.rl.max_new_tokens)")
         start = int(prompt["positions"].max()) + 1  # a generated token's position, as the engine gives it
         length, plen = len(ids), len(prompt["ids"])
         tokens[row, :length] = ids
         positions[row, :plen] = prompt["positions"]
         positions[row, plen:length] = np.arange(start, start + length - plen)
         segment_ids[row, :length] = 1
-        mask[row, plen - 1:length - 1] = 1.0  # the targets that are completion tokens
-    targets = np.zeros_like(tokens)
-    targets[:, :-1] = tokens[:, 1:]
-    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids, "targets": targets, "mask": mask}
+        starts[row] = plen - 1
+        targets[row, :len(completion)] = completion
+        mask[row, :len(completion)] = 1.0
+    return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids, "completion_start": starts,
+            "targets": targets, "mask": mask}
 
 
 def lengths(rollout: Rollout) -> Sequence[int]:

@@ -1,15 +1,23 @@
 """The compiled halves of a reinforcement step: per-token log-probabilities of sampled completions, and
 one optimizer update on the clipped objective (`reinforce.objective`).
 
-A rollout batch holds N = P·G rows of `config.data.seq_len` tokens: prompt then completion, right-padded.
-`targets[t]` is the token at t + 1 and `mask[t]` is 1 where that target is a completion token (the stop
-token included: the policy learns to stop), so the loss reads exactly the sampled tokens. Shapes are
-fixed by the config, so each function compiles once per run.
+A rollout batch holds N = P·G rows of `config.data.seq_len` tokens: prompt then completion, right-padded,
+and each row's completion window (`rollout.training_rows`): from `completion_start`, K =
+config.rl.max_new_tokens positions whose next tokens are `targets` [N, K], `mask` 1 on the sampled ones
+(the stop token included: the policy learns to stop), so the loss reads exactly the sampled tokens.
+
+Only the window's hidden states are projected to the vocabulary: the prompt's positions need no logits.
+That is K of T positions of the output projection and its f32 log-normaliser, forward and backward
+(5 of 24 in configs/reinforce.py, where the projection over ~2.1k ids costs about as much as both
+layers); for a 150k-id vocabulary it is also the [N, T, V] f32 logits that no longer exist (7.5 GB for
+512 rows of 24 positions), where a GPU/TPU update would hold them. Shapes are fixed by the config, so
+each function compiles once per run.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -17,19 +25,23 @@ from valen_jax.reinforce.objective import clipped_loss, token_log_probs
 from valen_jax.training.step import apply_update, frozen_partition, whole_gradient
 
 # What `rollout.training_rows` gives, per row: the arrays the update reads, besides the advantages.
-SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "targets", "mask")
+SEQUENCE_KEYS = ("tokens", "positions", "segment_ids", "completion_start", "targets", "mask")
 
 
 def sequence_log_probs(graphdef, params, batch, temperature: float, vocab: int | None) -> jax.Array:
-    """f32 [N, T]: log p(targets[t] | tokens[:t+1]) under `params`, as the rollout's sampler draws
-    (`temperature`, ids < `vocab`: `objective.token_log_probs`)."""
+    """f32 [N, K]: log p(targets[k] | tokens up to completion_start + k) under `params`, as the rollout's
+    sampler draws (`temperature`, ids < `vocab`: `objective.token_log_probs`). Window positions past the
+    row's end (mask 0) read its last position: their values are not used."""
     model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return token_log_probs(logits, batch["targets"], temperature, vocab)
+    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    window = batch["targets"].shape[1]
+    at = jnp.minimum(batch["completion_start"][:, None] + jnp.arange(window), hidden.shape[1] - 1)
+    picked = jnp.take_along_axis(hidden, at[:, :, None], axis=1)
+    return token_log_probs(model.logits(picked), batch["targets"], temperature, vocab)
 
 
 def make_log_probs(graphdef, temperature: float, vocab: int | None):
-    """(params, batch) -> f32 [N, T]: the old (rollout-time) and the reference log-probabilities."""
+    """(params, batch) -> f32 [N, K]: the old (rollout-time) and the reference log-probabilities."""
     return jax.jit(lambda params, batch: sequence_log_probs(graphdef, params, batch, temperature, vocab))
 
 
@@ -39,7 +51,7 @@ def make_update(graphdef, tx: optax.GradientTransformation, schedule, frozen, cl
     is left alone: the run's step counts rollouts, the optimizer its own updates (`updates_per_step` per
     rollout, its schedule stretched to match: `tasks.reinforce`); log-probabilities are the sampler's
     (`temperature`, ids < `vocab`), as `make_log_probs`' old ones must be. `batch` holds SEQUENCE_KEYS,
-    `advantages` [N], with kl_coef > 0 `ref_logp` [N, T], and `old_logp` [N, T] for every update but a
+    `advantages` [N], with kl_coef > 0 `ref_logp` [N, K], and `old_logp` [N, K] for every update but a
     rollout's first.
 
     A rollout's first update runs on the params that sampled it, so its own forward pass gives the old

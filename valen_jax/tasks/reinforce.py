@@ -144,12 +144,15 @@ class ReinforceTask(ModelTask):
 
     def rollout_shapes(self) -> dict:
         rows = int(self.rl.prompts_per_rollout) * int(self.rl.group_size)
-        length = int(self.config.data.seq_len)
+        length, window = int(self.config.data.seq_len), int(self.rl.max_new_tokens)
         s = jax.ShapeDtypeStruct
-        shapes = {key: s((rows, length), jnp.float32 if key == "mask" else jnp.int32) for key in SEQUENCE_KEYS}
-        shapes.update(old_logp=s((rows, length), jnp.float32), advantages=s((rows,), jnp.float32))
+        # Whole rows [N, T], the completion window [N, K] and its start [N] (`rollout.training_rows`).
+        shape = {"completion_start": (rows,), "targets": (rows, window), "mask": (rows, window)}
+        shapes = {key: s(shape.get(key, (rows, length)), jnp.float32 if key == "mask" else jnp.int32)
+                  for key in SEQUENCE_KEYS}
+        shapes.update(old_logp=s((rows, window), jnp.float32), advantages=s((rows,), jnp.float32))
         if float(self.rl.kl_coef) > 0:
-            shapes["ref_logp"] = s((rows, length), jnp.float32)
+            shapes["ref_logp"] = s((rows, window), jnp.float32)
         return shapes
 
     def compile(self, layout, batch_shapes: dict):
@@ -195,7 +198,7 @@ class ReinforceTask(ModelTask):
                                           grader_instructions=str(rl.grader_instructions))
             advantages = np.asarray(group_advantages(jnp.asarray(totals, jnp.float32), group,
                                                      bool(rl.scale_by_std)))
-            rows = rollouts.training_rows(drawn, group, int(config.data.seq_len))
+            rows = rollouts.training_rows(drawn, group, int(config.data.seq_len), int(rl.max_new_tokens))
             with jax.set_mesh(mesh):
                 on_device = sharding.global_batch({**rows, "advantages": advantages.astype(np.float32)}, mesh)
                 if reference is not None:
@@ -234,7 +237,8 @@ class ReinforceTask(ModelTask):
     def flops_per_step(self) -> float:
         rows = int(self.rl.prompts_per_rollout) * int(self.rl.group_size)
         passes = int(self.rl.inner_steps) + (float(self.rl.kl_coef) > 0) / 3  # a forward is 1/3 of a step
-        return model_flops_per_step(self.model_cfg, rows, int(self.config.data.seq_len)) * passes
+        return model_flops_per_step(self.model_cfg, rows, int(self.config.data.seq_len),
+                                    head_seq=int(self.rl.max_new_tokens)) * passes
 
     def result(self) -> dict:
         return {"rollout_samples": self.samples}

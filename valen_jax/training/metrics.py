@@ -34,16 +34,19 @@ class PeakFlopsError(ValueError):
     """No peak FLOP/s known for the device: MFU would be a guess, so config.train.peak_flops must say."""
 
 
-def model_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
+def model_flops_per_step(cfg: ModelConfig, batch: int, seq: int, head_seq: int | None = None) -> float:
     """Decoder FLOPs of one training step: 6 per matmul parameter per token, plus causal attention.
+    `head_seq`: the positions per row the output projection runs on, where fewer than `seq` (a
+    reinforcement update projects only its completion window); all of them by default.
 
     Vision-tower FLOPs are not counted (they depend on each row's media), so MFU of a
     vision-language run slightly understates the work done.
     """
     attn = cfg.dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     mlp = 3 * cfg.dim * cfg.mlp_dim
-    matmul_params = cfg.num_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-    return 6.0 * matmul_params * batch * seq + attention_flops_per_step(cfg, batch, seq)
+    head_tokens = batch * (seq if head_seq is None else head_seq)
+    return (6.0 * cfg.num_layers * (attn + mlp) * batch * seq + 6.0 * cfg.dim * cfg.vocab_size * head_tokens
+            + attention_flops_per_step(cfg, batch, seq))
 
 
 def attention_flops_per_step(cfg: ModelConfig, batch: int, seq: int) -> float:
