@@ -10,6 +10,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import zlib
 
 import jax
 import numpy as np
@@ -29,13 +30,15 @@ VOCAB = 97
 
 def _perturbed(params, only: str = ""):
     """Every floating leaf whose path holds `only` plus small noise (adapters start at B = 0, so a LoRA model
-    would otherwise equal its base; NF4 codes are integers and stay as quantised)."""
+    would otherwise equal its base; NF4 codes are integers and stay as quantised). The noise is keyed by a
+    stable hash of the path: Python's `hash` of a str changes per process, which made the weights, and so
+    a near-tie between two greedy tokens of the two layouts, differ from run to run (1 run in ~15 failed)."""
     key = jax.random.key(1)
 
     def perturb(path, leaf):
         if only not in jax.tree_util.keystr(path) or not np.issubdtype(leaf.dtype, np.floating):
             return leaf
-        noise = jax.random.normal(jax.random.fold_in(key, hash(jax.tree_util.keystr(path)) % 2**31), leaf.shape)
+        noise = jax.random.normal(jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()) % 2**31), leaf.shape)
         return leaf + 0.05 * noise.astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(perturb, params)
