@@ -144,3 +144,20 @@ def test_different_seed_different_tokens(model):
     # Two prompts with the same ids at different indices draw different streams.
     twins = _generate(model, [prompts[0], prompts[0]], seed=7)
     assert twins[0] != twins[1]
+
+
+@pytest.mark.slow
+def test_a_group_prefilled_once_draws_what_its_repeated_prompts_draw(model):
+    # group_size G: each prompt prefilled once, its cache copied to G rows; the tokens are those of the
+    # prompts each repeated G times (row p·G + g, its own stream), in any batching.
+    prompts = model[2]
+    repeated = [p for p in prompts for _ in range(3)]
+    whole = _generate(model, repeated, seed=7)
+    assert _generate(model, prompts, seed=7, group_size=3) == whole
+    assert _generate(model, prompts, seed=7, group_size=3, local_batch=3) == whole
+    assert _generate(model, prompts[1:3], seed=7, group_size=3, first_index=1) == whole[3:9]
+    assert len({tuple(row) for row in whole[:3]}) == 3  # a group's completions differ: their own streams
+    graphdef, params, _ = model
+    greedy = generate_ids(params, graphdef, prompts, max_new_tokens=5, stop_ids=(), vocab=60, group_size=2)
+    assert greedy == generate_ids(params, graphdef, [p for p in prompts for _ in range(2)],
+                                  max_new_tokens=5, stop_ids=(), vocab=60)

@@ -72,20 +72,26 @@ def _agree_max(values: list[int]) -> list[int]:
 def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vocab: int,
                  sampling: Sampling = GREEDY, seed: int = 0, mesh=None,
                  local_batch: int | None = None, batches: int | None = None,
-                 first_index: int = 0) -> list[list[int]]:
+                 first_index: int = 0, group_size: int = 1) -> list[list[int]]:
     """prompts[i]: {"ids": int [n], "positions": int [n] or [n, 3] (M-RoPE), optional "vision":
     the dict valen_jax.data.assemble.vision_arrays makes}. Returns each prompt's generated ids, the
     stop token kept when reached. `vocab`: ids >= vocab (embedding padding) are never produced.
     mesh=None: one device, no sharding (notebooks, tests). local_batch/batches: as tokens.greedy
     (multi-host: every process runs `batches` batches of `local_batch` rows, short ones padded).
     first_index: global index of prompts[0]; prompt g's random stream depends only on (seed, g), so
-    a run repeated with the same seed gives the same tokens whatever the batching."""
+    a run repeated with the same seed gives the same tokens whatever the batching.
+    group_size: G completions of each prompt (a reinforcement rollout's group), returned as P·G lists,
+    completion k of prompt p at p·G + k with the random stream of global index (first_index + p)·G + k:
+    the same tokens as `prompts` each repeated G times, but each prompt is prefilled once, not G times
+    (`loop.engine_program`'s group). local_batch/batches then count prompts."""
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if not 0 <= seed < 2 ** 32:
         raise ValueError(f"seed={seed} must be in [0, 2**32)")
+    if group_size < 1:
+        raise ValueError(f"group_size={group_size} must be >= 1")
     if mesh is None and jax.process_count() > 1:
         raise ValueError("generate_ids without a mesh runs on one device; a multi-process run needs mesh=")
     model_cfg = nnx.merge(graphdef, params).cfg
@@ -96,7 +102,7 @@ def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vo
     if batches * local_batch < len(prompts):
         raise ValueError(f"{batches} batches of {local_batch} rows cannot hold {len(prompts)} prompts")
     if max_new_tokens == 0:
-        return [[] for _ in prompts]
+        return [[] for _ in range(len(prompts) * group_size)]
     stops = jnp.asarray(sorted({int(s) for s in stop_ids}) or [-1], jnp.int32)
     outputs: list[list[int]] = []
     for b in range(batches):
@@ -109,10 +115,11 @@ def generate_ids(params, graphdef, prompts, *, max_new_tokens: int, stop_ids, vo
                                        max((len(v["patches"]) for v in vision_of if v is not None), default=0)])
         arrays = batch_arrays(chunk, vision_of, local_batch, bucket(longest), patches, model_cfg, mrope)
         cache_length, out_length = bucket(longest + max_new_tokens), bucket(max_new_tokens)
-        fn = engine_program(graphdef, sampling, int(vocab), cache_length, out_length)
-        rows = np.arange(first_index + start, first_index + start + local_batch, dtype=np.uint32)
+        fn = engine_program(graphdef, sampling, int(vocab), cache_length, out_length, int(group_size))
+        first_row = (first_index + start) * group_size
+        rows = np.arange(first_row, first_row + local_batch * group_size, dtype=np.uint32)
         out, count = _run(fn, params, arrays, rows, stops, seed, max_new_tokens, mesh)
-        outputs.extend(out[row, :count[row]].tolist() for row in range(len(chunk)))
+        outputs.extend(out[row, :count[row]].tolist() for row in range(len(chunk) * group_size))
     return outputs
 
 

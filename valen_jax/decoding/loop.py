@@ -45,6 +45,7 @@ from valen_jax.decoding import announcements
 from valen_jax.decoding.sampling import Sampling, sample
 from valen_jax.decoding.verification import accept_pass
 from valen_jax.models.drafter import text_positions
+from valen_jax.models.kv_cache import CACHE_AXES, KVCache
 from valen_jax.models.sharding import constrain
 
 
@@ -278,16 +279,30 @@ def blank(batch: int, width: int, out_length: int, budget):
     return spans, stats, jnp.zeros((batch, out_length), jnp.int32), jnp.broadcast_to(budget, (batch,))
 
 
+def _grouped(group: int, logits, cache: KVCache, *per_prompt):
+    """Each prompt's prefill result copied to its `group` consecutive rows (row p·G + g is copy g of prompt
+    p): logits [P, V] -> [P·G, V], the cache's rows, and the per-prompt arrays [P, ...]."""
+    if group == 1:
+        return (logits, cache, *per_prompt)
+    copies = functools.partial(jnp.repeat, repeats=group, axis=0)
+    cache = KVCache(*(constrain(jnp.repeat(x, group, axis=1), CACHE_AXES) for x in cache))
+    return (constrain(copies(logits), ("batch", "act_vocab")), cache, *(copies(x) for x in per_prompt))
+
+
 @functools.cache
-def engine_program(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int):
+def engine_program(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int, group: int = 1):
     """The target-only program of one batch (`engine.generate_ids`): the prefill of whole prompts, the
-    first token from its logits, then the loop of decode steps → (out [B, G], count [B])."""
+    first token from its logits, then the loop of decode steps → (out [B, G], count [B]). With `group` > 1
+    the batch's P prompts are prefilled once each and decoded `group` times (B = P·group rows, `rows` their
+    key indices): sampling G completions of a prompt (a reinforcement rollout) costs one prefill, not G."""
 
     def run(params, tokens, positions, lengths, next_position, active, vision, stop_ids, seed, rows, max_new):
         model = nnx.merge(graphdef, params)
         logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
+        logits, cache, lengths, next_position, active = _grouped(group, logits, cache, lengths, next_position,
+                                                                 active)
         row_keys = _row_keys(seed, rows)
-        batch = tokens.shape[0]
+        batch = lengths.shape[0]
         spans, stats, out, budget = blank(batch, 0, out_length, max_new)
         # As if the prompt's last token had just been `last`: committing the first token moves the cursor
         # and position onto its own slot (lengths) and position (next_position).

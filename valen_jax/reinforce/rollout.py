@@ -50,12 +50,11 @@ def prompts_of(batch: Mapping[str, np.ndarray]) -> tuple[list[dict], list[dict]]
 
 def sample(params, graphdef, batch, *, group_size: int, max_new_tokens: int, sampling: Sampling, seed: int,
            tokenizer, end_of_turn: int, mesh) -> Rollout:
-    """G completions of every prompt of `batch`, in one batched decode call."""
+    """G completions of every prompt of `batch`, in one batched decode call (each prompt prefilled once)."""
     prompts, golds = prompts_of(batch)
-    repeated = [prompt for prompt in prompts for _ in range(group_size)]
-    completions = generate_ids(params, graphdef, repeated, max_new_tokens=max_new_tokens, stop_ids=(end_of_turn,),
+    completions = generate_ids(params, graphdef, prompts, max_new_tokens=max_new_tokens, stop_ids=(end_of_turn,),
                                vocab=len(tokenizer), sampling=sampling, seed=seed, mesh=mesh,
-                               local_batch=len(repeated))
+                               local_batch=len(prompts), group_size=group_size)
     texts = [decode(tokenizer, ids, end_of_turn) for ids in completions]
     finished = [len(ids) > 0 and int(ids[-1]) == int(end_of_turn) for ids in completions]
     return Rollout(prompts, golds, completions, texts, finished)
