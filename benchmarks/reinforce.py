@@ -42,18 +42,19 @@ the run's end-of-run `evaluate` report; TRL: `generate` greedy scored by the sam
 
 Last line: `reinforce_reward_vs_trl=X steps_per_s_vs_trl=Y` (ours / TRL).
 
-Measured on an idle host (2026-12-04, load 0.3, nothing else running; JAX 1 CPU device, torch 2 threads),
-from a fresh `:sft` start (p0 0.215), at commit 119bacd (a rollout's first update makes the old
-log-probabilities):
+Measured on an idle host (2026-12-04, load 0.1-1.3 before each run, nothing else running; JAX 1 CPU
+device, torch 2 threads), from a fresh `:sft` start (p0 0.215), at commit 3884599 (the update projects
+only the completion window; a rollout prefills each prompt once for its group):
 
-    python benchmarks/reinforce.py --out /tmp/rl-bench6 --sft /tmp/rl-sft250 --updates 40 --seeds 3   # ~10 min
+    python benchmarks/reinforce.py --out /tmp/rl-bench8 --sft /tmp/rl-sft250 --updates 40 --seeds 6   # ~17 min
 
-Reward over the last 10 rollouts: ours 0.192 / 0.186 / 0.198 (mean 0.192, s.e. 0.003), TRL 0.209 / 0.187 /
-0.199 (0.198, s.e. 0.007); updates/s ours 0.539 / 0.566 / 0.616, TRL 0.370 / 0.419 / 0.397; eval
-answer_exact_match ours 0.265 / 0.225 / 0.245, TRL 0.265 / 0.245 / 0.205. Last line
-`reinforce_reward_vs_trl=0.967 steps_per_s_vs_trl=1.425`; just before that commit
-`reinforce_reward_vs_trl=0.957 steps_per_s_vs_trl=1.344`. Neither goal is met idle: the 2.78x below was a
-loaded host's, where TRL's eager torch lost far more than our compiled step.
+Reward over the last 10 rollouts: ours 0.190 / 0.186 / 0.197 / 0.204 / 0.204 / 0.205 (mean 0.198, s.e.
+0.003), TRL 0.209 / 0.187 / 0.199 / 0.193 / 0.201 / 0.232 (0.204, s.e. 0.007); updates/s median ours 1.187
+(1.18-1.22), TRL 0.458 (0.45-0.48); eval answer_exact_match mean ours 0.247, TRL 0.243. Last line
+`reinforce_reward_vs_trl=0.972 steps_per_s_vs_trl=2.593` (seeds 0-2 alone: 0.964 / 2.589): the speed goal
+met, the reward goal not as measured (within one standard error of the difference). Before those two
+changes, the 3-seed command on the same idle host gave `reinforce_reward_vs_trl=0.967
+steps_per_s_vs_trl=1.425` (ours 0.566 updates/s), then 0.964 / 2.012 with the completion window alone.
 
 Earlier, on a loaded host (2 CPU cores shared with other engineers' jobs: load average 2.4 at the
 start, 7-8 throughout, 5.9 / 7.2 / 7.9 over 1 / 5 / 15 min at the end; JAX 1 CPU device, torch 2 threads), at commit 0c43a35,
