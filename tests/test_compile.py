@@ -146,6 +146,24 @@ def test_valen_branch_trees_compile_with_splash(tmp_path):
     assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True
 
 
+@pytest.mark.slow  # a subprocess that compiles for TPU: ~15 CPU seconds
+def test_a_reinforcement_step_compiles_its_rollout_and_both_updates(tmp_path):
+    # train.mode=reinforce: the update (train_step), the rollout's generation (each prompt prefilled once for
+    # its group) and a rollout's first update (which makes the old log-probabilities).
+    output = tmp_path / "rl.json"
+    done = _command("--config=configs/reinforce.py:tiny", "--topology=v5e:2x2",
+                    "--programs=train_step,rollout,first_update", f"--output={output}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert [p["program"] for p in report["programs"]] == ["train_step", "rollout", "first_update"]
+    assert all(p["fits"] for p in report["programs"]) and report["mode"] == "reinforce"
+    # 4 prompts x G 4 rows of 24 tokens; the loss reads each row's 4-token completion window only
+    assert report["batch"]["tokens"] == [16, 24] and report["batch"]["targets"] == [16, 4]
+    assert "old_logp" in report["batch"]  # the later updates' input; the first update makes it
+    done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--programs=rollout")
+    assert done.returncode != 0 and "--programs: train.mode=ar has no rollout" in done.stderr
+
+
 def test_nf4_dequantise_needs_no_padded_temporaries():
     """Unpacking a 7B MLP weight's NF4 codes on a v5e chip asks temporaries of the order of the weight.
     Interleaving the two nibbles of a byte with `stack(axis=-1)` made an [n, 2] array whose size-2 minor

@@ -9,8 +9,9 @@ Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand 
 program is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
 (DESIGN: choices by target, not host). Programs (`--programs`, default all): the train step of the
 config's mode through the task's own `compile` (token LM, Valen scoring, VL rows with patches, the
-`vflash` drafter step), the evaluation forward, the engine's generation (prefill + decode loop) at the
-evaluation batch, and the speculative block loop's prefill, step and block. Model shapes come from the
+`vflash` drafter step, the `reinforce` update), the evaluation forward, the engine's generation (prefill +
+decode loop) at the evaluation batch, the speculative block loop's prefill, step and block, and for
+`train.mode=reinforce` a rollout's generation and its first update (`rollout`, `first_update`). Model shapes come from the
 config or from `model.init_from`'s config.json alone (no weights are read). Prints, per program, memory
 per chip (argument, output, temp, alias GiB), XLA's and the loop-aware FLOPs and bytes, the roofline and
 MFU bound, the collectives census and whether Pallas (Mosaic) kernels are in it; `--output` writes the

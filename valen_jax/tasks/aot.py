@@ -50,6 +50,8 @@ from valen_jax.models.build import model_config
 from valen_jax.models.config import ModelConfig
 from valen_jax.run import ModelRun
 from valen_jax.tasks import aot_hlo, aot_programs
+from valen_jax.tasks.reinforce import MODE as MODE_REINFORCE
+from valen_jax.tasks.reinforce import ReinforceTask
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask
 from valen_jax.training import checkpoint
@@ -73,7 +75,7 @@ CHIPS = {"v4": Chip(32 * GIB, 275e12, 1200e9), "v5e": Chip(16 * GIB, 197e12, 819
          "v5p": Chip(95 * GIB, 459e12, 2765e9), "v6e": Chip(32 * GIB, 918e12, 1640e9)}
 HBM_PER_CHIP = {generation: chip.hbm_bytes for generation, chip in CHIPS.items()}
 COLLECTIVES = aot_hlo.COLLECTIVES
-PROGRAMS = ("train_step", "eval_forward", "generate", "spec_answer")
+PROGRAMS = ("train_step", "eval_forward", "generate", "spec_answer", "rollout", "first_update")  # the last two: reinforce
 # Generations whose slice name counts TensorCores (two per chip, one megacore device each).
 _CORES_IN_NAME = {"v4", "v5p"}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -178,13 +180,20 @@ def open_compile_task(config, mesh):
         task = DrafterTask(setup, target, None)
     elif config.train.mode == "ar":
         task = (ValenTask if config.data.format == "valen" else TokenLMTask)(setup, model_cfg, None)
+    elif config.train.mode == MODE_REINFORCE:
+        # The policy's architecture is the config's (an rl.from_workdir start has the same shapes as its config).
+        task = ReinforceTask(setup, model_cfg, None, None)
     else:
-        raise ConfigError(f"config.train.mode={config.train.mode!r}: the ahead-of-time compile knows ar and vflash")
+        raise ConfigError(f"config.train.mode={config.train.mode!r}: the ahead-of-time compile knows ar, vflash "
+                          f"and {MODE_REINFORCE}")
     spec = task.row_spec(eval_spec)
     valen = config.data.format == "valen"
     assembly = (ValenAssembly.from_config(config, training=True) if valen
                 else TokenAssembly(PackingSpec.from_config(config)))
-    return task, assembly.batch_shapes(spec, int(config.data.global_batch)), model_layout, assembly, eval_spec
+    # A reinforcement step's batch is its rollout's rows, not the data stream's prompts.
+    batch_shapes = (task.rollout_shapes() if config.train.mode == MODE_REINFORCE
+                    else assembly.batch_shapes(spec, int(config.data.global_batch)))
+    return task, batch_shapes, model_layout, assembly, eval_spec
 
 
 def target_model(config) -> ModelConfig:
@@ -285,6 +294,10 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
     steps += [(name, thunk, eval_flops, attention_flops_per_step(task.model_cfg, rows, seq_len) / 3)
               if name == "eval_forward" else (name, thunk, None, 0.0)
               for name, thunk in aot_programs.programs(config, task, model_layout, assembly, eval_spec)]
+    missing = sorted(set(only or ()) - {name for name, *_ in steps})
+    if missing:
+        raise ConfigError(f"--programs: train.mode={config.train.mode} has no {', '.join(missing)} "
+                          "(rollout and first_update are train.mode=reinforce's)")
     programs = []
     for name, thunk, flops, kernel_flops in steps:
         if only is not None and name not in only:

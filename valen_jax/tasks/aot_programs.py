@@ -14,6 +14,14 @@ the evaluation forward and the decoding programs, each the library's own jitted 
   oracle (`ScriptRule`), whose drafting is a slice. The announcement tables are abstract too, at a
   nominal 128 token classes (a tokenizer's own count is in the tens: a few KiB either way).
 
+A reinforcement run (`train.mode=reinforce`; its train step is the update on rollout-time old
+log-probabilities) adds the two programs each of its steps runs besides:
+- `rollout`: the engine's generation of one rollout: rl.prompts_per_rollout prompts of the longest prompt
+  (data.seq_len - rl.max_new_tokens tokens, bucketed), each prefilled once and sampled rl.group_size
+  times (`engine_program`'s group) with the run's sampling; on the per-layer copy of a scanned policy, as
+  the run decodes (`transformer.PerLayer`);
+- `first_update`: a rollout's first update, which makes the old log-probabilities from its own forward.
+
 The parameters are the train state's (their dtype and shardings, as a restored workdir holds them).
 """
 
@@ -30,6 +38,8 @@ from valen_jax.evaluation.tokens import _row_sums_fn
 from valen_jax.evaluation.workdir import local_batch_size
 from valen_jax.models import sharding
 from valen_jax.models.drafter import DrafterConfig, abstract_drafter
+from valen_jax.models.transformer import PerLayer
+from valen_jax.tasks.reinforce import MODE as REINFORCE
 from valen_jax.training.step import TrainLayout
 
 
@@ -101,7 +111,31 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
 
     # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
     forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
-    return forward + [("generate", generate), ("spec_answer", spec_answer)]
+    reinforce = _reinforce_programs(config, task, layout, compiled, batched, one) if config.train.mode == REINFORCE else []
+    return forward + [("generate", generate), ("spec_answer", spec_answer)] + reinforce
+
+
+def _reinforce_programs(config, task, layout: TrainLayout, compiled, batched, one):
+    """A reinforcement step's rollout and first update (module docstring)."""
+    rl, model_cfg = config.rl, task.model_cfg
+    prompts, group, new = int(rl.prompts_per_rollout), int(rl.group_size), int(rl.max_new_tokens)
+    prompt = engine.bucket(int(config.data.seq_len) - new)
+    # The rollout decodes the unscanned layout of a scanned policy (`tasks.reinforce`), laid out as its split.
+    decoding = (TrainLayout.from_config(PerLayer(model_cfg, layout.mesh).cfg, config.train, layout.mesh)
+                if model_cfg.scan_layers else layout)
+    params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), decoding.param_shapes,
+                          decoding.param_shardings)
+
+    def rollout():
+        fn = loop.engine_program(decoding.graphdef, task.sampling(), len(task.setup.tokenizer),
+                                 engine.bucket(prompt + new), engine.bucket(new), group)
+        positions = (prompts, prompt, 3) if model_cfg.mrope_section is not None else (prompts, prompt)
+        return compiled(fn, params, batched((prompts, prompt), jnp.int32), batched(positions, jnp.int32),
+                        batched((prompts,), jnp.int32), batched((prompts,), jnp.int32), batched((prompts,), jnp.bool_),
+                        None, one((1,), jnp.int32), one((), jnp.uint32), batched((prompts * group,), jnp.uint32),
+                        one((), jnp.int32))
+
+    return [("rollout", rollout), ("first_update", lambda: task.compile_first_update(task.layout()))]
 
 
 def _drafter(config, model_cfg, mesh, replicated, new: int):

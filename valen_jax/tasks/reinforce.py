@@ -104,6 +104,7 @@ class ReinforceTask(ModelTask):
         self.start, self.rl = start, setup.config.rl
         self.end_of_turn = end_of_turn_id(setup.tokenizer)
         self.samples: list[dict] = []
+        self._update = None  # the update function, made once for the run's layout (`_update_of`)
         if jax.process_count() > 1:
             raise ConfigError("config.train.mode=reinforce runs in one process for now (the rollout reads the "
                               "whole batch on the host)")
@@ -155,26 +156,38 @@ class ReinforceTask(ModelTask):
             shapes["ref_logp"] = s((rows, window), jnp.float32)
         return shapes
 
+    def sampling(self) -> Sampling:
+        """How a rollout draws its completions (config.rl.temperature, top_p)."""
+        return Sampling(temperature=float(self.rl.temperature), top_p=float(self.rl.top_p))
+
+    def _update_of(self, layout):
+        if self._update is None:
+            self._update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen,
+                                       float(self.rl.clip_epsilon), float(self.rl.kl_coef), int(self.rl.inner_steps),
+                                       float(self.rl.temperature), len(self.setup.tokenizer))
+        return self._update
+
     def compile(self, layout, batch_shapes: dict):
-        """The update step, compiled for the rollout batch's shapes (batch_shapes are the prompts'): the one
-        on rollout-time old log-probabilities; a rollout's first update (which makes them) is compiled
-        beside it by `step_function` (the same program but for that input and output)."""
+        """The update step on rollout-time old log-probabilities, compiled for the rollout batch's shapes
+        (batch_shapes are the prompts'); a rollout's first update, which makes them, is `compile_first_update`
+        (the same program but for that input and output)."""
         self._layout = layout
-        self._update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen,
-                                   float(self.rl.clip_epsilon), float(self.rl.kl_coef), int(self.rl.inner_steps),
-                                   float(self.rl.temperature), len(self.setup.tokenizer))
-        return compile_step(self._update, layout, self.rollout_shapes())
+        return compile_step(self._update_of(layout), layout, self.rollout_shapes())
+
+    def compile_first_update(self, layout):
+        """A rollout's first update: no `old_logp` in, its own forward's out (`reinforce.update`)."""
+        shapes = {k: v for k, v in self.rollout_shapes().items() if k != "old_logp"}
+        return compile_step(self._update_of(layout), layout, shapes)
 
     def step_function(self, compiled):
         layout, rl, config, mesh = self._layout, self.rl, self.config, self.setup.mesh
         tokenizer, graphdef = self.setup.tokenizer, layout.graphdef
-        first_update = compile_step(self._update, layout,
-                                    {k: v for k, v in self.rollout_shapes().items() if k != "old_logp"})
+        first_update = self.compile_first_update(layout)
         # The KL reference's log-probabilities, as the sampler draws (ids < len(tokenizer), rl.temperature).
         log_probs = make_log_probs(graphdef, float(rl.temperature), len(tokenizer))
         reference = self._reference(layout)
         grader = self._grader() if GRADER in rl.rewards else None
-        sampling = Sampling(temperature=float(rl.temperature), top_p=float(rl.top_p))
+        sampling = self.sampling()
         group, inner = int(rl.group_size), int(rl.inner_steps)
         weights = dict(rl.rewards)
         # Rollouts decode from a per-layer copy of a scanned policy (`transformer.PerLayer`: stacked weights
