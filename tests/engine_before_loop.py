@@ -21,7 +21,10 @@ from valen_jax.models.sharding import constrain
 
 
 @functools.cache
-def _generate_fn(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int):
+def _generate_fn(graphdef, sampling: Sampling, vocab: int, cache_length: int, out_length: int, group: int = 1):
+    if group != 1:  # the group prefill (a reinforcement rollout's) came later; the test compares group_size=1
+        raise ValueError(f"the engine before issue 30 prefilled every row: group={group}")
+
     def run(params, tokens, positions, lengths, next_position, active, vision, stop_ids, seed, rows, max_new):
         model = nnx.merge(graphdef, params)
         logits, cache = model.prefill(tokens, positions, lengths, cache_length, vision)
