@@ -119,7 +119,8 @@ def _reinforce_programs(config, task, layout: TrainLayout, compiled, batched, on
     """A reinforcement step's rollout and first update (module docstring)."""
     rl, model_cfg = config.rl, task.model_cfg
     prompts, group, new = int(rl.prompts_per_rollout), int(rl.group_size), int(rl.max_new_tokens)
-    prompt = engine.bucket(int(config.data.seq_len) - new)
+    longest = int(config.data.seq_len) - new  # `rows.PromptShape`: the longest prompt a rollout reads
+    prompt = engine.bucket(longest)
     # The rollout decodes the unscanned layout of a scanned policy (`tasks.reinforce`), laid out as its split.
     decoding = (TrainLayout.from_config(PerLayer(model_cfg, layout.mesh).cfg, config.train, layout.mesh)
                 if model_cfg.scan_layers else layout)
@@ -128,7 +129,7 @@ def _reinforce_programs(config, task, layout: TrainLayout, compiled, batched, on
 
     def rollout():
         fn = loop.engine_program(decoding.graphdef, task.sampling(), len(task.setup.tokenizer),
-                                 engine.bucket(prompt + new), engine.bucket(new), group)
+                                 engine.bucket(longest + new), engine.bucket(new), group)  # as generate_ids
         positions = (prompts, prompt, 3) if model_cfg.mrope_section is not None else (prompts, prompt)
         return compiled(fn, params, batched((prompts, prompt), jnp.int32), batched(positions, jnp.int32),
                         batched((prompts,), jnp.int32), batched((prompts,), jnp.int32), batched((prompts,), jnp.bool_),
