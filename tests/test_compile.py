@@ -46,7 +46,7 @@ def test_tiny_compiles_for_v5e_with_splash(tiny):
     assert report["attention"] == {"asked": "auto", "chosen": "splash"}
     programs = {p["program"]: p for p in report["programs"]}
     # every program but a reinforcement run's own two (tested below)
-    assert list(programs) == [name for name in aot.PROGRAMS if name not in ("rollout", "first_update")]
+    assert list(programs) == [name for name in aot.PROGRAMS if name not in aot.REINFORCE_PROGRAMS]
     for program in programs.values():
         memory = program["gib_per_chip"]
         assert set(memory) == {"argument", "output", "temp", "alias", "total"}

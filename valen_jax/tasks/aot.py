@@ -75,7 +75,8 @@ CHIPS = {"v4": Chip(32 * GIB, 275e12, 1200e9), "v5e": Chip(16 * GIB, 197e12, 819
          "v5p": Chip(95 * GIB, 459e12, 2765e9), "v6e": Chip(32 * GIB, 918e12, 1640e9)}
 HBM_PER_CHIP = {generation: chip.hbm_bytes for generation, chip in CHIPS.items()}
 COLLECTIVES = aot_hlo.COLLECTIVES
-PROGRAMS = ("train_step", "eval_forward", "generate", "spec_answer", "rollout", "first_update")  # the last two: reinforce
+REINFORCE_PROGRAMS = ("rollout", "first_update")  # train.mode=reinforce's only (`aot_programs`)
+PROGRAMS = ("train_step", "eval_forward", "generate", "spec_answer", *REINFORCE_PROGRAMS)
 # Generations whose slice name counts TensorCores (two per chip, one megacore device each).
 _CORES_IN_NAME = {"v4", "v5p"}
 _CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
@@ -297,7 +298,7 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
     missing = sorted(set(only or ()) - {name for name, *_ in steps})
     if missing:
         raise ConfigError(f"--programs: train.mode={config.train.mode} has no {', '.join(missing)} "
-                          "(rollout and first_update are train.mode=reinforce's)")
+                          f"({' and '.join(REINFORCE_PROGRAMS)} are train.mode=reinforce's)")
     programs = []
     for name, thunk, flops, kernel_flops in steps:
         if only is not None and name not in only:

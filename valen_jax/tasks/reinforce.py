@@ -104,7 +104,6 @@ class ReinforceTask(ModelTask):
         self.start, self.rl = start, setup.config.rl
         self.end_of_turn = end_of_turn_id(setup.tokenizer)
         self.samples: list[dict] = []
-        self._update = None  # the update function, made once for the run's layout (`_update_of`)
         if jax.process_count() > 1:
             raise ConfigError("config.train.mode=reinforce runs in one process for now (the rollout reads the "
                               "whole batch on the host)")
@@ -161,11 +160,9 @@ class ReinforceTask(ModelTask):
         return Sampling(temperature=float(self.rl.temperature), top_p=float(self.rl.top_p))
 
     def _update_of(self, layout):
-        if self._update is None:
-            self._update = make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen,
-                                       float(self.rl.clip_epsilon), float(self.rl.kl_coef), int(self.rl.inner_steps),
-                                       float(self.rl.temperature), len(self.setup.tokenizer))
-        return self._update
+        return make_update(layout.graphdef, layout.tx, layout.schedule, layout.frozen, float(self.rl.clip_epsilon),
+                           float(self.rl.kl_coef), int(self.rl.inner_steps), float(self.rl.temperature),
+                           len(self.setup.tokenizer))
 
     def compile(self, layout, batch_shapes: dict):
         """The update step on rollout-time old log-probabilities, compiled for the rollout batch's shapes
