@@ -40,7 +40,9 @@ def make_png(tmp_path: Path):
 # Heaviest files first. `make test` runs two xdist workers with whole files to each (`--dist loadfile`,
 # `--no-loadscope-reorder` so this order holds): a long file started last keeps one worker busy alone at
 # the end, so the files start in decreasing order of their measured seconds (tests/file_seconds.json, made
-# by tests/file_seconds.py from a run's junit XML), files not measured after them in collection order.
+# by tests/file_seconds.py from a run's junit XML). A file not measured yet starts before all of them, in
+# collection order: its cost is unknown, and a new end-to-end file started last ran alone for its whole
+# length (the 6-minute localisation test kept CI at 36 minutes); a small one started first costs nothing.
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 
 
@@ -51,4 +53,9 @@ def pytest_collection_modifyitems(config, items):
     order = {}
     for item in items:
         order.setdefault(item.nodeid.split("::")[0], len(order))
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), order[item.nodeid.split("::")[0]]))
+
+    def heaviest_first(item):
+        path = item.nodeid.split("::")[0]
+        return -seconds.get(path, float("inf")), order[path]
+
+    items.sort(key=heaviest_first)

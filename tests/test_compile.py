@@ -165,6 +165,23 @@ def test_a_reinforcement_step_compiles_its_rollout_and_both_updates(tmp_path):
     assert done.returncode != 0 and "--programs: train.mode=ar has no rollout" in done.stderr
 
 
+@pytest.mark.slow  # two subprocesses that compile the decoding programs for TPU: ~25 CPU seconds
+def test_a_scanned_model_decodes_per_layer_as_its_runs_do(tmp_path):
+    # A run decodes a scan_layers model from its per-layer copy (`run.handle.decoding_layout`), so the
+    # decoding programs compiled for the scanned config are the unscanned config's: the same bytes and flops.
+    # Over the stacked weights each step would copy its layer's slices out first (more bytes accessed).
+    figures = {}
+    for scanned in (True, False):
+        output = tmp_path / f"scan_{scanned}.json"
+        done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--programs=generate,spec_answer",
+                        f"--config.model.scan_layers={scanned}", f"--output={output}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        figures[scanned] = {p["program"]: (p["hlo_bytes_accessed"], p["hlo_flops"], p["gib_per_chip"]["argument"])
+                            for p in json.loads(output.read_text())["programs"]}
+    assert list(figures[True]) == ["generate", "spec_answer"]
+    assert figures[True] == figures[False]
+
+
 def test_nf4_dequantise_needs_no_padded_temporaries():
     """Unpacking a 7B MLP weight's NF4 codes on a v5e chip asks temporaries of the order of the weight.
     Interleaving the two nibbles of a byte with `stack(axis=-1)` made an [n, 2] array whose size-2 minor

@@ -22,7 +22,11 @@ log-probabilities) adds the two programs each of its steps runs besides:
   the run decodes (`transformer.PerLayer`);
 - `first_update`: a rollout's first update, which makes the old log-probabilities from its own forward.
 
-The parameters are the train state's (their dtype and shardings, as a restored workdir holds them).
+The parameters are the train state's (their dtype and shardings, as a restored workdir holds them). The
+programs that decode (`generate`, `spec_answer`, `rollout`) read a scanned model's weights as the runs do:
+the per-layer copy (`transformer.PerLayer`: `run.handle.decoding_layout` for generate and evaluation, the
+reinforcement task's split for rollouts), laid out as the unscanned model's logical axes say; compiling them
+over the stacked layout measured a program no run executes (a v5e counts ~1.5x its bytes).
 """
 
 from __future__ import annotations
@@ -56,7 +60,9 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
     target-dependent choices read the slice) and returns the compiled executable. Thunks run in order:
     each compiles on its own."""
     mesh, model_cfg = layout.mesh, task.model_cfg
-    params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), layout.param_shapes, layout.param_shardings)
+    params = _abstract_params(layout)
+    decoding = _decoding_layout(config, model_cfg, layout)
+    decode_params = _abstract_params(decoding)
     replicated = NamedSharding(mesh, PartitionSpec())
     rows = decode_batch(config, mesh)
 
@@ -87,10 +93,10 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
         return make((batch, length), jnp.int32), positions, make((batch,), jnp.int32), media
 
     def generate():
-        fn = loop.engine_program(layout.graphdef, engine.GREEDY, model_cfg.vocab_size,
+        fn = loop.engine_program(decoding.graphdef, engine.GREEDY, model_cfg.vocab_size,
                                  engine.bucket(seq_len + new), engine.bucket(new))
         tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len))
-        return compiled(fn, params, tokens, positions, lengths, batched((rows,), jnp.int32),
+        return compiled(fn, decode_params, tokens, positions, lengths, batched((rows,), jnp.int32),
                         batched((rows,), jnp.bool_), media, one((1,), jnp.int32), one((), jnp.uint32),
                         batched((rows,), jnp.uint32), one((), jnp.int32))
 
@@ -98,34 +104,43 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
 
     def spec_answer():
         width = rule.block_size or 32  # SpeculativeDecoder's default width for a drafter without a size
-        start, _ = loop.speculative_programs(layout.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
+        start, _ = loop.speculative_programs(decoding.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
                                              engine.bucket(seq_len + new), engine.bucket(new + width + 1))
         tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len - 1))
         states = announcements.states()
         tables = announcements.Tables(one((model_cfg.vocab_size,), jnp.int32), one((128, states), jnp.int32),
                                       one((128, states, 2), jnp.int32), one((128, states, 2), jnp.int32),
                                       *(one((), jnp.int32) for _ in range(4)))
-        return compiled(start, params, draft_params, tokens, positions, lengths, batched((rows,), jnp.int32),
+        return compiled(start, decode_params, draft_params, tokens, positions, lengths, batched((rows,), jnp.int32),
                         batched((rows,), jnp.int32), batched((rows,), jnp.bool_), media, one((1,), jnp.int32),
                         one((), jnp.uint32), batched((rows,), jnp.uint32), batched((rows,), jnp.int32), tables)
 
     # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
     forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
-    reinforce = _reinforce_programs(config, task, layout, compiled, batched, one) if config.train.mode == REINFORCE else []
+    reinforce = (_reinforce_programs(config, task, decoding, compiled, batched, one)
+                 if config.train.mode == REINFORCE else [])
     return forward + [("generate", generate), ("spec_answer", spec_answer)] + reinforce
 
 
-def _reinforce_programs(config, task, layout: TrainLayout, compiled, batched, one):
-    """A reinforcement step's rollout and first update (module docstring)."""
+def _abstract_params(layout: TrainLayout):
+    return jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), layout.param_shapes, layout.param_shardings)
+
+
+def _decoding_layout(config, model_cfg, layout: TrainLayout) -> TrainLayout:
+    """The layout the decoding programs read: a scanned model's unscanned twin (`PerLayer`'s config, its
+    shardings from the unscanned logical axes), else the train layout itself."""
+    if not model_cfg.scan_layers:
+        return layout
+    return TrainLayout.from_config(PerLayer(model_cfg, layout.mesh).cfg, config.train, layout.mesh)
+
+
+def _reinforce_programs(config, task, decoding: TrainLayout, compiled, batched, one):
+    """A reinforcement step's rollout (on the `decoding` layout) and first update (module docstring)."""
     rl, model_cfg = config.rl, task.model_cfg
     prompts, group, new = int(rl.prompts_per_rollout), int(rl.group_size), int(rl.max_new_tokens)
     longest = int(config.data.seq_len) - new  # `rows.PromptShape`: the longest prompt a rollout reads
     prompt = engine.bucket(longest)
-    # The rollout decodes the unscanned layout of a scanned policy (`tasks.reinforce`), laid out as its split.
-    decoding = (TrainLayout.from_config(PerLayer(model_cfg, layout.mesh).cfg, config.train, layout.mesh)
-                if model_cfg.scan_layers else layout)
-    params = jax.tree.map(lambda s, sh: _abstract(s.shape, s.dtype, sh), decoding.param_shapes,
-                          decoding.param_shardings)
+    params = _abstract_params(decoding)
 
     def rollout():
         fn = loop.engine_program(decoding.graphdef, task.sampling(), len(task.setup.tokenizer),
