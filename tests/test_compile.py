@@ -161,6 +161,9 @@ def test_a_reinforcement_step_compiles_its_rollout_and_both_updates(tmp_path):
     # 4 prompts x G 4 rows of 24 tokens; the loss reads each row's 4-token completion window only
     assert report["batch"]["tokens"] == [16, 24] and report["batch"]["targets"] == [16, 4]
     assert "old_logp" in report["batch"]  # the later updates' input; the first update makes it
+    # ... laid out as the batch (`compile_step`'s per_row_metrics): no all-gather more than a later update.
+    train, _, first = report["programs"]
+    assert first["collectives"] == train["collectives"]
     done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--programs=rollout")
     assert done.returncode != 0 and "--programs: train.mode=ar has no rollout" in done.stderr
 

@@ -172,9 +172,10 @@ class ReinforceTask(ModelTask):
         return compile_step(self._update_of(layout), layout, self.rollout_shapes())
 
     def compile_first_update(self, layout):
-        """A rollout's first update: no `old_logp` in, its own forward's out (`reinforce.update`)."""
+        """A rollout's first update: no `old_logp` in, its own forward's out (`reinforce.update`), laid out
+        as the batch the later updates read it in."""
         shapes = {k: v for k, v in self.rollout_shapes().items() if k != "old_logp"}
-        return compile_step(self._update_of(layout), layout, shapes)
+        return compile_step(self._update_of(layout), layout, shapes, per_row_metrics=("old_logp",))
 
     def step_function(self, compiled):
         layout, rl, config, mesh = self._layout, self.rl, self.config, self.setup.mesh
@@ -215,8 +216,8 @@ class ReinforceTask(ModelTask):
                     on_device["ref_logp"] = log_probs(reference, on_device)
                 # The first update's forward gives the rollout-time log-probabilities the others clip against.
                 state, metrics = first_update(state, on_device)
-                # (metrics come back replicated: laid out again as the batch is, as `compiled` takes them).
-                on_device["old_logp"] = jax.device_put(metrics.pop("old_logp"), on_device["mask"].sharding)
+                # (laid out as the batch already: `compile_first_update`'s per-row metric).
+                on_device["old_logp"] = metrics.pop("old_logp")
                 updates = [metrics]
                 for _ in range(inner - 1):
                     state, metrics = compiled(state, on_device)

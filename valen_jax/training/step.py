@@ -320,16 +320,28 @@ class TrainLayout:
         return self.saved(self.abstract_state())
 
 
-def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *inputs):
+def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *inputs, per_row_metrics=()):
     """`step(state, batch, *inputs) -> (state, metrics)` jitted with the layout's shardings (the state
     donated, metrics replicated) and compiled for the layout's mesh from abstract shapes alone.
 
     `inputs`: abstract arrays (ShapeDtypeStruct with their sharding) of read-only arguments after the
-    batch, e.g. a drafter's frozen target. The one place a train step is compiled: tasks, benchmarks and
-    the ahead-of-time compile all come here.
+    batch, e.g. a drafter's frozen target. `per_row_metrics`: the names of metrics that are per-row arrays
+    the caller feeds back as batch inputs (a reinforcement rollout's old log-probabilities): laid out as the
+    batch, not replicated, so no all-gather makes them and no copy splits them again. The one place a train
+    step is compiled: tasks, benchmarks and the ahead-of-time compile all come here.
     """
-    jitted = jax.jit(step, in_shardings=(layout.state_shardings, layout.batch_shardings(batch_shapes),
-                                         *(jax.tree.map(lambda leaf: leaf.sharding, x) for x in inputs)),
-                     out_shardings=(layout.state_shardings, layout.replicated), donate_argnums=(0,))
+    in_shardings = (layout.state_shardings, layout.batch_shardings(batch_shapes),
+                    *(jax.tree.map(lambda leaf: leaf.sharding, x) for x in inputs))
+    metrics_shardings = layout.replicated
+    if per_row_metrics:
+        with jax.set_mesh(layout.mesh):
+            _, metrics = jax.eval_shape(step, layout.abstract_state(), batch_shapes, *inputs)
+        missing = sorted(set(per_row_metrics) - set(metrics))
+        if missing:
+            raise ValueError(f"compile_step: per_row_metrics {missing} are not among the step's metrics {sorted(metrics)}")
+        metrics_shardings = {name: (layout.batch_shardings({name: value})[name] if name in per_row_metrics
+                                    else layout.replicated) for name, value in metrics.items()}
+    jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=(layout.state_shardings, metrics_shardings),
+                     donate_argnums=(0,))
     with jax.set_mesh(layout.mesh):
         return jitted.lower(layout.abstract_state(), batch_shapes, *inputs).compile()
