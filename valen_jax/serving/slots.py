@@ -12,7 +12,11 @@ the server:
   per (S, C, sampling). An empty or finished slot still occupies its lane (static shapes); its writes
   land in its own row, which the next prefill into it replaces whole;
 - `choose`: the next token of each slot from its logits (`sampling.sample`), once per distinct
-  `Sampling` among the live slots (the filters are static arguments of `sample`).
+  `Sampling` among the live slots (the filters are static arguments of `sample`);
+- `copy_rows`: slot rows of the cache copied into other slots (the cache donated): requests admitted in
+  one round with the same prompt (a request's `n` choices, or equal prompts of different requests) are
+  prefilled once, and the others' slots receive its rows; each draws its first token from the same
+  logits with its own key. Compiled per power-of-two count of copies.
 
 Requests join between syncs (one prefill for all admitted ones, into free slots) and leave between them (their slot is
 marked free), so a long answer never holds back a short one. A slot's tokens depend only on its own
@@ -101,12 +105,17 @@ def _programs(graphdef, vocab: int, cache_length: int):
         values = cache.values.at[:, slots].set(rows.values, mode="drop")
         return logits, KVCache(keys, values)
 
+    def copy_rows(cache, sources, targets):
+        """Slot rows `sources` into slots `targets` (a padding entry's target is out of range: dropped)."""
+        return KVCache(*(x.at[:, targets].set(x[:, sources], mode="drop") for x in cache))
+
     def empty(params, slots):
         model = nnx.merge(graphdef, params)
         tokens = jnp.zeros((slots, 1), jnp.int32)
         return model.prefill(tokens, tokens, jnp.ones(slots, jnp.int32), cache_length)[1]
 
-    return jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,))
+    return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,)),
+            jax.jit(copy_rows, donate_argnums=(0,)))
 
 
 @functools.cache
@@ -156,15 +165,28 @@ def cover(sizes: list[int], n: int) -> int:
 
 @functools.cache
 def _chooser(sampling: Sampling, vocab: int):
-    def choose(logits, seeds, choices, counts):
-        return sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
+    def choose(logits, rows, seeds, choices, counts):
+        """One token per entry from logits row `rows[i]` with entry i's own key."""
+        return sample(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
     return jax.jit(choose)
+
+
+def _same_prompt(request: Request) -> tuple:
+    """What makes two requests' prefills identical: their ids and positions; an image prompt's media by
+    identity (the `n` choices of one request share its arrays)."""
+    positions = None if request.positions is None else (request.positions.shape, request.positions.tobytes())
+    return request.ids.tobytes(), positions, None if request.vision is None else id(request.vision)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class SlotEngine:
     """The decode slots of one model and the thread that steps them (module docstring)."""
 
     min_decode_rows = MIN_DECODE_ROWS  # the fewest slots a decode program runs (`_shape_buckets`)
+    shares_prefills = True  # equal prompts of one round prefilled once (`_start`)
 
     def __init__(self, params, graphdef, *, vocab: int, stop_ids, slots: int, cache_length: int,
                  max_queue: int, steps_per_sync: int = 4):
@@ -173,7 +195,7 @@ class SlotEngine:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         self.max_queue = int(max_queue)
-        self._prefill, empty = _programs(graphdef, self.vocab, self.cache_length)
+        self._prefill, empty, self._copy_rows = _programs(graphdef, self.vocab, self.cache_length)
         self.model_cfg = nnx.merge(graphdef, params).cfg
         self.mrope = self.model_cfg.mrope_section is not None
         platform = next(iter(jax.tree.leaves(params)[0].devices())).platform  # where the model runs, not the host
@@ -187,6 +209,7 @@ class SlotEngine:
         self._stopping = False
         self.failure: str | None = None  # why the engine thread ended, if it failed (`_run`)
         self.steps = 0  # decode steps run (the tests read it to see slots shared)
+        self.prefilled = 0  # prompts prefilled (the tests read it to see equal prompts prefilled once)
         # The first-token paths of the latest requests and the latest decode calls' seconds (`metrics`).
         self._firsts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=METRICS_WINDOW)
         self._decode_seconds: collections.deque[float] = collections.deque(maxlen=METRICS_WINDOW)
@@ -205,8 +228,8 @@ class SlotEngine:
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
             logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
                                                 np.full(rows, self.slots, np.int32), None)
-            _chooser(Sampling(), self.vocab)(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.uint32),
-                                             np.zeros(rows, np.int32))
+            _chooser(Sampling(), self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
+                                             np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
         zeros = np.zeros(self.slots, np.int32)
         for rows in self._row_sizes:
             for length in self._length_sizes:
@@ -344,30 +367,50 @@ class SlotEngine:
         sent as soon as its prefill ends (a short prompt does not wait for a long one's prefill, nor pay its
         padding). A group is `PREFILL_ROWS` requests of one prompt bucket when that many rows fit the
         prefill token budget (`prefill_tokens`), else one: two row counts, so a server compiles
-        2 x buckets prefill programs (a compile while serving stalls every slot)."""
+        2 x buckets prefill programs (a compile while serving stalls every slot). Requests with the same
+        prompt (`_same_prompt`) are prefilled once, where `shares_prefills`: the first of them (the leader) is
+        prefilled, the others (its followers) get copies of its cache rows (`copy_rows`)."""
         requests = sorted(requests, key=lambda r: len(r.ids))
+        followers: dict[int, list[Request]] = {}
+        if self.shares_prefills:
+            leaders: dict[tuple, Request] = {}
+            for r in requests:
+                leader = leaders.setdefault(_same_prompt(r), r)
+                if leader is not r:
+                    followers.setdefault(id(leader), []).append(r)
+            requests = list(leaders.values())
         wide = min(PREFILL_ROWS, self.slots)
         while requests:
             size = bucket(len(requests[0].ids))
             group = [r for r in requests[:wide] if bucket(len(r.ids)) == size]
             if len(group) == 1 or wide * size > self.prefill_tokens or any(r.vision for r in group):
                 group = group[:1]
-            self._prefill_rows(group, wide if len(group) > 1 else 1)
+            self._prefill_rows(group, wide if len(group) > 1 else 1, followers)
             requests = requests[len(group):]
 
-    def _prefill_rows(self, requests: list[Request], rows: int) -> None:
+    def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
         """One prefill of `requests` padded to `rows` rows and their prompt bucket, the host arrays built by
         `engine.batch_arrays` (generate's; an image row with its patches, their count unpadded as generate's, so
-        an image prompt's program is compiled per patch count: a processor's `max_pixels` keeps them few)."""
+        an image prompt's program is compiled per patch count: a processor's `max_pixels` keeps them few); then
+        each request's `followers` (same prompt, by id of the request) receive its cache rows."""
         arrays, slots, vision = self._prompt_arrays(requests, rows, len)
         started = time.perf_counter()
-        for request in requests:
+        copies = [(row, f) for row, r in enumerate(requests) for f in followers.get(id(r), ())]
+        everyone = requests + [f for _, f in copies]
+        for request in everyone:
             request.times["prefill_start"] = started
         logits, self._cache = self._prefill(self.params, self._cache, arrays["tokens"], arrays["positions"],
                                             arrays["lengths"], slots, vision)
-        chosen = self._choose(logits, requests)  # on the host: the prefill has run
+        self.prefilled += len(requests)
+        if copies:
+            size = _power_of_two(len(copies))
+            sources, targets = np.zeros(size, np.int32), np.full(size, self.slots, np.int32)
+            for i, (row, follower) in enumerate(copies):
+                sources[i], targets[i], follower.offset = requests[row].slot, follower.slot, requests[row].offset
+            self._cache = self._copy_rows(self._cache, sources, targets)
+        chosen = self._choose(logits, everyone, list(range(len(requests))) + [row for row, _ in copies])
         ended = time.perf_counter()
-        for request, token in zip(requests, chosen, strict=True):
+        for request, token in zip(everyone, chosen, strict=True):
             request.times["first_token"] = ended
             self._record(request)
             self._commit(request, token)
@@ -440,16 +483,18 @@ class SlotEngine:
             for r in mine:
                 self._commit_sync(r, tokens[:, r.slot])
 
-    def _choose(self, logits, requests: list[Request]) -> np.ndarray:
-        """The first token of each new request from its prompt's logits [rows, V] (rows >= requests: the
-        padded prefill's, so each sampling compiles once per row count, not per number admitted)."""
-        rows = logits.shape[0]
-        seeds, choices, counts = np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32)
+    def _choose(self, logits, requests: list[Request], rows_of: list[int]) -> np.ndarray:
+        """The first token of each new request from its prompt's logits row `rows_of[i]` of [rows, V]
+        (padded to at least the prefill's rows, then powers of two, so each sampling compiles once per row
+        count and a few counts of requests sharing prompts, not per number admitted)."""
+        size = max(logits.shape[0], _power_of_two(len(requests)))
+        seeds, choices, counts = np.zeros(size, np.uint32), np.zeros(size, np.uint32), np.zeros(size, np.int32)
+        index = np.zeros(size, np.int32)
         for i, r in enumerate(requests):
-            seeds[i], choices[i], counts[i] = r.seed, r.choice, len(r.tokens)
+            seeds[i], choices[i], counts[i], index[i] = r.seed, r.choice, len(r.tokens), rows_of[i]
         out = np.zeros(len(requests), np.int32)
         for sampling in {r.sampling for r in requests}:
-            chosen = np.asarray(_chooser(sampling, self.vocab)(logits, seeds, choices, counts))
+            chosen = np.asarray(_chooser(sampling, self.vocab)(logits, index, seeds, choices, counts))
             picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
             out[picks] = chosen[picks]
         return out

@@ -107,6 +107,8 @@ class SpeculativeSlotEngine(SlotEngine):
     # lane costs as much as a live one: sync programs of 1, 2, 4, ... slots (plain decode starts at 8, where
     # a lane is one position), so one request alone pays for one lane.
     min_decode_rows = 1
+    # Equal prompts are prefilled each on their own: a copy would need the drafter's state rows too.
+    shares_prefills = False
 
     def __init__(self, params, graphdef, *, drafter, calls: AtomicCalls, slots: int,
                  cache_length: int, **kwargs):
@@ -133,7 +135,7 @@ class SpeculativeSlotEngine(SlotEngine):
                 self._sync(Sampling(), rows, length, [])
         self.warm_seconds = time.perf_counter() - started
 
-    def _prefill_rows(self, requests: list[Request], rows: int) -> None:
+    def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
         """The prompts but their last tokens into the requests' slots (the first pass feeds the last), their
         spans from the automaton, their statistics reset; no token yet (it comes with the next sync)."""
         # The last prompt token (at the prompt's largest position) is fed by the first pass, at slot len(ids) - 1.
@@ -146,6 +148,7 @@ class SpeculativeSlotEngine(SlotEngine):
         self._cache, self._draft, spans, held = self._spec_prefill(
             self.params, self.drafter.params, self._cache, self._draft, arrays["tokens"], arrays["positions"],
             arrays["lengths"], slots, vision, last, self._tables)
+        self.prefilled += len(requests)
         spans, held = jax.tree.map(np.asarray, spans), np.asarray(held)
         for row, request in enumerate(requests):
             for mine, new in zip(self._spans, spans, strict=True):
