@@ -52,7 +52,11 @@ Reward over the last 10 rollouts: ours 0.190 / 0.186 / 0.197 / 0.204 / 0.204 / 0
 0.003), TRL 0.209 / 0.187 / 0.199 / 0.193 / 0.201 / 0.232 (0.204, s.e. 0.007); updates/s median ours 1.187
 (1.18-1.22), TRL 0.458 (0.45-0.48); eval answer_exact_match mean ours 0.247, TRL 0.243. Last line
 `reinforce_reward_vs_trl=0.972 steps_per_s_vs_trl=2.593` (seeds 0-2 alone: 0.964 / 2.589): the speed goal
-met, the reward goal not as measured (within one standard error of the difference). Before those two
+met, the reward goal not as measured (within one standard error of the difference). Six more seeds
+(`--seeds 12 --resume`, same out; seeds 6-8 and TRL's 11 on a host shared with tests, which slows their rates
+only): ours 0.196 / 0.205 / 0.194 / 0.189 / 0.200 / 0.217, TRL 0.191 / 0.185 / 0.183 / 0.204 / 0.215 / 0.186;
+over 12 seeds ours 0.1990 (s.e. 0.0025), TRL 0.1987 (0.0042), eval 0.238 vs 0.236, last line
+`reinforce_reward_vs_trl=1.001 steps_per_s_vs_trl=2.662`: the reward goal met as measured (± 0.025). Before those two
 changes, the 3-seed command on the same idle host gave `reinforce_reward_vs_trl=0.967
 steps_per_s_vs_trl=1.425` (ours 0.566 updates/s), then 0.964 / 2.012 with the completion window alone.
 
