@@ -303,3 +303,5 @@ def test_the_smoke_check_prints_its_findings_and_discards_its_workdir(tmp_path):
     assert "reward/exact/mean" in result.stdout and "sample: gold" in result.stdout
     assert "checkpoint written: True, discarded: True" in result.stdout
     assert not workdir.exists()
+    # inner_steps=1: no update reads old log-probabilities, so the first update is the one program compiled
+    assert "rl.inner_steps=1: every update is a rollout's first; one update program compiled" in result.stderr

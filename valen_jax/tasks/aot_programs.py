@@ -117,7 +117,7 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
 
     # Valen's evaluation scores branch trees (`evaluation.valen`), not the token sums: not compiled here yet.
     forward = [] if config.data.format == "valen" else [("eval_forward", eval_forward)]
-    reinforce = (_reinforce_programs(config, task, decoding, compiled, batched, one)
+    reinforce = (_reinforce_programs(config, task, layout, decoding, compiled, batched, one)
                  if config.train.mode == REINFORCE else [])
     return forward + [("generate", generate), ("spec_answer", spec_answer)] + reinforce
 
@@ -134,7 +134,7 @@ def _decoding_layout(config, model_cfg, layout: TrainLayout) -> TrainLayout:
     return TrainLayout.from_config(PerLayer(model_cfg, layout.mesh).cfg, config.train, layout.mesh)
 
 
-def _reinforce_programs(config, task, decoding: TrainLayout, compiled, batched, one):
+def _reinforce_programs(config, task, layout: TrainLayout, decoding: TrainLayout, compiled, batched, one):
     """A reinforcement step's rollout (on the `decoding` layout) and first update (module docstring)."""
     rl, model_cfg = config.rl, task.model_cfg
     prompts, group, new = int(rl.prompts_per_rollout), int(rl.group_size), int(rl.max_new_tokens)
@@ -151,7 +151,7 @@ def _reinforce_programs(config, task, decoding: TrainLayout, compiled, batched, 
                         None, one((1,), jnp.int32), one((), jnp.uint32), batched((prompts * group,), jnp.uint32),
                         one((), jnp.int32))
 
-    return [("rollout", rollout), ("first_update", lambda: task.compile_first_update(task.layout()))]
+    return [("rollout", rollout), ("first_update", lambda: task.compile_first_update(layout))]
 
 
 def _drafter(config, model_cfg, mesh, replicated, new: int):

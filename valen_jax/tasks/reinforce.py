@@ -167,8 +167,12 @@ class ReinforceTask(ModelTask):
     def compile(self, layout, batch_shapes: dict):
         """The update step on rollout-time old log-probabilities, compiled for the rollout batch's shapes
         (batch_shapes are the prompts'); a rollout's first update, which makes them, is `compile_first_update`
-        (the same program but for that input and output)."""
+        (the same program but for that input and output). With rl.inner_steps=1 (a smoke check's) no update
+        reads old log-probabilities: the first update is then the only program, compiled here once."""
         self._layout = layout
+        if int(self.rl.inner_steps) == 1:
+            log.info("rl.inner_steps=1: every update is a rollout's first; one update program compiled")
+            return self.compile_first_update(layout)
         return compile_step(self._update_of(layout), layout, self.rollout_shapes())
 
     def compile_first_update(self, layout):
@@ -180,7 +184,7 @@ class ReinforceTask(ModelTask):
     def step_function(self, compiled):
         layout, rl, config, mesh = self._layout, self.rl, self.config, self.setup.mesh
         tokenizer, graphdef = self.setup.tokenizer, layout.graphdef
-        first_update = self.compile_first_update(layout)
+        first_update = compiled if int(rl.inner_steps) == 1 else self.compile_first_update(layout)
         # The KL reference's log-probabilities, as the sampler draws (ids < len(tokenizer), rl.temperature).
         log_probs = make_log_probs(graphdef, float(rl.temperature), len(tokenizer))
         reference = self._reference(layout)
