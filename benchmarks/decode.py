@@ -63,15 +63,20 @@ PROMPTS = 8
 PAD = 0  # transformers' left padding; masked out, so any id does
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat")
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """The model's shape (also `benchmarks/decode_bound.py`'s, which times the same products)."""
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--mlp", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=32000)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 repeat")
+    add_shape_args(parser)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=256)

@@ -41,17 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.decode import copy_bandwidth  # noqa: E402
+from benchmarks.decode import add_shape_args, copy_bandwidth  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--mlp", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_shape_args(parser)
     return parser.parse_args(argv)
 
 
