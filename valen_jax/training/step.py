@@ -339,7 +339,7 @@ def compile_step(step: Callable, layout: TrainLayout, batch_shapes: dict, *input
         missing = sorted(set(per_row_metrics) - set(metrics))
         if missing:
             raise ValueError(f"compile_step: per_row_metrics {missing} are not among the step's metrics {sorted(metrics)}")
-        metrics_shardings = {name: (layout.batch_shardings({name: value})[name] if name in per_row_metrics
+        metrics_shardings = {name: (sharding.batch_sharding(layout.mesh, value.ndim) if name in per_row_metrics
                                     else layout.replicated) for name, value in metrics.items()}
     jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=(layout.state_shardings, metrics_shardings),
                      donate_argnums=(0,))
