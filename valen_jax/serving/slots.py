@@ -1,22 +1,10 @@
 """Continuous batching over a fixed number of decode slots.
 
-The cache is one `KVCache` of [L, S, K, C, H] (S slots, C = the model's context). Three compiled
-programs, each with static shapes, so an accelerator runs the same executables for the whole life of
-the server:
-
-- `prefill` of one prompt, right-padded to its length bucket (`engine.bucket`), written into a chosen
-  slot of the shared cache (the cache donated: updated in place), → the logits at its last token;
-  compiled once per prompt bucket;
-- `decode`: `steps_per_sync` tokens for every slot in one scan of `Transformer.decode_step` (each slot
-  its own cursor and position, its own stop and budget on the device), the cache donated; compiled once
-  per (S, C, sampling). An empty or finished slot still occupies its lane (static shapes); its writes
-  land in its own row, which the next prefill into it replaces whole;
-- `choose`: the next token of each slot from its logits (`sampling.sample`), once per distinct
-  `Sampling` among the live slots (the filters are static arguments of `sample`);
-- `copy_rows`: slot rows of the cache copied into other slots (the cache donated): requests admitted in
-  one round with the same prompt (a request's `n` choices, or equal prompts of different requests) are
-  prefilled once, and the others' slots receive its rows; each draws its first token from the same
-  logits with its own key. Compiled per power-of-two count of copies.
+The cache is one `KVCache` of [L, S, K, C, H] (S slots, C = the model's context), which the compiled
+programs of `slot_programs` (prefill into slots, decode, choose, copy rows) update in place, each with
+static shapes. Requests with the same prompt admitted in one round (a request's `n` choices, or equal
+prompts of different requests) are prefilled once, and the others' slots receive copies of its rows;
+each draws its first token from the same logits with its own key.
 
 Requests join between syncs (one prefill for all admitted ones, into free slots) and leave between them (their slot is
 marked free), so a long answer never holds back a short one. A slot's tokens depend only on its own
@@ -32,7 +20,6 @@ batch. A larger value amortises the round trip; a smaller one lets a new request
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
@@ -43,10 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from valen_jax.decoding import loop
 from valen_jax.decoding.engine import batch_arrays, bucket
-from valen_jax.decoding.sampling import Sampling, sample
-from valen_jax.models.kv_cache import KVCache
+from valen_jax.decoding.sampling import Sampling
+from valen_jax.serving import slot_programs
 
 log = logging.getLogger(__name__)
 
@@ -94,61 +80,6 @@ class Request:
     speculation: dict | None = None
 
 
-@functools.cache
-def _programs(graphdef, vocab: int, cache_length: int):
-    def prefill(params, cache, tokens, positions, lengths, slots, vision):
-        """New requests [A, P] into their slots (a padding row's slot is out of range: dropped); `vision`
-        (patches, their positions and segments, padded) or None: a separate program for image prompts."""
-        model = nnx.merge(graphdef, params)
-        logits, rows = model.prefill(tokens, positions, lengths, cache_length, vision)
-        keys = cache.keys.at[:, slots].set(rows.keys, mode="drop")
-        values = cache.values.at[:, slots].set(rows.values, mode="drop")
-        return logits, KVCache(keys, values)
-
-    def copy_rows(cache, sources, targets):
-        """Slot rows `sources` into slots `targets` (a padding entry's target is out of range: dropped)."""
-        return KVCache(*(x.at[:, targets].set(x[:, sources], mode="drop") for x in cache))
-
-    def empty(params, slots):
-        model = nnx.merge(graphdef, params)
-        tokens = jnp.zeros((slots, 1), jnp.int32)
-        return model.prefill(tokens, tokens, jnp.ones(slots, jnp.int32), cache_length)[1]
-
-    return (jax.jit(prefill, donate_argnums=(1,)), jax.jit(empty, static_argnums=(1,)),
-            jax.jit(copy_rows, donate_argnums=(0,)))
-
-
-@functools.cache
-def _decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, length: int):
-    """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
-    other slots and positions untouched): the rows not `live` (free, finished, or of another sampling)
-    keep their token and cursor, and rewrite the same keys/values at their cursor."""
-    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids):
-        model = nnx.merge(graphdef, params)
-        full = cache
-        cache = KVCache(full.keys[:, :rows, :, :length], full.values[:, :rows, :, :length])
-        last, cursor, offsets, seeds, choices, counts, live, budgets = (
-            x[:rows] for x in (last, cursor, offsets, seeds, choices, counts, live, budgets))
-
-        def step(carry, _):
-            cache, last, cursor, counts, live = carry
-            # A generated token's position is its slot plus the prompt's offset (0 but for M-RoPE media).
-            logits, cache = model.decode_step(last, cursor + offsets, cache, cursor)
-            token = sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
-            token = jnp.where(live, token, last)
-            moved = live.astype(jnp.int32)
-            counts = counts + moved
-            live = live & ~jnp.isin(token, stop_ids) & (counts < budgets)
-            return (cache, token, cursor + moved, counts, live), token
-
-        (cache, *_), tokens = jax.lax.scan(step, (cache, last, cursor, counts, live), None, length=steps)
-        keys = jax.lax.dynamic_update_slice(full.keys, cache.keys, (0, 0, 0, 0, 0))
-        values = jax.lax.dynamic_update_slice(full.values, cache.values, (0, 0, 0, 0, 0))
-        return tokens, KVCache(keys, values)
-
-    return jax.jit(decode, donate_argnums=(1,))
-
-
 def _shape_buckets(limit: int, smallest: int) -> list[int]:
     """Powers of two from `smallest` below `limit`, then `limit` itself: the decode's slot counts and
     cache lengths (few, so a server compiles few decode programs)."""
@@ -161,14 +92,6 @@ def _shape_buckets(limit: int, smallest: int) -> list[int]:
 
 def cover(sizes: list[int], n: int) -> int:
     return next(s for s in sizes if s >= n)
-
-
-@functools.cache
-def _chooser(sampling: Sampling, vocab: int):
-    def choose(logits, rows, seeds, choices, counts):
-        """One token per entry from logits row `rows[i]` with entry i's own key."""
-        return sample(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
-    return jax.jit(choose)
 
 
 def _same_prompt(request: Request) -> tuple:
@@ -195,7 +118,7 @@ class SlotEngine:
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self._stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         self.max_queue = int(max_queue)
-        self._prefill, empty, self._copy_rows = _programs(graphdef, self.vocab, self.cache_length)
+        self._prefill, empty, self._copy_rows = slot_programs.cache_programs(graphdef, self.vocab, self.cache_length)
         self.model_cfg = nnx.merge(graphdef, params).cfg
         self.mrope = self.model_cfg.mrope_section is not None
         platform = next(iter(jax.tree.leaves(params)[0].devices())).platform  # where the model runs, not the host
@@ -228,12 +151,12 @@ class SlotEngine:
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
             logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
                                                 np.full(rows, self.slots, np.int32), None)
-            _chooser(Sampling(), self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
+            slot_programs.chooser(Sampling(), self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
                                              np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
         zeros = np.zeros(self.slots, np.int32)
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                decode = _decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync, rows, length)
+                decode = slot_programs.decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync, rows, length)
                 tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros, zeros.astype(np.uint32),
                                              zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
                                              self._stops)
@@ -473,7 +396,7 @@ class SlotEngine:
             mine = [r for r in live if r.sampling == sampling]
             mask = np.zeros(self.slots, bool)
             mask[[r.slot for r in mine]] = True
-            decode = _decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
+            decode = slot_programs.decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
             started = time.perf_counter()
             tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
                                          a["choices"], a["counts"], mask, a["budgets"], self._stops)
@@ -494,7 +417,7 @@ class SlotEngine:
             seeds[i], choices[i], counts[i], index[i] = r.seed, r.choice, len(r.tokens), rows_of[i]
         out = np.zeros(len(requests), np.int32)
         for sampling in {r.sampling for r in requests}:
-            chosen = np.asarray(_chooser(sampling, self.vocab)(logits, index, seeds, choices, counts))
+            chosen = np.asarray(slot_programs.chooser(sampling, self.vocab)(logits, index, seeds, choices, counts))
             picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
             out[picks] = chosen[picks]
         return out
