@@ -341,6 +341,8 @@ def merged(stats: list[BlockStats]) -> BlockStats:
     for s in stats:
         total.passes += s.passes
         total.committed += s.committed
+        total.spelling_passes += s.spelling_passes
+        total.spelling_committed += s.spelling_committed
         for mine, theirs in ((total.drafted_at, s.drafted_at), (total.accepted_at, s.accepted_at),
                              (total.histogram, s.histogram)):
             for k, n in theirs.items():

@@ -53,6 +53,10 @@ class Tables(NamedTuple):
     open_id: jnp.ndarray  # int32 []
     close_id: jnp.ndarray  # int32 []
     dense_id: jnp.ndarray  # int32 []
+    # The spelling's fixed text as the tokenizer writes it (`spelled_drafts`): from a state at one of its
+    # token boundaries, the tokens up to its next number (padded with 0), and how many; 0 elsewhere.
+    spelled: jnp.ndarray  # int32 [S, F]
+    spelled_length: jnp.ndarray  # int32 [S]
 
 
 def spelling() -> tuple[str, str, str]:
@@ -160,6 +164,37 @@ def _host_tables(tokenizer, open_id: int, close_id: int, vocab_size: int):
     return token_class, table, automaton.accept
 
 
+def spelled_drafts(tokenizer, open_id: int, close_id: int, token_class, next_state, count: int):
+    """The tokens the compact spelling forces, for drafting outside blocks (`loop.Passes.verify`): the
+    spelling with two numbers, `<tool_call>{"name":"atomic_decoding","arguments":{"block_size":7,"count":9}}`,
+    encoded by the tokenizer and walked through the automaton's tables. At each token boundary inside a
+    literal part (after `<tool_call>`, after `,"`, ...) the state there maps to the tokens that follow it up
+    to the next one holding a digit (a number is the target's to choose, as is where it ends: `,"count"`
+    or `}}`) and never `</tool_call>` (the token after a spelling is the target's own bonus, so a block's
+    first token stays the drafter's). → (spelled [S, F], spelled_length [S]). The draft is only a proposal:
+    the target verifies it, so a target that writes another tool or spelling loses one pass, never a token."""
+    prefix, between, suffix = spelling()
+    ids = tokenizer.encode("<tool_call>" + prefix + "7" + between + "9" + suffix + "</tool_call>",
+                           add_special_tokens=False)
+    forced: dict[int, list[int]] = {}
+    names = _CharAutomaton().names
+    literal = {state for state, (kind, _) in names.items() if kind in ("P", "B", "S")}
+    if open_id in ids:
+        body = ids[ids.index(open_id) + 1:]
+        state = int(next_state[token_class[open_id], NEVER])
+        numbered = [t == close_id or any(ch.isdigit() for ch in tokenizer.decode([t])) for t in body]
+        for k, token in enumerate(body):
+            if state in literal and not numbered[k]:
+                end = next((j for j in range(k, len(body)) if numbered[j]), len(body))
+                forced.setdefault(state, body[k:end])
+            state = int(next_state[token_class[token], state])
+    width = max((len(v) for v in forced.values()), default=0)
+    spelled, length = np.zeros((count, max(width, 1)), np.int32), np.zeros(count, np.int32)
+    for state, tokens in forced.items():
+        spelled[state, :len(tokens)], length[state] = tokens, len(tokens)
+    return spelled[:, :width], length
+
+
 def states() -> int:
     """The automaton's state count (the tables' second axis): it depends on the spelling only."""
     return _CharAutomaton().count
@@ -175,9 +210,10 @@ def tables(calls: AtomicCalls, vocab_size: int) -> Tables:
 @functools.lru_cache(maxsize=16)
 def _tables(tokenizer, open_id: int, close_id: int, dense_id: int, vocab_size: int) -> Tables:
     token_class, table, accept = _host_tables(tokenizer, open_id, close_id, vocab_size)
+    spelled, spelled_length = spelled_drafts(tokenizer, open_id, close_id, token_class, table[..., 0], table.shape[1])
     found = Tables(jnp.asarray(token_class), jnp.asarray(table[..., 0]), jnp.asarray(table[..., 1:3]),
                    jnp.asarray(table[..., 3:5]), jnp.int32(accept), jnp.int32(open_id),
-                   jnp.int32(close_id), jnp.int32(dense_id))
+                   jnp.int32(close_id), jnp.int32(dense_id), jnp.asarray(spelled), jnp.asarray(spelled_length))
     _check(AtomicCalls(tokenizer), found)
     return found
 

@@ -68,6 +68,9 @@ class Stats(NamedTuple):
     drafted_at: jax.Array  # int32 [B, width]: passes drafting position k + 1
     accepted_at: jax.Array  # int32 [B, width]
     histogram: jax.Array  # int32 [B, width + 1]: passes accepting n draft tokens
+    # Outside spans: passes verifying the call's fixed text (`announcements.spelled_drafts`), tokens they commit
+    spelling_passes: jax.Array  # int32 [B]
+    spelling_committed: jax.Array  # int32 [B]
 
 
 class Rows(NamedTuple):
@@ -183,15 +186,43 @@ class Passes:
         return _commit(rows._replace(cache=cache, draft=draft), token[:, None], self.live(rows).astype(jnp.int32),
                        self.stop_ids, self.tables)
 
-    def verify(self, rows: Rows) -> Rows:
-        width, slots = self.width, jnp.arange(self.width + 1)
+    def spelling(self, rows: Rows):
+        """Live rows outside a span whose automaton sits inside the call's fixed text (`spelled`)."""
+        if self.tables is None or self.tables.spelled.shape[1] == 0:
+            return jnp.zeros_like(rows.done)
+        return self.live(rows) & (rows.spans.left == 0) & (self.tables.spelled_length[rows.spans.automaton] > 0)
+
+    def verify(self, rows: Rows, drafter: bool = True) -> Rows:
+        """One `extend` pass over [last, draft] for every row. A row inside a span verifies its drafter's
+        proposal for the current block; a row outside one whose automaton is inside the call's fixed text
+        verifies that text (`announcements.spelled_drafts`: deterministic, so under sampling q is its point
+        mass); any other row takes the target's token at slot 0. drafter=False: no row is inside a span, so
+        the drafter is not run and the pass is only as wide as the longest spelled draft."""
+        width = self.width if drafter else min(self.width, self.tables.spelled.shape[1])
+        slots = jnp.arange(width + 1)
         live = self.live(rows)
         drafting = live & (rows.spans.left > 0)
+        spelling = self.spelling(rows)
         block_left = (rows.spans.left - 1) % jnp.maximum(rows.spans.size, 1) + 1
-        drafted = jnp.where(drafting, jnp.minimum(jnp.minimum(block_left, rows.budget - rows.count), width), 0)
+        room = rows.budget - rows.count
+        spelled_length = self.tables.spelled_length[rows.spans.automaton] if self.tables is not None else 0
+        drafted = jnp.where(drafting, jnp.minimum(jnp.minimum(block_left, room), width),
+                            jnp.where(spelling, jnp.minimum(jnp.minimum(spelled_length, room), width), 0))
         base = _keys_at(self.row_keys, rows.count)
-        draft, q = self.rule.draft(self.draft_params, rows.draft, self.model, rows.last, rows.position, rows.cursor,
-                                   rows.count, jax.vmap(jax.random.fold_in, (0, None))(base, 1), width)
+        q = None
+        if self.tables is not None:
+            spelled = self.tables.spelled[rows.spans.automaton][:, :width]
+            spelled = jnp.pad(spelled, ((0, 0), (0, width - spelled.shape[1])))
+        if drafter:
+            draft, q = self.rule.draft(self.draft_params, rows.draft, self.model, rows.last, rows.position,
+                                       rows.cursor, rows.count, jax.vmap(jax.random.fold_in, (0, None))(base, 1),
+                                       width)
+            if self.tables is not None:
+                draft = jnp.where(spelling[:, None], spelled, draft)
+        else:
+            draft = spelled
+        if q is not None and not self.sampling.greedy:
+            q = jnp.where(spelling[:, None, None], jax.nn.one_hot(draft, q.shape[-1], dtype=q.dtype), q)
         tokens = jnp.concatenate([rows.last[:, None], draft], axis=1)  # [B, W]
         positions = rows.position[:, None] + slots
         logits, cache, draft_state = _target(self.model, self.rule, self.draft_params, rows, tokens, positions,
@@ -202,25 +233,32 @@ class Passes:
             accepted, nxt = jax.vmap(lambda x, d, k, n: accept(x, d, None, k, n))(logits, draft, keys, drafted)
         else:
             accepted, nxt = jax.vmap(accept)(logits, draft, q, keys, drafted)
-        # Outside a span a row takes the target's token at its last committed one: the engine's step.
+        # A row with nothing to verify takes the target's token at its last committed one: the engine's step.
+        verified = drafting | spelling
         plain = sample(logits[:, 0], base, self.sampling, self.vocab)
-        accepted, nxt = jnp.where(drafting, accepted, 0), jnp.where(drafting, nxt, plain)
+        accepted, nxt = jnp.where(verified, accepted, 0), jnp.where(verified, nxt, plain)
         new = jnp.where(slots[None] < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), nxt[:, None])
         after = _commit(rows._replace(cache=cache, draft=draft_state), new, jnp.where(live, accepted + 1, 0),
                         self.stop_ids, self.tables)
-        s, k, one = rows.stats, jnp.arange(width)[None], drafting.astype(jnp.int32)
+        s, k, one = rows.stats, jnp.arange(self.width)[None], drafting.astype(jnp.int32)
         stats = Stats(s.passes + one, s.committed + jnp.where(drafting, after.count - rows.count, 0),
                       s.drafted_at + (drafting[:, None] & (k < drafted[:, None])),
                       s.accepted_at + (drafting[:, None] & (k < accepted[:, None])),
-                      s.histogram + (drafting[:, None] & (jnp.arange(width + 1)[None] == accepted[:, None])))
+                      s.histogram + (drafting[:, None] & (jnp.arange(self.width + 1)[None] == accepted[:, None])),
+                      s.spelling_passes + spelling.astype(jnp.int32),
+                      s.spelling_committed + jnp.where(spelling, after.count - rows.count, 0))
         return after._replace(stats=stats)
 
     def pass_(self, rows: Rows) -> Rows:
-        """One pass: a verify pass when some live row is inside a span (and there is a drafter), else a step."""
+        """One pass: with a drafter, a verify pass when some live row is inside a span, a narrower one
+        without the drafter when some live row is inside the call's fixed text, else a step."""
         if self.rule is None:
             return self.step(rows)
-        drafting = jnp.any(self.live(rows) & (rows.spans.left > 0))
-        return jax.lax.cond(drafting, self.verify, self.step, rows)
+        live = self.live(rows)
+        if self.tables is None or self.tables.spelled.shape[1] == 0:
+            return jax.lax.cond(jnp.any(live & (rows.spans.left > 0)), self.verify, self.step, rows)
+        branch = jnp.where(jnp.any(live & (rows.spans.left > 0)), 2, jnp.where(jnp.any(self.spelling(rows)), 1, 0))
+        return jax.lax.switch(branch, [self.step, functools.partial(self.verify, drafter=False), self.verify], rows)
 
     def repeat(self, rows: Rows, passes: int) -> Rows:
         """`passes` passes (a server's sync), each skipped once no row is live."""
@@ -275,7 +313,7 @@ def blank(batch: int, width: int, out_length: int, budget):
     zeros = jnp.zeros(batch, jnp.int32)
     spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool))
     stats = Stats(zeros, zeros, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), jnp.int32),
-                  jnp.zeros((batch, width + 1), jnp.int32))
+                  jnp.zeros((batch, width + 1), jnp.int32), zeros, zeros)
     return spans, stats, jnp.zeros((batch, out_length), jnp.int32), jnp.broadcast_to(budget, (batch,))
 
 

@@ -74,6 +74,9 @@ class BlockStats:
     drafted_at: dict[int, int] = field(default_factory=dict)  # draft position k (1-based) → proposals
     accepted_at: dict[int, int] = field(default_factory=dict)  # → proposals accepted
     histogram: dict[int, int] = field(default_factory=dict)  # accepted draft tokens per pass → passes
+    # Outside blocks: passes verifying the call's fixed text (`announcements.spelled_drafts`), tokens committed
+    spelling_passes: int = 0
+    spelling_committed: int = 0
 
     def record(self, drafted: int, accepted: int, committed: int) -> None:
         self.passes += 1
@@ -83,8 +86,11 @@ class BlockStats:
             self.accepted_at[k] = self.accepted_at.get(k, 0) + (k <= accepted)
         self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
 
-    def add_counts(self, passes, committed, drafted_at, accepted_at, histogram) -> None:
+    def add_counts(self, passes, committed, drafted_at, accepted_at, histogram, spelling_passes,
+                   spelling_committed) -> None:
         """One row's sums from the device loop (`loop.Stats`): arrays over draft positions 1.. and 0.."""
+        self.spelling_passes += int(spelling_passes)
+        self.spelling_committed += int(spelling_committed)
         self.passes += int(passes)
         self.committed += int(committed)
         for k, (drafted, accepted) in enumerate(zip(np.asarray(drafted_at).tolist(), np.asarray(accepted_at).tolist(),

@@ -110,7 +110,10 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
         states = announcements.states()
         tables = announcements.Tables(one((model_cfg.vocab_size,), jnp.int32), one((128, states), jnp.int32),
                                       one((128, states, 2), jnp.int32), one((128, states, 2), jnp.int32),
-                                      *(one((), jnp.int32) for _ in range(4)))
+                                      *(one((), jnp.int32) for _ in range(4)),
+                                      # The spelling's drafts: 13 tokens after <tool_call> in Qwen's and our
+                                      # tokenizer's encoding; 16 leaves room for a tokenizer that splits more.
+                                      one((states, 16), jnp.int32), one((states,), jnp.int32))
         return compiled(start, decode_params, draft_params, tokens, positions, lengths, batched((rows,), jnp.int32),
                         batched((rows,), jnp.int32), batched((rows,), jnp.bool_), media, one((1,), jnp.int32),
                         one((), jnp.uint32), batched((rows,), jnp.uint32), batched((rows,), jnp.int32), tables)
