@@ -112,6 +112,18 @@ def test_a_plain_answer_runs_no_verify_pass_and_equals_generate(served):
     assert answer["usage"]["valen"]["verify_passes"] == 0
 
 
+def test_a_call_being_written_has_its_fixed_text_verified_and_the_answer_is_the_targets(served):
+    """A prompt ending with <tool_call>: the first pass verifies the spelling's fixed text (`{"name":...`),
+    which this random target rejects, committing its own token: the answer is still generate's."""
+    ids = ids_of(served, PLAIN + "<tool_call>")
+    want = offline(served, ids, 8)
+    answer = complete(served, ids, 8)
+    assert answer["choices"][0]["text"] == text_of(served, want)
+    spec = answer["usage"]["valen"]
+    assert spec["spelling_passes"] >= 1 and spec["spelling_tokens"] >= spec["spelling_passes"]
+    assert spec["verify_passes"] == 0  # no block: the spelling pass is not counted as one
+
+
 def test_concurrent_requests_with_blocks_at_different_places_each_equal_offline(served):
     # Different prompt lengths, budgets and block positions (from output 0, or none), 4 slots for 10 requests.
     prompts = [ids_of(served, p) for p in (COMPACT, PLAIN, SPACED, "hello " + COMPACT, "snow rain", PLAIN + " now",

@@ -9,7 +9,13 @@ Each iteration is one target pass for all rows:
   W = width + 1 slots [last, proposal] verifies them (`verification.accept_pass` per row, so greedy keeps
   the target's argmax and sampling is rejection-sampled), and each row commits its accepted tokens + the
   target's next; a row outside a span takes the target's token at slot 0 only (a plain step), drawn as
-  the engine draws it.
+  the engine draws it;
+- outside spans, a row whose automaton sits inside the call's fixed text (after `<tool_call>`: the 13
+  tokens of `{"name":"atomic_decoding","arguments":{"block_size":` in the smoke tokenizer; after `,"`:
+  `count":`) verifies that text as its draft (`announcements.spelled_drafts`, a deterministic proposal:
+  under sampling, rejection against its point mass) in the same pass; when no row is inside a span such a
+  pass runs without the drafter, as wide as the longest spelled draft. The call's numbers are the
+  target's bonus tokens, and `</tool_call>` is a step, so a block's first token stays the drafter's.
 
 Committed tokens go through `_commit` one slot at a time: the budget, the stop ids, and the
 announcement automaton (`announcements.advance`): a `</tool_call>` that completes the compact

@@ -1,7 +1,8 @@
 """Speculative atomic decoding (seed 004, issue 16): a drafter proposes an announced primitive block,
 the target verifies it in ONE pass over its KV cache, and the output is the target's own.
 
-Outside announced blocks the target decodes one token per step, as `engine.generate_ids` does. When
+Outside announced blocks the target decodes one token per step, as `engine.generate_ids` does, but for
+the call's fixed text, which the compact spelling forces and one pass verifies (`decoding.loop`). When
 the committed ids complete an `atomic_decoding` tool call (`data_pipeline.primitives.AtomicCalls`, by
 token ids: `</tool_call>` just committed; the ids back to the last `<tool_call>` read by
 `parse_announcement`), the blocks it announces, the next `block_size` tokens each (seed 004: every

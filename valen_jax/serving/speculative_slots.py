@@ -2,8 +2,8 @@
 
 The slot engine of `serving.slots` whose sync runs `steps_per_sync` passes of the decode loop
 (`decoding.loop.Passes`, the program `generate_batch` and evaluation run) instead of plain steps: a
-pass is a decode step while no live slot is inside an announced block, else one draft → verify pass
-for every slot (a slot outside a block takes the target's token at slot 0 as a plain step). So a
+pass is a decode step while no live slot is inside an announced block or a call's fixed text, else one
+draft → verify pass for every slot (a slot outside both takes the target's token at slot 0 as a plain step). So a
 greedy answer is the target's own (as `SpeculativeDecoder`, tests/test_serve_speculative.py compares
 it with `generate`), and a sampled one is rejection-sampled: its distribution is the target's.
 
@@ -198,4 +198,6 @@ class SpeculativeSlotEngine(SlotEngine):
         s, slot = self._stats, request.slot
         request.speculation = {"verify_passes": int(s.passes[slot]), "block_tokens": int(s.committed[slot]),
                                "drafted_tokens": int(s.drafted_at[slot].sum()),
-                               "accepted_tokens": int(s.accepted_at[slot].sum())}
+                               "accepted_tokens": int(s.accepted_at[slot].sum()),
+                               "spelling_passes": int(s.spelling_passes[slot]),
+                               "spelling_tokens": int(s.spelling_committed[slot])}
