@@ -189,10 +189,10 @@ def spelled_drafts(tokenizer, open_id: int, close_id: int, token_class, next_sta
                 forced.setdefault(state, body[k:end])
             state = int(next_state[token_class[token], state])
     width = max((len(v) for v in forced.values()), default=0)
-    spelled, length = np.zeros((count, max(width, 1)), np.int32), np.zeros(count, np.int32)
+    spelled, length = np.zeros((count, width), np.int32), np.zeros(count, np.int32)
     for state, tokens in forced.items():
         spelled[state, :len(tokens)], length[state] = tokens, len(tokens)
-    return spelled[:, :width], length
+    return spelled, length
 
 
 def states() -> int:

@@ -192,9 +192,13 @@ class Passes:
         return _commit(rows._replace(cache=cache, draft=draft), token[:, None], self.live(rows).astype(jnp.int32),
                        self.stop_ids, self.tables)
 
+    def spells(self) -> bool:
+        """Whether the tables hold spelled drafts (`announcements.spelled_drafts`; none without tables)."""
+        return self.tables is not None and self.tables.spelled.shape[1] > 0
+
     def spelling(self, rows: Rows):
         """Live rows outside a span whose automaton sits inside the call's fixed text (`spelled`)."""
-        if self.tables is None or self.tables.spelled.shape[1] == 0:
+        if not self.spells():
             return jnp.zeros_like(rows.done)
         return self.live(rows) & (rows.spans.left == 0) & (self.tables.spelled_length[rows.spans.automaton] > 0)
 
@@ -211,22 +215,19 @@ class Passes:
         spelling = self.spelling(rows)
         block_left = (rows.spans.left - 1) % jnp.maximum(rows.spans.size, 1) + 1
         room = rows.budget - rows.count
-        spelled_length = self.tables.spelled_length[rows.spans.automaton] if self.tables is not None else 0
-        drafted = jnp.where(drafting, jnp.minimum(jnp.minimum(block_left, room), width),
-                            jnp.where(spelling, jnp.minimum(jnp.minimum(spelled_length, room), width), 0))
+        drafted = jnp.where(drafting, jnp.minimum(jnp.minimum(block_left, room), width), 0)
         base = _keys_at(self.row_keys, rows.count)
-        q = None
-        if self.tables is not None:
-            spelled = self.tables.spelled[rows.spans.automaton][:, :width]
-            spelled = jnp.pad(spelled, ((0, 0), (0, width - spelled.shape[1])))
+        draft, q = None, None
         if drafter:
             draft, q = self.rule.draft(self.draft_params, rows.draft, self.model, rows.last, rows.position,
                                        rows.cursor, rows.count, jax.vmap(jax.random.fold_in, (0, None))(base, 1),
                                        width)
-            if self.tables is not None:
-                draft = jnp.where(spelling[:, None], spelled, draft)
-        else:
-            draft = spelled
+        if self.spells():
+            spelled = self.tables.spelled[rows.spans.automaton][:, :width]
+            spelled = jnp.pad(spelled, ((0, 0), (0, width - spelled.shape[1])))
+            length = self.tables.spelled_length[rows.spans.automaton]
+            drafted = jnp.where(spelling, jnp.minimum(jnp.minimum(length, room), width), drafted)
+            draft = spelled if draft is None else jnp.where(spelling[:, None], spelled, draft)
         if q is not None and not self.sampling.greedy:
             q = jnp.where(spelling[:, None, None], jax.nn.one_hot(draft, q.shape[-1], dtype=q.dtype), q)
         tokens = jnp.concatenate([rows.last[:, None], draft], axis=1)  # [B, W]
@@ -246,13 +247,13 @@ class Passes:
         new = jnp.where(slots[None] < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), nxt[:, None])
         after = _commit(rows._replace(cache=cache, draft=draft_state), new, jnp.where(live, accepted + 1, 0),
                         self.stop_ids, self.tables)
-        s, k, one = rows.stats, jnp.arange(self.width)[None], drafting.astype(jnp.int32)
-        stats = Stats(s.passes + one, s.committed + jnp.where(drafting, after.count - rows.count, 0),
+        s, k, one, committed = rows.stats, jnp.arange(self.width)[None], drafting.astype(jnp.int32), after.count - rows.count
+        stats = Stats(s.passes + one, s.committed + jnp.where(drafting, committed, 0),
                       s.drafted_at + (drafting[:, None] & (k < drafted[:, None])),
                       s.accepted_at + (drafting[:, None] & (k < accepted[:, None])),
                       s.histogram + (drafting[:, None] & (jnp.arange(self.width + 1)[None] == accepted[:, None])),
                       s.spelling_passes + spelling.astype(jnp.int32),
-                      s.spelling_committed + jnp.where(spelling, after.count - rows.count, 0))
+                      s.spelling_committed + jnp.where(spelling, committed, 0))
         return after._replace(stats=stats)
 
     def pass_(self, rows: Rows) -> Rows:
@@ -260,10 +261,10 @@ class Passes:
         without the drafter when some live row is inside the call's fixed text, else a step."""
         if self.rule is None:
             return self.step(rows)
-        live = self.live(rows)
-        if self.tables is None or self.tables.spelled.shape[1] == 0:
-            return jax.lax.cond(jnp.any(live & (rows.spans.left > 0)), self.verify, self.step, rows)
-        branch = jnp.where(jnp.any(live & (rows.spans.left > 0)), 2, jnp.where(jnp.any(self.spelling(rows)), 1, 0))
+        in_span = jnp.any(self.live(rows) & (rows.spans.left > 0))
+        if not self.spells():
+            return jax.lax.cond(in_span, self.verify, self.step, rows)
+        branch = jnp.where(in_span, 2, jnp.where(jnp.any(self.spelling(rows)), 1, 0))
         return jax.lax.switch(branch, [self.step, functools.partial(self.verify, drafter=False), self.verify], rows)
 
     def repeat(self, rows: Rows, passes: int) -> Rows:
