@@ -36,7 +36,7 @@ def tiny(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads(output.read_text())
 
 
-@pytest.mark.slow  # every program of the tiny config compiled for TPU (~33 s); the fast tier keeps the NF4 compile
+@pytest.mark.heavy  # every program of the tiny config compiled for TPU (~33 s); the fast tier keeps the NF4 compile
 def test_tiny_compiles_for_v5e_with_splash(tiny):
     done, report = tiny
     assert report["topology"]["name"] == "v5e:2x2" and report["topology"]["chips"] == 4
@@ -98,7 +98,7 @@ def test_loop_aware_flops_count_every_layer():
     assert gathered["inside_loops"]["count"] == 1 and gathered["bytes"] == pytest.approx(8 * 512 * 512 * 2)
 
 
-@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
+@pytest.mark.heavy  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_oversize_model_is_refused_naming_the_hbm():
     done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--config.model.dim=8192",
                     "--config.model.mlp_dim=32768")
@@ -107,7 +107,7 @@ def test_oversize_model_is_refused_naming_the_hbm():
     assert last.startswith("DoesNotFit: train_step does not fit v5e:2x2") and "16 GiB HBM per chip" in last
 
 
-@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
+@pytest.mark.heavy  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_without_libtpu_one_line():
     done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", prelude="sys.modules['libtpu'] = None")
     assert done.returncode == 1
@@ -135,7 +135,7 @@ def test_unknown_slice_names_are_refused(name):
         aot.parse_slice(name)
 
 
-@pytest.mark.slow  # a subprocess that compiles for TPU: tens of CPU seconds
+@pytest.mark.heavy  # a subprocess that compiles for TPU: tens of CPU seconds
 def test_valen_branch_trees_compile_with_splash(tmp_path):
     # Branch trees are splash's two passes merged by log-sum-exp, with their own custom VJP.
     output = tmp_path / "valen.json"
@@ -147,7 +147,7 @@ def test_valen_branch_trees_compile_with_splash(tmp_path):
     assert train["pallas_mosaic"] is True and train["fits"] is True and step["fits"] is True
 
 
-@pytest.mark.slow  # a subprocess that compiles for TPU: ~15 CPU seconds
+@pytest.mark.heavy  # a subprocess that compiles for TPU: ~15 CPU seconds
 def test_a_reinforcement_step_compiles_its_rollout_and_both_updates(tmp_path):
     # train.mode=reinforce: the update (train_step), the rollout's generation (each prompt prefilled once for
     # its group) and a rollout's first update (which makes the old log-probabilities).
@@ -168,7 +168,7 @@ def test_a_reinforcement_step_compiles_its_rollout_and_both_updates(tmp_path):
     assert done.returncode != 0 and "--programs: train.mode=ar has no rollout" in done.stderr
 
 
-@pytest.mark.slow  # two subprocesses that compile the decoding programs for TPU: ~25 CPU seconds
+@pytest.mark.heavy  # two subprocesses that compile the decoding programs for TPU: ~25 CPU seconds
 def test_a_scanned_model_decodes_per_layer_as_its_runs_do(tmp_path):
     # A run decodes a scan_layers model from its per-layer copy (`run.handle.decoding_layout`), so the
     # decoding programs compiled for the scanned config are the unscanned config's: the same bytes and flops.

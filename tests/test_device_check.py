@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # four subprocesses that compile and run train steps and decoders: minutes of CPU
+@pytest.mark.heavy  # four subprocesses that compile and run train steps and decoders: minutes of CPU
 def test_device_check_smoke_reports_every_figure():
     done = subprocess.run([sys.executable, "benchmarks/device_check.py", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -33,7 +33,7 @@ from valen_jax.vflash.task import restore_target
 sys.path.insert(0, str(ROOT))
 from configs import vflash  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 STEPS = 30
 
 

@@ -54,7 +54,7 @@ def reports(runs, tmp_path_factory):
     return own, json.loads(output.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_ar_part_is_the_target_workdirs_own_report(reports):
     own, report = reports
     assert report["ar"] == {key: own[key] for key in report["ar"]}
@@ -71,7 +71,7 @@ def test_the_ar_part_is_the_target_workdirs_own_report(reports):
     assert [s["answer"] for s in report["speculative"]["samples"]] == [s["answer"] for s in own["samples"]]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_report_names_drafter_target_and_conventions(reports, runs):
     target, drafter, _ = runs
     _, report = reports
@@ -89,7 +89,7 @@ def test_report_names_drafter_target_and_conventions(reports, runs):
     assert [blocks["by_entry"][e]["answers"] for e in ("drive", "robot2d", "points")] == [2, 1, 1]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_from_call_blocks_are_drafted_and_their_sums_agree(reports):
     _, report = reports
     from_call = report["speculative"]["from_call"]
@@ -117,7 +117,7 @@ def test_from_call_blocks_are_drafted_and_their_sums_agree(reports):
     assert overall["speedup"] == pytest.approx(speed["target_only"] / speed["speculative"])
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_target_with_other_weights_is_refused_naming_both(runs):
     target, drafter, _ = runs
     run = restore_drafter(drafter)
@@ -132,7 +132,7 @@ def test_a_target_with_other_weights_is_refused_naming_both(runs):
     assert other.identity in str(caught.value)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_drafter_whose_target_step_is_gone_is_refused(runs):
     target, drafter, recipe = runs
     shutil.rmtree(target / "checkpoints" / "4")  # the target retrained elsewhere or pruned: not those weights
@@ -141,7 +141,7 @@ def test_a_drafter_whose_target_step_is_gone_is_refused(runs):
     assert str(drafter.resolve()) in str(caught.value) and str(target.resolve()) in str(caught.value)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_predict_and_generate_name_the_target_of_a_drafter_workdir(runs):
     target, drafter, _ = runs
     with pytest.raises(checkpoint.CheckpointError, match="holds a vflash block drafter") as caught:

@@ -13,7 +13,7 @@ import pytest
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT, env_with_devices, run_module
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 VALEN_DATA = ROOT / "data/smoke/valen/train.jsonl"
 
 

@@ -61,7 +61,7 @@ def vflash_cli(vflash_workdir, tmp_path_factory):
     return output, result.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cli_writes_one_line_per_trained_answer_in_data_order(vflash_cli):
     output, stdout = vflash_cli
     lines = _read(output)
@@ -80,7 +80,7 @@ def test_cli_writes_one_line_per_trained_answer_in_data_order(vflash_cli):
                              "primitives", "atomic_decoding", "parse_error"}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cli_primitives_are_the_parsed_text_dequantised(vflash_cli):
     for line in _read(vflash_cli[0]):
         try:
@@ -95,7 +95,7 @@ def test_cli_primitives_are_the_parsed_text_dequantised(vflash_cli):
             assert np.allclose(got["coordinates"], coordinates(primitive))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cli_greedy_equals_evaluations_greedy_on_the_same_prompts(vflash_cli, vflash_workdir):
     lines = _read(vflash_cli[0])
     restored = restore_model(vflash_workdir)
@@ -114,7 +114,7 @@ def test_cli_greedy_equals_evaluations_greedy_on_the_same_prompts(vflash_cli, vf
         assert line["finish_reason"] == ("stop" if row[-1] == eot else "length")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_predict_on_vflash_data_writes_the_lines_of_generate(vflash_cli, vflash_workdir, tmp_path, capsys):
     output = tmp_path / "predicted.jsonl"
     assert predict.main([f"--workdir={vflash_workdir}", f"--data={VFLASH_DATA}", f"--output={output}"]) == 0
@@ -134,7 +134,7 @@ def sampled_chat(chat_workdir, tmp_path_factory):
     return _sampled(chat_workdir, tmp_path_factory.mktemp("sampled") / "a.jsonl", 5)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_same_seed_same_file_another_seed_another(chat_workdir, sampled_chat, tmp_path):
     assert _sampled(chat_workdir, tmp_path / "b.jsonl", 5) == sampled_chat
     assert _sampled(chat_workdir, tmp_path / "c.jsonl", 6) != sampled_chat
@@ -146,7 +146,7 @@ def test_same_seed_same_file_another_seed_another(chat_workdir, sampled_chat, tm
     assert all(isinstance(line["tool_calls"], list) and "primitives" not in line for line in lines)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_write_the_file_of_one(chat_workdir, sampled_chat, tmp_path):
     """launch/local.py's job of 2 processes × 1 CPU device over gloo: each generates its block of
     answers, process 0 writes them all in data order, and the sampled tokens are those of one process."""
@@ -161,7 +161,7 @@ def test_two_processes_write_the_file_of_one(chat_workdir, sampled_chat, tmp_pat
     assert output.read_bytes() == sampled_chat
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_valen_data_is_refused_with_a_pointer_to_predict(vflash_workdir, tmp_path, capsys):
     output = tmp_path / "answers.jsonl"
     code = generate_cli.main([f"--workdir={vflash_workdir}", f"--data={VALEN_DATA}", "--format=valen",

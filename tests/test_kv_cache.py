@@ -104,7 +104,7 @@ def text(request):
     return text_model(request.param)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cached_greedy_equals_uncached_on_rows_of_different_lengths(text):
     graphdef, params = text
     prompts = text_prompts([3, 17, 9, 30, 1])
@@ -117,7 +117,7 @@ def test_cached_greedy_equals_uncached_on_rows_of_different_lengths(text):
                         local_batch=2) == reference
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_each_row_stops_at_its_own_stop_token_which_is_kept(text):
     graphdef, params = text
     prompts = text_prompts([5, 12, 8], seed=3)
@@ -148,7 +148,7 @@ def test_prefill_logits_equal_the_full_forward_at_each_last_prompt_token(text):
     assert cache.keys.shape == (3, 3, 2, 128, 8) and cache.keys.dtype == jnp.float32
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_an_mrope_model_with_images_beside_text_rows():
     graphdef, params, cfg = vl_model()
     prompts = [image_prompt(cfg, 3, 5, seed=0), {**text_prompts([6], seed=1)[0]}, image_prompt(cfg, 9, 2, seed=2)]
@@ -205,7 +205,7 @@ print(json.dumps(result))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_sharded_generation_on_eight_devices_equals_one_device():
     result = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, env=env_with_devices(8),
                             capture_output=True, text=True, timeout=600)

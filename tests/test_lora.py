@@ -62,8 +62,8 @@ def flat(tree) -> dict:
     return {path_of(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("scan,quantize", [(False, "none"), pytest.param(True, "none", marks=pytest.mark.slow),
-                                           pytest.param(True, "nf4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scan,quantize", [(False, "none"), pytest.param(True, "none", marks=pytest.mark.heavy),
+                                           pytest.param(True, "nf4", marks=pytest.mark.heavy)])
 def test_a_step_changes_only_the_adapters_and_adam_holds_moments_for_them_alone(scan, quantize):
     cfg = model_cfg(scan=scan, quantize=quantize)
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
@@ -118,7 +118,7 @@ def test_adapter_dropout_acts_with_a_key_alone_and_each_key_draws_its_own_masks(
     np.testing.assert_array_equal(evaluated, without)  # no key (evaluation, decoding): no dropout
 
 
-@pytest.mark.slow  # three train-step compiles (~30 s each on a loaded CPU)
+@pytest.mark.heavy  # three train-step compiles (~30 s each on a loaded CPU)
 @pytest.mark.parametrize("scan", [False, True])
 def test_adapter_dropout_changes_the_training_forward_per_step_and_never_evaluation(scan):
     """config.model.lora.dropout: the train step's loss depends on its dropout masks (drawn from the seed and
@@ -170,7 +170,7 @@ def test_a_named_extra_and_the_score_head_train_beside_the_adapters_and_a_typo_i
         TrainLayout.from_config(model_cfg(trainable=("lm_haed",)), train_cfg(), mesh)
 
 
-@pytest.mark.slow  # two models' forwards, scanned, float and NF4 (~20 s)
+@pytest.mark.heavy  # two models' forwards, scanned, float and NF4 (~20 s)
 def test_fresh_adapters_leave_the_base_function_unchanged_and_nf4_computes_the_dequantised_base(scan=True):
     # Unscanned layers: tests/test_lora_parity.py checks fresh adapters against transformers' base.
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})

@@ -71,7 +71,7 @@ def _qwen2_5_vl_base(folder):
     return hf_model, _prompt("qwen2_5_vl"), _pixels(IMAGE_GRIDS, 2), _pixels(VIDEO_GRIDS, 3)
 
 
-@pytest.mark.slow  # a VL forward compiled twice, two transformers loads
+@pytest.mark.heavy  # a VL forward compiled twice, two transformers loads
 def test_a_qwen2_5_vl_lora_model_equals_its_merged_export_and_its_peft_adapter(tmp_path):
     """Qwen2.5-VL with adapters on its decoder (images and a video through the frozen tower): our logits
     equal the merged export in transformers and PeftModel over the base (PEFT's names under
@@ -111,7 +111,7 @@ TOWER = ("vision/qkv", "vision/proj", "vision/gate", "vision/up", "vision/down",
          "vision/merge_out")
 
 
-@pytest.mark.slow  # a VL forward compiled twice, two transformers loads
+@pytest.mark.heavy  # a VL forward compiled twice, two transformers loads
 def test_qwen2_5_vl_with_tower_and_merger_adapters_equals_its_merged_export_and_its_peft_adapter(tmp_path):
     """Adapters on the vision tower and patch merger as well as the decoder (an image prompt: two images and
     a video): our logits equal the merged export in transformers and PeftModel over the base, whose
@@ -155,7 +155,7 @@ def test_qwen2_5_vl_with_tower_and_merger_adapters_equals_its_merged_export_and_
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_an_adapter_peft_trained_is_read_back_with_peft_logits_and_a_mismatch_is_refused(scan_layers, tmp_path):
     """`peft_adapter.load_adapter` (config.model.lora.init_adapter): an adapter PEFT itself made and saved
     (get_peft_model, B randomised) read into our model gives PeftModel's logits; another rank, a tensor

@@ -16,7 +16,7 @@ from tests.train_runs import ROOT, metrics, run_module, run_train
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def _command(module: str, *args: str):

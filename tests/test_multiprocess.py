@@ -42,7 +42,7 @@ def test_launcher_stops_the_others_when_one_process_fails(capsys):
     assert "process 1 exited with 3; stopping the others" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_path):
     run_train(TINY, tmp_path / "one", *COMMON, devices=4)
     # Both processes share the workdir: process 0 converts the smoke data, process 1 waits for it.

@@ -133,7 +133,7 @@ def test_frozen_params_get_no_update_and_no_optimizer_state_and_multipliers_scal
     assert moment_size == 2 * (all_size - frozen_size)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gradient_accumulation_gives_the_update_of_one_big_batch():
     # Adam's first step is lr·g/(|g|+1e-8): a gradient entry of order 1e-8, which summation order
     # changes in its last bits, moves by a visible fraction of lr. lr=1e-4 keeps that under 1e-6.
@@ -146,7 +146,7 @@ def test_gradient_accumulation_gives_the_update_of_one_big_batch():
         assert float(metrics_one[key]) == pytest.approx(float(metrics_four[key]), rel=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_z_loss_adds_its_term_to_the_total_but_not_to_the_token_loss():
     train = train_cfg()
     _, _, plain, _ = one_step(model_cfg(), train, StepOptions())
@@ -155,7 +155,7 @@ def test_z_loss_adds_its_term_to_the_total_but_not_to_the_token_loss():
     assert float(with_z["loss"]) == pytest.approx(float(plain["loss"]) + 1e-2 * float(plain["loss_z"]), rel=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_loss_weight_scales_the_token_objective():
     _, _, half, _ = one_step(model_cfg(), train_cfg(), StepOptions(loss_weights={"tokens": 0.5, "branches": 0.0,
                                                                                    "drafter": 0.0}))
@@ -167,7 +167,7 @@ def test_a_weighted_objective_the_batch_lacks_fails_when_the_step_is_traced():
         one_step(model_cfg(), train_cfg(), StepOptions(loss_weights={"tokens": 1.0, "branches": 1.0, "drafter": 0.0}))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_bf16_compute_keeps_f32_master_weights_and_a_finite_loss():
     before, after, metrics, _ = one_step(model_cfg("bfloat16"), train_cfg(warmup_steps=0), StepOptions())
     assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))

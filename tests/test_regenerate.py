@@ -63,7 +63,7 @@ def _greedy_rows(output):
     return [(source, record) for (source, variant), record in zip(kept, records, strict=True) if variant == 0]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_answers_are_the_targets_greedy_answers(regenerated, target, tmp_path):
     output, report = regenerated
     greedy = _greedy_rows(output)
@@ -86,7 +86,7 @@ def test_answers_are_the_targets_greedy_answers(regenerated, target, tmp_path):
     assert len(lines) == sum(len(r["conversations"]) // 2 for _, r in greedy)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_skips_are_counted_with_reasons_and_the_output_validates(regenerated):
     output, report = regenerated
     assert report.records == 20 and report.written + len({(s.source, s.variant) for s in report.skips}) == 40
@@ -105,7 +105,7 @@ def test_skips_are_counted_with_reasons_and_the_output_validates(regenerated):
     assert sorted(p.name for p in output.parent.iterdir()) == [output.name]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_refusals_leave_nothing_behind(regenerator, regenerated, tmp_path):
     output, _ = regenerated
     with pytest.raises(SystemExit, match="already exists"):
@@ -115,7 +115,7 @@ def test_refusals_leave_nothing_behind(regenerator, regenerated, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_drafter_on_the_regenerated_boxes_is_refused_with_the_counts_found(regenerated, target, tmp_path):
     """Boxes announce no atomic_decoding block (seed 004), so the regenerated recipe gives a drafter nothing
     to learn: it once "trained" at loss 0.0000; it is refused at start-up and leaves no workdir (issue 27)."""

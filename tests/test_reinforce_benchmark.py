@@ -18,7 +18,7 @@ SIDE = re.compile(r"^(ours|TRL): reward over the last (\d+) rollouts (\S+) \(s\.
                   r"([^)]*)\); (\S+) updates/s \(median: ([^)]*)\)", re.MULTILINE)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_benchmark_runs_both_sides_at_two_seeds_and_prints_its_last_line(tmp_path):
     command = [sys.executable, "benchmarks/reinforce.py", "--out", str(tmp_path), "--sft-steps", "4",
                "--updates", "3", "--prompts", "2", "--group", "2", "--max-new-tokens", "3", "--last", "2",

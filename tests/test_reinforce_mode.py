@@ -233,7 +233,7 @@ def data_overrides(tmp_path: Path, max_operand: int = 10) -> tuple[str, ...]:
     return (f"--config.data.train={train}", f"--config.data.eval={eval_}")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_mode_end_to_end_with_a_kl_reference_and_scanned_layers(tmp_path):
     workdir = tmp_path / "run"
     # Scanned layers: the rollouts decode a per-layer copy of the policy of the moment (`PerLayer`).
@@ -255,7 +255,7 @@ def test_the_mode_end_to_end_with_a_kl_reference_and_scanned_layers(tmp_path):
 STEPS = ("--config.train.steps=6", "--config.train.checkpoint_every=2", "--config.train.log_every=1")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_9_then_resume_gives_the_uninterrupted_runs_parameters(tmp_path):
     # Operands 0-2 (answers -4..6) and a briefly supervised start: some completions earn a reward, so the
     # updates have a gradient and the resumed run must restore more than the weight decay.
@@ -295,7 +295,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_runs_parameters(tmp_path):
     assert [[r[k] for k in same] for r in metrics(killed)] == [[r[k] for k in same] for r in metrics(reference)]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_smoke_check_prints_its_findings_and_discards_its_workdir(tmp_path):
     workdir = tmp_path / "never-written"
     result = run_train(TINY, workdir, *data_overrides(tmp_path), "--smoke-check")

@@ -32,7 +32,7 @@ from valen_jax.serving.slots import Request
 from valen_jax.serving.speculative_slots import SpeculativeSlotEngine
 from valen_jax.training.checkpoint import CheckpointError
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 BLOCK = 14
 COMPACT = ('move the red cup left<action>Pull.</action><tool_call>{"name":"atomic_decoding","arguments":'

@@ -134,7 +134,7 @@ def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
                                           9: 0.0, 10: 0.0, 11: 0.0, 12: 0.0}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_decode_loop_and_the_host_oracle_decode_an_untrained_drafter_alike(tokenizer, target):
     """The differential test: the compiled decode loop (context cache, one program per answer) and the host
     loop (features recomputed by training's `draft_hidden` at every pass, Python bookkeeping) commit the
@@ -219,7 +219,7 @@ def test_only_a_complete_atomic_decoding_call_announces_a_block(tokenizer):
         calls.announced(ids('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":0}}</tool_call>'))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_extend_equals_decode_steps_and_the_full_forward(scan):
     graphdef, params = model(128, scan)
@@ -277,7 +277,7 @@ def small_vocab_logits():
     return jax.jit(run)(params)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("sampling,path", [(Sampling(temperature=1.0), "host"),
                                            (Sampling(temperature=0.7, top_k=5), "host"),
                                            (Sampling(temperature=0.7, top_k=5), "fast")],
@@ -403,7 +403,7 @@ def cached_vs_full_proposals(target_graphdef, target_params, drafter_graphdef, d
     return [np.asarray(x) for x in jax.jit(run)(target_params, drafter_params)]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cached_drafting_equals_draft_hidden_over_the_whole_context(tokenizer, target, vl_target):
     # Text: the module's target; anchors in the prefill, at its edge and inside the extended part.
     graphdef, params, vocab = target
@@ -428,7 +428,7 @@ def test_cached_drafting_equals_draft_hidden_over_the_whole_context(tokenizer, t
     np.testing.assert_array_equal(cached, full)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("scan", [False, True], ids=["unscanned", "scanned"])
 def test_fast_path_with_a_cached_block_drafter_is_lossless(tokenizer, target, scan):
     graphdef, params, vocab = target
@@ -445,7 +445,7 @@ def test_fast_path_with_a_cached_block_drafter_is_lossless(tokenizer, target, sc
         assert decoder.timing.tokens == NEW and decoder.timing.launches == 1 and decoder.timing.seconds > 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_fast_path_decodes_an_m_rope_target_with_its_image_losslessly(tokenizer, vl_target):
     graphdef, params, vocab, cfg = vl_target
     drafter_graphdef, drafter_params = block_drafter(cfg, seed=7)

@@ -43,7 +43,7 @@ def spaced_prompt(tokenizer, block_size: int) -> np.ndarray:
     return np.asarray(tokenizer.encode(text, add_special_tokens=False), np.int32)
 
 
-@pytest.mark.slow  # each row alone compiles its own shapes: about a minute here
+@pytest.mark.heavy  # each row alone compiles its own shapes: about a minute here
 def test_batched_greedy_equals_each_row_alone_and_the_engine(tokenizer, target):
     graphdef, params, vocab = target
     plain = np.asarray(tokenizer.encode("move the red cup left and open the gripper now", add_special_tokens=False),
@@ -89,7 +89,7 @@ def test_an_oracle_drafter_gives_tau_b_plus_one_per_row_in_a_batch(tokenizer, ta
     assert decoder.stats.tau == (sum(sizes) + 3) / 3
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_rejection_sampling_per_row_in_a_batch_emits_the_target_distribution(tokenizer, target):
     """Each row's first two block tokens, drafted by the oracle (the greedy pair, a point-mass q: accepted
     with probability p(x), else the residual is drawn), follow p(a) p(b | a) under temperature 1 with
@@ -206,7 +206,7 @@ def test_the_device_automaton_opens_the_spans_announced_spans_finds(tokenizer, t
     assert len(calls.announced_spans(words, output)) == 7 and len(held) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_one_loop_engine_equals_the_engine_before_it_bit_for_bit(tokenizer, vl_target):
     """The drafter-off loop (`engine.generate_ids` now) against the frozen engine of before issue 30."""
     from tests import engine_before_loop as before

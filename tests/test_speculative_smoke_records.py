@@ -42,7 +42,7 @@ def _examples(target, data, fmt):
     return examples
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("data,fmt,records", [(SMOKE / "recipe.json", "recipe", 96), (SMOKE / "eval.jsonl", "vflash", 16)])
 def test_a_random_drafter_is_lossless_on_every_smoke_record(target, data, fmt, records):
     examples = _examples(target, data, fmt)

@@ -13,7 +13,7 @@ import pytest
 from tests import waiting
 from tests.train_runs import ROOT, env_with_devices, final_params, metrics, run_train, train_command
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 TINY = "configs/vflash.py:tiny"
 NO_EVAL = "--config.eval.at_end=False"
 

@@ -18,7 +18,7 @@ import pytest
 from tests import waiting
 from tests.train_runs import ROOT, env_with_devices, final_params, metrics, run_train, train_command
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 TINY = "configs/vflash.py:tiny"
 # Checkpoints at 2, 4, 6, 8 (the tiny config keeps the last 3); the same schedule in every run.
 STEPS = ("--config.train.steps=8", "--config.train.log_every=1", "--config.eval.at_end=False",

@@ -10,7 +10,7 @@ import pytest
 
 from tests.train_runs import metrics, run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 @pytest.mark.parametrize(("mode", "reduction"), [("question", "state_mean"), ("shared_state", "question_mean")])

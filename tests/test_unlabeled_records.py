@@ -10,7 +10,7 @@ import pytest
 from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT
 
-pytestmark = pytest.mark.slow  # a tiny trained Valen workdir (shared with the evaluation tests)
+pytestmark = pytest.mark.heavy  # a tiny trained Valen workdir (shared with the evaluation tests)
 VALEN_DATA = ROOT / "data/smoke/valen/train.jsonl"
 
 

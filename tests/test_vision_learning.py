@@ -23,7 +23,7 @@ _spec = importlib.util.spec_from_file_location("make_vision_tasks", ROOT / "data
 make_vision_tasks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_vision_tasks)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 STEPS = 300  # the issue's budget for the left/right task
 # The from-scratch runs' rows: a record is one row of ~65 tokens (16 vision tokens, the question, the answer and

@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_vision_learning import SCRATCH_ROWS, make_vision_tasks, point_accuracy, train_and_report
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 STEPS = 2000
 

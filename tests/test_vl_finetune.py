@@ -23,7 +23,7 @@ from valen_jax.run import restore_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 FAMILY = "qwen2_5_vl"
 STEPS = 3
