@@ -89,6 +89,7 @@ def test_the_spelling_drafts_its_fixed_text_up_to_each_number(tokenizer):
     assert int(moved) == int(announcements.initial(tables, encode(tokenizer, "</tool_call>"))[0])
 
 
+@pytest.mark.slow  # trains its target in the module fixture (~2 min under load)
 def test_a_target_that_writes_the_call_verifies_its_fixed_text_in_two_passes(tokenizer, writer):
     graphdef, params, vocab, prompt, answer = writer
     eot = end_of_turn_id(tokenizer)
@@ -108,6 +109,7 @@ def test_a_target_that_writes_the_call_verifies_its_fixed_text_in_two_passes(tok
     assert first.passes == 6 and first.committed == 6
 
 
+@pytest.mark.slow  # trains its target in the module fixture (~2 min under load)
 def test_spelled_drafts_are_rejection_sampled_to_the_target_distribution(tokenizer, writer):
     """The prompt ends with <tool_call>, so each row's first pass verifies the spelled `{"`, `name` ...
     (a point-mass q: accepted with probability p(x), else the residual is drawn): 800 rows' first two
