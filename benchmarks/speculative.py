@@ -339,14 +339,7 @@ def decode_batch(target, drafter: CachedDrafter, calls, answers: list[Answer], m
 def merged(stats: list[BlockStats]) -> BlockStats:
     total = BlockStats()
     for s in stats:
-        total.passes += s.passes
-        total.committed += s.committed
-        total.spelling_passes += s.spelling_passes
-        total.spelling_committed += s.spelling_committed
-        for mine, theirs in ((total.drafted_at, s.drafted_at), (total.accepted_at, s.accepted_at),
-                             (total.histogram, s.histogram)):
-            for k, n in theirs.items():
-                mine[k] = mine.get(k, 0) + n
+        total.add(s)
     return total
 
 
@@ -368,6 +361,9 @@ def summary(label: str, results: list[Result], block: int) -> float:
         print("  acceptance by draft position: " + " ".join(f"{k}:{acceptance[k]:.2f}" for k in sorted(acceptance)))
         print(f"  histogram of accepted draft tokens per pass, 0..{block}: "
               f"{[stats.histogram.get(k, 0) for k in range(block + 1)]}")
+    if stats.spelling_passes:
+        print(f"  the call's fixed text (spelled drafts, outside blocks): {stats.spelling_passes} passes committed "
+              f"{stats.spelling_committed} tokens")
     return stats.tau
 
 

@@ -194,3 +194,15 @@ def test_block_sums_refuse_draft_positions_past_the_block():
         _answer([(5, 0, 1)], "drive")
     with pytest.raises(ValueError, match="cannot merge"):
         BlockSums(4).merge(BlockSums(8))
+
+
+def test_block_stats_add_sums_every_count_spelling_included():
+    first, second = BlockStats(), BlockStats()
+    first.record(3, 2, 3)
+    second.record(2, 1, 2)
+    second.add_counts(1, 5, [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0, 1], spelling_passes=2, spelling_committed=17)
+    first.add(second)
+    assert (first.passes, first.committed) == (3, 10)
+    assert first.drafted_at == {1: 3, 2: 3, 3: 2, 4: 1} and first.accepted_at == {1: 3, 2: 2, 3: 1, 4: 1}
+    assert first.histogram == {2: 1, 1: 1, 4: 1}
+    assert (first.spelling_passes, first.spelling_committed) == (2, 17)

@@ -87,6 +87,17 @@ class BlockStats:
             self.accepted_at[k] = self.accepted_at.get(k, 0) + (k <= accepted)
         self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
 
+    def add(self, other: BlockStats) -> None:
+        """Another row's counts summed into these (a benchmark's answers)."""
+        self.passes += other.passes
+        self.committed += other.committed
+        self.spelling_passes += other.spelling_passes
+        self.spelling_committed += other.spelling_committed
+        for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
+                             (self.histogram, other.histogram)):
+            for k, n in theirs.items():
+                mine[k] = mine.get(k, 0) + n
+
     def add_counts(self, passes, committed, drafted_at, accepted_at, histogram, spelling_passes,
                    spelling_committed) -> None:
         """One row's sums from the device loop (`loop.Stats`): arrays over draft positions 1.. and 0.."""
