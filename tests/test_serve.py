@@ -372,5 +372,7 @@ def test_metrics_split_the_first_tokens_time(served, client):
     assert metrics["requests"] == 2 and metrics["steps_per_sync"] == served.service.engine.steps_per_sync
     assert metrics["warm_up_s"] is None  # the tests' server skips the warm-up (tests/serve_server.py)
     parts = [metrics[k]["max"] for k in ("queue_ms", "behind_prefills_ms", "prefill_ms")]
-    assert 0 < metrics["first_token_ms"]["max"] <= sum(parts) + 0.01
+    # Each figure is rounded to 0.01 ms on its own: the rounded total can pass the sum of three rounded
+    # parts by up to 4 x 0.005 ms (CI saw 7.19 against 0.17 + 0.17 + 6.84 = 7.18).
+    assert 0 < metrics["first_token_ms"]["max"] <= sum(parts) + 0.02 + 1e-9
     assert metrics["prefill_ms"]["p50"] > 0 and metrics["decode_call_ms"]["p50"] > 0
