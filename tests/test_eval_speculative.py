@@ -84,7 +84,7 @@ def test_report_names_drafter_target_and_conventions(reports, runs):
     assert set(blocks["by_entry"]) == {"drive", "robot2d", "points"}
     for group in (blocks["overall"], *blocks["by_entry"].values()):
         assert set(group) == {"answers", "identical", "passes", "committed", "tau", "acceptance", "histogram",
-                              "target_only_block_tokens", "answer_tokens", "ms_per_token", "speedup"}
+                              "spelling", "target_only_block_tokens", "answer_tokens", "ms_per_token", "speedup"}
         assert list(group["acceptance"]) == [str(k) for k in range(1, 9)] and len(group["histogram"]) == 9
     assert [blocks["by_entry"][e]["answers"] for e in ("drive", "robot2d", "points")] == [2, 1, 1]
 
@@ -206,3 +206,25 @@ def test_block_stats_add_sums_every_count_spelling_included():
     assert first.drafted_at == {1: 3, 2: 3, 3: 2, 4: 1} and first.accepted_at == {1: 3, 2: 2, 3: 1, 4: 1}
     assert first.histogram == {2: 1, 1: 1, 4: 1}
     assert (first.spelling_passes, first.spelling_committed) == (2, 17)
+
+
+def test_block_sums_carry_the_spelled_passes_apart_from_the_blocks():
+    """`evaluate --drafter` reports the passes that verified a call's fixed text, summed over processes,
+    without folding them into tau or the histogram."""
+    parts = []
+    for spelled in ((2, 17), (1, 9)):
+        blocks = BlockStats()
+        blocks.record(4, 4, 5)
+        blocks.spelling_passes, blocks.spelling_committed = spelled
+        stats = BlockSums(4)
+        stats.add(blocks, identical=True, target_only_block_tokens=5, answer_tokens=40,
+                  target_only_seconds=0.02, speculative_seconds=0.01, entry="drive")
+        parts.append(stats)
+    hosts = FakeHosts(2)
+    summed = hosts.run(lambda i: eval_hosts.sum_stats(parts[i], hosts.gather).report())
+    assert summed[0] == summed[1]
+    overall = summed[0]["overall"]
+    assert overall["spelling"] == {"passes": 3, "tokens": 26}
+    assert overall["passes"] == 2 and overall["tau"] == pytest.approx(5.0) and sum(overall["histogram"]) == 2
+    assert summed[0]["by_entry"]["drive"]["spelling"] == {"passes": 3, "tokens": 26}
+    assert BlockSums(4).report()["overall"]["spelling"] == {"passes": 0, "tokens": 0}

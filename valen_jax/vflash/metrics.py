@@ -11,6 +11,9 @@ Conventions (TAU_CONVENTION is written into the report):
 - acceptance k (1..B, B the drafter's block size): of the passes that drafted position k, the fraction
   that had it accepted; acceptance is a prefix (k accepted only if 1..k-1 were);
 - histogram 0..B: verify passes by number of drafted tokens accepted; it sums to `passes`;
+- spelling: outside blocks, the verify passes that checked an `atomic_decoding` call's fixed text
+  (`announcements.spelled_drafts`) and the tokens they committed (bonus included), apart from the block
+  figures above (serving's `usage` reports the same two counts as `spelling_passes`/`spelling_tokens`);
 - ms per token of whole answers (prompt to end, the prefill included): target-only = the compiled
   engine's time for the answer / its tokens; speculative = the decode loop's time for the same answer
   (one program: plain steps and announced blocks together, so blocks are not timed apart) / its tokens;
@@ -44,6 +47,7 @@ class BlockSums(GroupedSums):
                 *(f"drafted_{k}" for k in range(1, block_size + 1)),
                 *(f"accepted_{k}" for k in range(1, block_size + 1)),
                 *(f"histogram_{n}" for n in range(block_size + 1)),
+                "spelling_passes", "spelling_committed",
                 "target_only_block_tokens", "answer_tokens", "target_only_seconds", "speculative_seconds")
 
     def _config(self) -> dict:
@@ -71,7 +75,8 @@ class BlockSums(GroupedSums):
         if too_long:
             raise ValueError(f"draft positions {too_long} outside 1..{self.block_size} (the drafter's block size)")
         amounts = {"answers": 1, "identical": float(identical), "passes": blocks.passes,
-                   "committed": blocks.committed,
+                   "committed": blocks.committed, "spelling_passes": blocks.spelling_passes,
+                   "spelling_committed": blocks.spelling_committed,
                    "target_only_block_tokens": target_only_block_tokens, "answer_tokens": answer_tokens,
                    "target_only_seconds": target_only_seconds, "speculative_seconds": speculative_seconds}
         amounts.update({f"drafted_{k}": n for k, n in blocks.drafted_at.items()})
@@ -91,6 +96,7 @@ class BlockSums(GroupedSums):
             "tau": ratio(s["committed"], s["passes"]),
             "acceptance": {str(k): ratio(s[f"accepted_{k}"], s[f"drafted_{k}"]) for k in block},
             "histogram": [int(s[f"histogram_{n}"]) for n in range(self.block_size + 1)],
+            "spelling": {"passes": int(s["spelling_passes"]), "tokens": int(s["spelling_committed"])},
             "target_only_block_tokens": int(s["target_only_block_tokens"]),
             "answer_tokens": int(s["answer_tokens"]),
             "ms_per_token": {"target_only": target_only, "speculative": speculative},
