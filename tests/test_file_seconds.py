@@ -23,6 +23,17 @@ def test_a_junit_report_sums_into_seconds_per_file_heaviest_first(tmp_path):
     assert list(seconds) == ["tests/test_b.py", "tests/test_a.py"]
 
 
+def test_a_run_of_some_files_replaces_theirs_and_keeps_the_others():
+    table = {"_source": "measured by tests/file_seconds.py from all.xml", "tests/test_a.py": 9.0,
+             "tests/test_heavy.py": 50.0, "tests/test_b.py": 1.0}
+    merged = _module().merged(table, {"tests/test_b.py": 20.0, "tests/test_a.py": 2.0}, "fast.xml")
+    assert list(merged) == ["_source", "tests/test_heavy.py", "tests/test_b.py", "tests/test_a.py"]
+    assert merged["tests/test_b.py"] == 20.0 and merged["tests/test_a.py"] == 2.0
+    assert merged["_source"] == ("measured by tests/file_seconds.py from fast.xml; 1 file(s) it did not run keep "
+                                 "their earlier figures")
+    assert _module().merged({}, {"tests/test_a.py": 1.0}, "x.xml")["_source"].endswith("from x.xml")
+
+
 def test_the_committed_table_names_files_that_exist():
     import json
 
