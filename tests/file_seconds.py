@@ -43,7 +43,7 @@ def merged(table: dict, measured: dict[str, float], source: str) -> dict:
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("file_seconds.json")
-    table = json.loads(out.read_text()) if out.is_file() else {}
-    measured = merged(table, file_seconds(Path(sys.argv[1])), Path(sys.argv[1]).name)
-    out.write_text(json.dumps(measured, indent=1) + "\n")
-    print(f"{out}: {len(measured) - 1} files")
+    before = json.loads(out.read_text()) if out.is_file() else {}
+    table = merged(before, file_seconds(Path(sys.argv[1])), Path(sys.argv[1]).name)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"{out}: {len(table) - 1} files")
