@@ -44,8 +44,9 @@ def _perturbed(params, only: str = ""):
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
-@pytest.mark.parametrize("lora", [None, LoraConfig(rank=4), LoraConfig(rank=4, quantize_base="nf4")],
-                         ids=["plain", "lora", "qlora"])
+@pytest.mark.parametrize("lora", [pytest.param(None, marks=pytest.mark.slow),
+                                  pytest.param(LoraConfig(rank=4), marks=pytest.mark.slow),
+                                  LoraConfig(rank=4, quantize_base="nf4")], ids=["plain", "lora", "qlora"])
 def test_per_layer_decodes_like_the_stacked_layout(lora):
     cfg = ModelConfig(vocab_size=VOCAB, dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
                       scan_layers=True, lora=lora)
@@ -76,6 +77,7 @@ def test_per_layer_decodes_like_the_stacked_layout(lora):
     assert len({tuple(t) for t in stacked_tokens}) > 1  # the prompts matter
 
 
+@pytest.mark.slow
 def test_a_splitter_compiles_once_and_splits_the_params_it_is_given():
     """A reinforcement run splits its policy before every rollout (`tasks.reinforce`): the split program must
     compile once, split the params of the moment (not those it first saw), and sample as the stacked layout."""

@@ -62,7 +62,8 @@ def flat(tree) -> dict:
     return {path_of(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("scan,quantize", [(False, "none"), pytest.param(True, "none", marks=pytest.mark.heavy),
+@pytest.mark.parametrize("scan,quantize", [pytest.param(False, "none", marks=pytest.mark.slow),
+                                           pytest.param(True, "none", marks=pytest.mark.heavy),
                                            pytest.param(True, "nf4", marks=pytest.mark.heavy)])
 def test_a_step_changes_only_the_adapters_and_adam_holds_moments_for_them_alone(scan, quantize):
     cfg = model_cfg(scan=scan, quantize=quantize)

@@ -68,7 +68,8 @@ def _steps(cfg: ModelConfig, count: int = 2):
     return layout, before, flat(state["params"])
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("valen", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "valen"])
 def test_tower_targets_train_tower_adapters_and_leave_the_tower_base_bit_for_bit(family):
     """Weight decay 0: an adapter that changes had a non-zero gradient (Adam moves nothing on zero)."""
     cfg = vl_cfg(family, TOWERS[family])
@@ -99,7 +100,8 @@ def test_a_tower_target_the_tower_lacks_is_refused_naming_the_key():
                     lora=lora.LoraConfig(targets=("vision/qkv",)))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("valen", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "valen"])
 def test_tower_adapter_dropout_acts_with_a_training_key_alone(family):
     """Adapters on the tower alone (none in the decoder), dropout 0.5: a training key changes the hidden
     states (so the tower's adapters drop their inputs), each key its own masks; no key is the plain model."""
@@ -136,6 +138,7 @@ def _stub(init_from: str = "") -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({"model": {"init_from": init_from}})
 
 
+@pytest.mark.slow
 def test_a_fresh_tower_trains_in_full_and_is_saved_while_the_decoder_base_stays_frozen():
     """A text checkpoint (or none) into a VL config: the tower has nothing pretrained, so under LoRA it trains
     at config.train.vision_lr_multiplier beside the adapters, its leaves and their moments in the checkpoint."""

@@ -134,6 +134,7 @@ def test_training_rows_mark_exactly_the_completion_targets():
         training_rows(rollout, group_size=2, seq_len=6, window=1)
 
 
+@pytest.mark.slow
 def test_one_update_is_the_clipped_loss_and_moves_towards_the_advantaged_completion():
     import optax
     from flax import nnx

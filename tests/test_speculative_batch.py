@@ -76,6 +76,7 @@ def test_batched_greedy_equals_each_row_alone_and_the_engine(tokenizer, target):
     assert max(batched.stats.drafted_at) == 8 and batched.timing.host_reads == 1 and batched.timing.launches == 2
 
 
+@pytest.mark.slow
 def test_an_oracle_drafter_gives_tau_b_plus_one_per_row_in_a_batch(tokenizer, target):
     graphdef, params, vocab = target
     sizes = [12, 18, 7]
