@@ -181,6 +181,11 @@ def test_a_drafter_trained_against_other_weights_is_refused(runs, tmp_path_facto
         load_service(other, drafter=runs[1], warm=False)
 
 
+def test_a_target_workdir_as_drafter_is_refused_naming_the_flag(runs):
+    with pytest.raises(CheckpointError, match=r"^--drafter: .*holds no drafter \(not a vflash run\)"):
+        load_service(runs[0], drafter=runs[0], warm=False)
+
+
 def test_an_oracle_drafter_commits_the_block_in_one_pass(served):
     """The target's own greedy output as the draft (the oracle): the whole block is accepted in one verify
     pass, and the answer is still token for token the engine's."""

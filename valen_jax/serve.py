@@ -76,8 +76,13 @@ def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, ste
     from valen_jax.run import decoding_layout, restore_drafter, restore_model
     from valen_jax.serving.service import Service
 
+    from valen_jax.training.checkpoint import CheckpointError
+
     restored = restore_model(workdir, step)
-    draft = None if drafter is None else restore_drafter(drafter, target=restored)
+    try:
+        draft = None if drafter is None else restore_drafter(drafter, target=restored)
+    except CheckpointError as error:  # the message names the directory; the user also needs the flag
+        raise CheckpointError(f"--drafter: {error}") from None
     restored = decoding_layout(restored)  # after the drafter's check of the target as saved
     if draft is not None:
         draft = dataclasses.replace(draft, target=restored)
