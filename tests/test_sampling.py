@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from valen_jax.decoding import Sampling, generate_ids
-from valen_jax.decoding.sampling import filter_logits, sample
+from valen_jax.decoding.sampling import SamplingKind, filter_logits, sample, sample_rows, sampling_rows
 from valen_jax.models.config import ModelConfig
 from valen_jax.models.transformer import Transformer
 
@@ -75,6 +75,31 @@ def test_top_k_then_top_p_compose_in_that_order():
     # top-k 3 leaves (.4, .3, .2) → renormalised (.44, .33, .22); top-p .7 then keeps the first two.
     filtered = np.asarray(filter_logits(logits, Sampling(temperature=1.0, top_k=3, top_p=0.7)))
     assert np.flatnonzero(np.isfinite(filtered)).tolist() == [0, 1]
+
+
+def test_rows_of_different_samplings_draw_what_each_draws_alone():
+    """`sample_rows` (the server's: the numbers per row, one program per kind) against `sample` (generate's:
+    one program per Sampling), row by row with the same keys: the same token every time, ties and padding
+    ids included (each row's logits hold repeated values and 10 padding ids)."""
+    rng = np.random.default_rng(0)
+    samplings = [Sampling(), Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5),
+                 Sampling(temperature=0.9, top_p=0.8), Sampling(temperature=1.3, top_k=40, top_p=0.9),
+                 Sampling(temperature=0.5, top_k=1000), Sampling(temperature=2.0, top_p=0.3)]
+    logits = np.round(rng.standard_normal((len(samplings), 300)) * 3, 1).astype(np.float32)  # ties
+    rows = sampling_rows(samplings, len(samplings))
+    kind = SamplingKind.of(samplings)
+    assert kind == SamplingKind(sampled=True, filtered=True)
+    by_rows = jax.jit(sample_rows, static_argnums=(5, 6))
+    alone = jax.jit(sample, static_argnums=(2, 3))
+    for draw in range(40):
+        keys = jax.random.split(jax.random.key(draw), len(samplings))
+        got = np.asarray(by_rows(logits, keys, rows["temperature"], rows["top_k"], rows["top_p"], kind, 290))
+        want = [int(alone(logits[i:i + 1], keys[i:i + 1], s, 290)[0]) for i, s in enumerate(samplings)]
+        assert got.tolist() == want, draw
+    greedy = sampling_rows([None, Sampling()], 3)  # None and padding rows are greedy
+    assert SamplingKind.of([Sampling()]) == SamplingKind()
+    assert np.asarray(sample_rows(logits[:3], None, greedy["temperature"], greedy["top_k"], greedy["top_p"],
+                                  SamplingKind(), 290)).tolist() == logits[:3, :290].argmax(-1).tolist()
 
 
 def test_padding_ids_are_never_sampled_or_chosen():

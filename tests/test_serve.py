@@ -142,6 +142,49 @@ def test_seeded_sampling_repeats_and_equals_generate(served, client):
     assert other != first  # the seed is used
 
 
+def test_slots_of_different_samplings_share_one_program_and_each_equals_generate(served):
+    """Greedy, temperature, top-k, top-p and both, in the served engine's 4 slots at once (a fifth waits for
+    a free slot): each answer is generate's for its own sampling and seed, token for token. The numbers
+    are arrays of the decode program, not part of it: the same mix with other numbers compiles nothing new."""
+    from valen_jax.serving import slot_programs
+    from valen_jax.serving.slots import Request
+
+    engine, tokenizer = served.service.engine, served.service.tokenizer
+    texts = ["The weather in Wellington is", "snow in Oslo", "What is 4 plus", "cloudy in Nairobi", "Hello Oslo"]
+
+    def serve_all(samplings, seeds) -> list[list[int]]:
+        wait_idle(served)
+        done, pending = threading.Event(), [len(texts)]
+
+        def emit(token):
+            if token is None:
+                pending[0] -= 1
+                if not pending[0]:
+                    done.set()
+
+        requests = [Request(np.asarray(tokenizer.encode(t, add_special_tokens=False), np.int32), 12, s, seed, 0, emit)
+                    for t, s, seed in zip(texts, samplings, seeds, strict=True)]
+        with engine._wake:  # admitted together, so the first four share every decode call
+            for request in requests:
+                engine.submit(request)
+        assert done.wait(timeout=300) and engine.failure is None
+        for request, sampling, seed, text in zip(requests, samplings, seeds, texts, strict=True):
+            assert request.tokens == offline(served, [text], [12], sampling, seed=seed)[0], (sampling, seed)
+        return [r.tokens for r in requests]
+
+    first = serve_all([GREEDY, Sampling(temperature=0.8), Sampling(temperature=1.0, top_k=5),
+                       Sampling(temperature=1.2, top_p=0.9), Sampling(temperature=0.7, top_k=3, top_p=0.8)],
+                      [0, 3, 4, 5, 6])
+    # Other numbers, every sampled one filtered: while any of them is live the slots run the filtered kind's
+    # program, which the first mix compiled (its first four were live together); greedy alone was warmed.
+    compiled = slot_programs.decoder.cache_info().misses
+    second = serve_all([GREEDY, Sampling(temperature=0.55, top_p=0.97), Sampling(temperature=1.1, top_k=7),
+                        Sampling(temperature=0.9, top_p=0.85), Sampling(temperature=1.5, top_k=9, top_p=0.95)],
+                       [0, 3, 4, 5, 6])
+    assert slot_programs.decoder.cache_info().misses == compiled
+    assert first[0] == second[0] and first[1:] != second[1:]  # the numbers reached the device
+
+
 def test_n_choices_and_stop_strings(served, client):
     prompt = "The weather in Wellington is"
     answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=3, n=3)

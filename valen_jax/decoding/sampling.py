@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,20 @@ def filter_logits(logits, sampling: Sampling):
         keep = jnp.put_along_axis(keep, kept, True, axis=-1, inplace=False)
         logits = jnp.where(keep, logits, -jnp.inf)
     if sampling.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1, stable=True)
-        ranked = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(ranked, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        keep_ranked = before < sampling.top_p
-        keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), order, keep_ranked, axis=-1, inplace=False)
-        logits = jnp.where(keep, logits, -jnp.inf)
+        logits = _nucleus(logits, sampling.top_p)
     return logits
+
+
+def _nucleus(logits, top_p):
+    """logits [..., V] with what top-p drops at -inf (`filter_logits`); `top_p` a number, or an array
+    broadcasting against [..., 1] (`sample_rows`): the same operations either way, so the same tokens."""
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep_ranked = before < top_p
+    keep = jnp.put_along_axis(jnp.zeros(logits.shape, bool), order, keep_ranked, axis=-1, inplace=False)
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def sample(logits, keys, sampling: Sampling, vocab: int):
@@ -79,3 +86,52 @@ def sample(logits, keys, sampling: Sampling, vocab: int):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     filtered = filter_logits(logits, sampling)
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+@dataclass(frozen=True)
+class SamplingKind:
+    """What a program choosing tokens for rows of different `Sampling`s must contain (`sample_rows`): the
+    numbers are per-row arrays, so a server compiles one program per kind, not one per distinct
+    temperature, top-k or top-p a client sends (each a compile that stalls every slot, and a program kept
+    for the server's life), and serves rows of different samplings in one call."""
+
+    sampled: bool = False  # some row has temperature > 0 (else argmax only)
+    filtered: bool = False  # some row has top-k or top-p (else no sorting over the vocabulary)
+
+    @classmethod
+    def of(cls, samplings) -> SamplingKind:
+        samplings = list(samplings)
+        return cls(sampled=any(not s.greedy for s in samplings),
+                   filtered=any(s.top_k > 0 or s.top_p < 1 for s in samplings))
+
+
+def sampling_rows(samplings, size: int) -> dict:
+    """Host arrays [size] of each row's temperature, top-k and top-p (`sample_rows`); rows past
+    `samplings` (or None in it) are greedy."""
+    rows = {"temperature": np.zeros(size, np.float32), "top_k": np.zeros(size, np.int32),
+            "top_p": np.ones(size, np.float32)}
+    for row, sampling in enumerate(samplings):
+        if sampling is not None:
+            rows["temperature"][row], rows["top_k"][row] = sampling.temperature, sampling.top_k
+            rows["top_p"][row] = sampling.top_p
+    return rows
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p, kind: SamplingKind, vocab: int):
+    """int32 [B]: each row's next token as `sample` chooses it for that row's own `Sampling`
+    (temperature [B] f32, 0 for greedy; top_k [B] int32, 0 for off; top_p [B] f32, 1 for off) with its own
+    key: the same operations on the same values (a row without a filter skips it, as `filter_logits`
+    does), so a seeded row draws what `generate` draws. `kind` must cover every row (`SamplingKind.of`)."""
+    logits = mask_vocab(logits, vocab)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not kind.sampled:
+        return greedy
+    scaled = logits / jnp.where(temperature > 0, temperature, 1)[:, None]
+    if kind.filtered:
+        order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties towards the lower id, as lax.top_k
+        within = jnp.arange(scaled.shape[-1]) < jnp.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
+        keep = jnp.put_along_axis(jnp.zeros(scaled.shape, bool), order, within, axis=-1, inplace=False)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+        scaled = jnp.where((top_p < 1)[:, None], _nucleus(scaled, top_p[:, None]), scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)

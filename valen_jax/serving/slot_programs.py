@@ -6,11 +6,13 @@ whole life of the server:
   slot of the shared cache (the cache donated: updated in place), → the logits at its last token;
   compiled once per prompt bucket;
 - `decode`: `steps_per_sync` tokens for every slot in one scan of `Transformer.decode_step` (each slot
-  its own cursor and position, its own stop and budget on the device), the cache donated; compiled once
-  per (S, C, sampling). An empty or finished slot still occupies its lane (static shapes); its writes
-  land in its own row, which the next prefill into it replaces whole;
-- `choose`: the next token of each slot from its logits (`sampling.sample`), once per distinct
-  `Sampling` among the live slots (the filters are static arguments of `sample`);
+  its own cursor and position, its own stop and budget, its own temperature, top-k and top-p on the
+  device), the cache donated; compiled once per (slot rows, cache prefix, `SamplingKind`): greedy,
+  sampled, sampled with filters, whatever numbers the clients send. An empty or finished slot still
+  occupies its lane (static shapes); its writes land in its own row, which the next prefill into it
+  replaces whole;
+- `choose`: the first token of each new request from its prompt's logits (`sampling.sample_rows`), once
+  per `SamplingKind`;
 - `copy_rows`: slot rows of the cache copied into other slots (the cache donated): requests admitted in
   one round with the same prompt (a request's `n` choices, or equal prompts of different requests) are
   prefilled once, and the others' slots receive its rows; each draws its first token from the same
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from valen_jax.decoding import loop
-from valen_jax.decoding.sampling import Sampling, sample
+from valen_jax.decoding.sampling import SamplingKind, sample_rows
 from valen_jax.models.kv_cache import KVCache
 
 
@@ -55,22 +57,26 @@ def cache_programs(graphdef, vocab: int, cache_length: int):
 
 
 @functools.cache
-def decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, length: int):
+def decoder(graphdef, vocab: int, kind: SamplingKind, steps: int, rows: int, length: int):
     """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
-    other slots and positions untouched): the rows not `live` (free, finished, or of another sampling)
-    keep their token and cursor, and rewrite the same keys/values at their cursor."""
-    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids):
+    other slots and positions untouched): the rows not `live` (free or finished) keep their token and
+    cursor, and rewrite the same keys/values at their cursor. `kind` covers every live slot's sampling,
+    whose numbers are the arrays `temperature`, `top_k`, `top_p` (`sampling.sampling_rows`)."""
+    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids, temperature,
+               top_k, top_p):
         model = nnx.merge(graphdef, params)
         full = cache
         cache = KVCache(full.keys[:, :rows, :, :length], full.values[:, :rows, :, :length])
-        last, cursor, offsets, seeds, choices, counts, live, budgets = (
-            x[:rows] for x in (last, cursor, offsets, seeds, choices, counts, live, budgets))
+        last, cursor, offsets, seeds, choices, counts, live, budgets, temperature, top_k, top_p = (
+            x[:rows] for x in (last, cursor, offsets, seeds, choices, counts, live, budgets, temperature, top_k,
+                               top_p))
 
         def step(carry, _):
             cache, last, cursor, counts, live = carry
             # A generated token's position is its slot plus the prompt's offset (0 but for M-RoPE media).
             logits, cache = model.decode_step(last, cursor + offsets, cache, cursor)
-            token = sample(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
+            token = sample_rows(logits, jax.vmap(loop.token_key)(seeds, choices, counts), temperature, top_k, top_p,
+                                kind, vocab)
             token = jnp.where(live, token, last)
             moved = live.astype(jnp.int32)
             counts = counts + moved
@@ -86,8 +92,9 @@ def decoder(graphdef, vocab: int, sampling: Sampling, steps: int, rows: int, len
 
 
 @functools.cache
-def chooser(sampling: Sampling, vocab: int):
-    def choose(logits, rows, seeds, choices, counts):
-        """One token per entry from logits row `rows[i]` with entry i's own key."""
-        return sample(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
+def chooser(kind: SamplingKind, vocab: int):
+    def choose(logits, rows, seeds, choices, counts, temperature, top_k, top_p):
+        """One token per entry from logits row `rows[i]` with entry i's own key and sampling."""
+        return sample_rows(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), temperature, top_k,
+                           top_p, kind, vocab)
     return jax.jit(choose)

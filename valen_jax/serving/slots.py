@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.decoding.engine import batch_arrays, bucket
-from valen_jax.decoding.sampling import Sampling
+from valen_jax.decoding.sampling import Sampling, SamplingKind, sampling_rows
 from valen_jax.serving import slot_programs
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,9 @@ class SlotEngine:
 
     def warm(self) -> None:
         """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
-        the greedy decode, so no request waits on a compile (on a CPU one stalls every slot for seconds).
+        the greedy decode, so no greedy request waits on a compile (on a CPU one stalls every slot for
+        seconds); a sampled request's first sync of a shape compiles its kind's program once
+        (`SamplingKind`: two more kinds, whatever numbers clients send).
         Padding rows only: their slots are out of range, so the cache is untouched. Its seconds are
         `warm_seconds` (in `metrics`, and the server logs them)."""
         started = time.perf_counter()
@@ -151,15 +153,18 @@ class SlotEngine:
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
             logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
                                                 np.full(rows, self.slots, np.int32), None)
-            slot_programs.chooser(Sampling(), self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
-                                             np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
-        zeros = np.zeros(self.slots, np.int32)
+            greedy = sampling_rows((), rows)
+            slot_programs.chooser(SamplingKind(), self.vocab)(
+                logits, np.arange(rows), np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
+                greedy["temperature"], greedy["top_k"], greedy["top_p"])
+        zeros, greedy = np.zeros(self.slots, np.int32), sampling_rows((), self.slots)
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                decode = slot_programs.decoder(self.graphdef, self.vocab, Sampling(), self.steps_per_sync, rows, length)
+                decode = slot_programs.decoder(self.graphdef, self.vocab, SamplingKind(), self.steps_per_sync, rows,
+                                               length)
                 tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros, zeros.astype(np.uint32),
                                              zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
-                                             self._stops)
+                                             self._stops, greedy["temperature"], greedy["top_k"], greedy["top_p"])
         np.asarray(tokens)
         self.warm_seconds = time.perf_counter() - started
 
@@ -361,7 +366,7 @@ class SlotEngine:
         """Per slot, the host arrays a decode call reads, filled for `requests` (zeros elsewhere): the last
         committed token (the prompt's last before the first output), which is not in the cache yet and goes to
         the slot after the prompt and the others (`cursor`), position offsets, output counts, budgets, seeds,
-        choice indices, and `live` (these requests)."""
+        choice indices, `live` (these requests), and their samplings' numbers (`sampling_rows`)."""
         a = {k: np.zeros(self.slots, np.int32) for k in ("last", "cursor", "offsets", "counts", "budgets")}
         a.update(seeds=np.zeros(self.slots, np.uint32), choices=np.zeros(self.slots, np.uint32),
                  live=np.zeros(self.slots, bool))
@@ -370,6 +375,10 @@ class SlotEngine:
             a["cursor"][r.slot], a["offsets"][r.slot] = len(r.ids) + len(r.tokens) - 1, r.offset
             a["counts"][r.slot], a["budgets"][r.slot] = len(r.tokens), r.max_new
             a["seeds"][r.slot], a["choices"][r.slot], a["live"][r.slot] = r.seed, r.choice, True
+        slot_samplings: list[Sampling | None] = [None] * self.slots
+        for r in requests:
+            slot_samplings[r.slot] = r.sampling
+        a.update(sampling_rows(slot_samplings, self.slots))
         return a
 
     def _decode_shape(self, live: list[Request], ahead: int) -> tuple[int, int]:
@@ -387,40 +396,37 @@ class SlotEngine:
                                  t["first_token"] - t["prefill_start"]))
 
     def _step(self) -> None:
-        """`steps_per_sync` tokens of every live slot: one program per sampling among them (the rare mixed
-        case runs the model once per sampling, each for its own rows)."""
+        """`steps_per_sync` tokens of every live slot in one program, each slot with its own sampling (the
+        program of the kind that covers them all: `SamplingKind.of`)."""
         live = [r for r in self._live if r is not None]
         a = self._slot_arrays(live)
         rows, length = self._decode_shape(live, self.steps_per_sync)
-        for sampling in {r.sampling for r in live}:
-            mine = [r for r in live if r.sampling == sampling]
-            mask = np.zeros(self.slots, bool)
-            mask[[r.slot for r in mine]] = True
-            decode = slot_programs.decoder(self.graphdef, self.vocab, sampling, self.steps_per_sync, rows, length)
-            started = time.perf_counter()
-            tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
-                                         a["choices"], a["counts"], mask, a["budgets"], self._stops)
-            tokens = np.asarray(tokens)
-            self._decode_seconds.append(time.perf_counter() - started)
-            self.steps += self.steps_per_sync
-            for r in mine:
-                self._commit_sync(r, tokens[:, r.slot])
+        kind = SamplingKind.of(r.sampling for r in live)
+        decode = slot_programs.decoder(self.graphdef, self.vocab, kind, self.steps_per_sync, rows, length)
+        started = time.perf_counter()
+        tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
+                                     a["choices"], a["counts"], a["live"], a["budgets"], self._stops, a["temperature"],
+                                     a["top_k"], a["top_p"])
+        tokens = np.asarray(tokens)
+        self._decode_seconds.append(time.perf_counter() - started)
+        self.steps += self.steps_per_sync
+        for r in live:
+            self._commit_sync(r, tokens[:, r.slot])
 
     def _choose(self, logits, requests: list[Request], rows_of: list[int]) -> np.ndarray:
-        """The first token of each new request from its prompt's logits row `rows_of[i]` of [rows, V]
-        (padded to at least the prefill's rows, then powers of two, so each sampling compiles once per row
-        count and a few counts of requests sharing prompts, not per number admitted)."""
+        """The first token of each new request from its prompt's logits row `rows_of[i]` of [rows, V], each
+        with its own sampling, in one call (padded to at least the prefill's rows, then powers of two, so each
+        `SamplingKind` compiles once per row count and a few counts of requests sharing prompts, not per
+        number admitted)."""
         size = max(logits.shape[0], _power_of_two(len(requests)))
         seeds, choices, counts = np.zeros(size, np.uint32), np.zeros(size, np.uint32), np.zeros(size, np.int32)
         index = np.zeros(size, np.int32)
         for i, r in enumerate(requests):
             seeds[i], choices[i], counts[i], index[i] = r.seed, r.choice, len(r.tokens), rows_of[i]
-        out = np.zeros(len(requests), np.int32)
-        for sampling in {r.sampling for r in requests}:
-            chosen = np.asarray(slot_programs.chooser(sampling, self.vocab)(logits, index, seeds, choices, counts))
-            picks = [i for i, r in enumerate(requests) if r.sampling == sampling]
-            out[picks] = chosen[picks]
-        return out
+        rows = sampling_rows([r.sampling for r in requests], size)
+        choose = slot_programs.chooser(SamplingKind.of(r.sampling for r in requests), self.vocab)
+        chosen = choose(logits, index, seeds, choices, counts, rows["temperature"], rows["top_k"], rows["top_p"])
+        return np.asarray(chosen)[:len(requests)]
 
     def _commit_sync(self, request: Request, tokens) -> None:
         """A sync's tokens of one request, up to its end (a stop, its budget, or the client gone), then one
