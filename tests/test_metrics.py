@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import jax.numpy as jnp
 import pytest
 
 from valen_jax.models.config import ModelConfig
@@ -43,9 +44,12 @@ def test_peak_flops_config_wins_and_an_unknown_accelerator_must_be_configured():
         peak_flops_per_device(None, unknown)
 
 
-def test_peak_flops_on_cpu_is_measured():
-    flops, source = peak_flops_per_device(None, SimpleNamespace(platform="cpu", device_kind="cpu"))
-    assert flops > 1e8 and "measured" in source
+def test_peak_flops_on_cpu_is_measured_in_the_model_s_dtype():
+    cpu = SimpleNamespace(platform="cpu", device_kind="cpu")
+    flops, source = peak_flops_per_device(None, cpu)
+    assert flops > 1e8 and source == "a float32 matmul measured at start-up"
+    flops, source = peak_flops_per_device(None, cpu, jnp.bfloat16)
+    assert flops > 1e8 and source == "a bfloat16 matmul measured at start-up"
 
 
 def test_model_flops_agree_with_xla_s_count_of_the_compiled_train_step():

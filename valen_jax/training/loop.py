@@ -33,7 +33,7 @@ from valen_jax.data.separation import check_separation
 from valen_jax.data.shard_cache import ensure_shards, summary
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.models import sharding
-from valen_jax.models.config import ModelConfig
+from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.training import checkpoint, workdir_lock
 from valen_jax.training.metrics import MetricsLog, peak_flops_per_device
 from valen_jax.training.progress import FinishedSteps
@@ -185,6 +185,9 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     spec = RowSpec.from_config(config, tokenizer, model_cfg, media_kwargs)  # evaluation's rows
     train_spec = task.row_spec(spec)
     assembly = task.assembly(train_spec)
+    # MFU's peak, before the data loader's threads start: on a CPU it is a matmul timed on the same cores,
+    # which the loader's prefetch would share (a run measured 117 GFLOP/s there, 219 on an idle host).
+    peak, peak_source = peak_flops_per_device(config.train.peak_flops, dtype=dtype_of(config.model.dtype))
     dataset = build_dataset(train_set, train_spec, assembly, global_batch=config.data.global_batch,
                             seed=config.train.seed, shuffle=config.data.shuffle, repeat=True,
                             workers=config.data.workers, training=True, media_log_dir=workdir)
@@ -226,7 +229,6 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     train_step = task.step_function(compiled)
     log.info("compiled the train step in %.1fs", time.perf_counter() - started)
     _print_memory(compiled)
-    peak, peak_source = peak_flops_per_device(config.train.peak_flops)
     flops_per_step = task.flops_per_step()
     log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
              peak, jax.device_count(), peak_source, flops_per_step)
