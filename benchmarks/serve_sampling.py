@@ -1,0 +1,97 @@
+"""Serving requests that each bring their own sampling: the slot engine of `python -m valen_jax.serve`
+(`serving.slots.SlotEngine`, no HTTP) on rounds of `--slots` requests admitted together, each with another
+temperature (half of them with top-p 0.9), against a round of greedy requests on the same prompt.
+
+    .venv/bin/python benchmarks/serve_sampling.py                      # trains configs/chat.py:tiny for 4 steps first
+    .venv/bin/python benchmarks/serve_sampling.py --workdir=runs/chat-smoke [--rounds=3] [--new-tokens=32]
+
+The engine is warmed as the server warms it (`SlotEngine.warm`: every prefill and the greedy decode).
+Each round's numbers differ from every earlier round's (temperature 0.5 + 0.1 i + 0.01 round), as
+clients' numbers do. A slot's temperature, top-k and top-p are arrays of the decode program, one
+program per kind of sampling (`sampling.SamplingKind`), so only the first sampled round compiles (its
+two kinds); before (one program per distinct `Sampling`, commit 507b903) every round compiled
+`--slots` new decode and choose programs, each stalling every slot, and each sync ran the model once
+per distinct sampling among the slots.
+
+Printed: the greedy round's seconds, each sampled round's, and last
+`sampled_round_vs_greedy=X first_sampled_round_s=Y`: the median of the sampled rounds after the first over
+the greedy round (the cost of sampling itself, filters included), and the first sampled round's seconds
+(its compiles).
+
+Measured on this 2-core CPU, idle (2026-12-05, the tiny chat model, 8 slots, 32 new tokens, 4 sampled
+rounds): greedy 0.117 s a round; sampled 1.500 s for the first round, then 0.218-0.222 s:
+`sampled_round_vs_greedy=1.86 first_sampled_round_s=1.50`. The same script on 507b903 (before):
+greedy 0.118 s, sampled 8.658 / 8.835 / 9.205 / 8.926 s: `sampled_round_vs_greedy=75.85
+first_sampled_round_s=8.66`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.serve import train_smoke  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4, help="sampled rounds, each with new numbers")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    from valen_jax.decoding.sampling import Sampling
+    from valen_jax.serve import load_service
+    from valen_jax.serving.slots import Request
+
+    tmp = tempfile.TemporaryDirectory()
+    workdir = Path(args.workdir) if args.workdir else Path(tmp.name) / "chat-smoke"
+    if not args.workdir:
+        train_smoke(workdir)
+    service = load_service(workdir, slots=args.slots)  # warmed, as the server starts
+    engine = service.engine
+    ids = np.asarray(service.tokenizer.encode("The weather in Wellington is", add_special_tokens=False), np.int32)
+
+    def round_seconds(samplings) -> float:
+        done, left = threading.Event(), [len(samplings)]
+
+        def emit(token):
+            if token is None:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+        requests = [Request(ids, args.new_tokens, s, seed, 0, emit) for seed, s in enumerate(samplings)]
+        started = time.perf_counter()
+        with engine._wake:  # admitted in one round
+            for request in requests:
+                engine.submit(request)
+        if not done.wait(600) or engine.failure:
+            raise SystemExit(f"the engine did not finish the round: {engine.failure}")
+        return time.perf_counter() - started
+
+    try:
+        greedy = round_seconds([Sampling()] * args.slots)
+        print(f"greedy round ({args.slots} requests, {args.new_tokens} new tokens): {greedy:.3f} s")
+        sampled = []
+        for r in range(args.rounds):
+            samplings = [Sampling(temperature=round(0.5 + 0.1 * i + 0.01 * r, 2), top_p=0.9 if i % 2 else 1.0)
+                         for i in range(args.slots)]
+            sampled.append(round_seconds(samplings))
+            print(f"sampled round {r} (temperatures {samplings[0].temperature}..{samplings[-1].temperature}, "
+                  f"half with top-p 0.9): {sampled[-1]:.3f} s")
+    finally:
+        engine.stop()
+    later = float(np.median(sampled[1:])) if len(sampled) > 1 else float("nan")
+    print(f"sampled_round_vs_greedy={later / greedy:.2f} first_sampled_round_s={sampled[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
