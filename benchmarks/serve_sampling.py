@@ -9,7 +9,7 @@ The engine is warmed as the server warms it (`SlotEngine.warm`: every prefill an
 Each round's numbers differ from every earlier round's (temperature 0.5 + 0.1 i + 0.01 round), as
 clients' numbers do. A slot's temperature, top-k and top-p are arrays of the decode program, one
 program per kind of sampling (`sampling.SamplingKind`), so only the first sampled round compiles (its
-two kinds); before (one program per distinct `Sampling`, commit 507b903) every round compiled
+kinds: temperature alone, and with top-p); before (one program per distinct `Sampling`, commit 507b903) every round compiled
 `--slots` new decode and choose programs, each stalling every slot, and each sync ran the model once
 per distinct sampling among the slots.
 
@@ -19,10 +19,11 @@ the greedy round (the cost of sampling itself, filters included), and the first 
 (its compiles).
 
 Measured on this 2-core CPU, idle (2026-12-05, the tiny chat model, 8 slots, 32 new tokens, 4 sampled
-rounds): greedy 0.117 s a round; sampled 1.500 s for the first round, then 0.218-0.222 s:
-`sampled_round_vs_greedy=1.86 first_sampled_round_s=1.50`. The same script on 507b903 (before):
-greedy 0.118 s, sampled 8.658 / 8.835 / 9.205 / 8.926 s: `sampled_round_vs_greedy=75.85
-first_sampled_round_s=8.66`.
+rounds), two runs: greedy 0.124 / 0.114 s a round; sampled 1.372 / 1.284 s for the first round, then
+0.118-0.122 s: `sampled_round_vs_greedy=0.97 first_sampled_round_s=1.37`, then `1.05 ... 1.28`. The same
+script on 507b903 (before): greedy 0.118 s, sampled 8.658 / 8.835 / 9.205 / 8.926 s:
+`sampled_round_vs_greedy=75.85 first_sampled_round_s=8.66`. (With one kind for both filters, where a top-p
+round also sorted for top-k, a sampled round took 0.22 s: 1.86.)
 """
 
 from __future__ import annotations

@@ -175,12 +175,12 @@ def test_slots_of_different_samplings_share_one_program_and_each_equals_generate
     first = serve_all([GREEDY, Sampling(temperature=0.8), Sampling(temperature=1.0, top_k=5),
                        Sampling(temperature=1.2, top_p=0.9), Sampling(temperature=0.7, top_k=3, top_p=0.8)],
                       [0, 3, 4, 5, 6])
-    # Other numbers, every sampled one filtered: while any of them is live the slots run the filtered kind's
-    # program, which the first mix compiled (its first four were live together); greedy alone was warmed.
+    # Other numbers, every sampled one with both filters: while any of them is live the slots run the kind
+    # with both, which the first mix compiled (its first four were live together); greedy alone was warmed.
     compiled = slot_programs.decoder.cache_info().misses
-    second = serve_all([GREEDY, Sampling(temperature=0.55, top_p=0.97), Sampling(temperature=1.1, top_k=7),
-                        Sampling(temperature=0.9, top_p=0.85), Sampling(temperature=1.5, top_k=9, top_p=0.95)],
-                       [0, 3, 4, 5, 6])
+    second = serve_all([GREEDY, Sampling(temperature=0.55, top_k=50, top_p=0.97),
+                        Sampling(temperature=1.1, top_k=7, top_p=0.99), Sampling(temperature=0.9, top_k=30, top_p=0.85),
+                        Sampling(temperature=1.5, top_k=9, top_p=0.95)], [0, 3, 4, 5, 6])
     assert slot_programs.decoder.cache_info().misses == compiled
     assert first[0] == second[0] and first[1:] != second[1:]  # the numbers reached the device
 

@@ -75,7 +75,6 @@ def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, ste
     workdir (its latest step) trained against this workdir's weights, refused otherwise (`run.check_target`)."""
     from valen_jax.run import decoding_layout, restore_drafter, restore_model
     from valen_jax.serving.service import Service
-
     from valen_jax.training.checkpoint import CheckpointError
 
     restored = restore_model(workdir, step)

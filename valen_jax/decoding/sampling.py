@@ -91,18 +91,21 @@ def sample(logits, keys, sampling: Sampling, vocab: int):
 @dataclass(frozen=True)
 class SamplingKind:
     """What a program choosing tokens for rows of different `Sampling`s must contain (`sample_rows`): the
-    numbers are per-row arrays, so a server compiles one program per kind, not one per distinct
-    temperature, top-k or top-p a client sends (each a compile that stalls every slot, and a program kept
-    for the server's life), and serves rows of different samplings in one call."""
+    numbers are per-row arrays, so a server compiles one program per kind (at most 5: greedy, or sampled
+    with or without each filter), not one per distinct temperature, top-k or top-p a client sends (each a
+    compile that stalls every slot, and a program kept for the server's life), and serves rows of
+    different samplings in one call. Each filter sorts every row's vocabulary, so it is compiled in only
+    where some row asks for it."""
 
     sampled: bool = False  # some row has temperature > 0 (else argmax only)
-    filtered: bool = False  # some row has top-k or top-p (else no sorting over the vocabulary)
+    top_k: bool = False  # some row has top-k
+    top_p: bool = False  # some row has top-p
 
     @classmethod
     def of(cls, samplings) -> SamplingKind:
         samplings = list(samplings)
-        return cls(sampled=any(not s.greedy for s in samplings),
-                   filtered=any(s.top_k > 0 or s.top_p < 1 for s in samplings))
+        return cls(sampled=any(not s.greedy for s in samplings), top_k=any(s.top_k > 0 for s in samplings),
+                   top_p=any(s.top_p < 1 for s in samplings))
 
 
 def sampling_rows(samplings, size: int) -> dict:
@@ -127,11 +130,12 @@ def sample_rows(logits, keys, temperature, top_k, top_p, kind: SamplingKind, voc
     if not kind.sampled:
         return greedy
     scaled = logits / jnp.where(temperature > 0, temperature, 1)[:, None]
-    if kind.filtered:
+    if kind.top_k:
         order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties towards the lower id, as lax.top_k
         within = jnp.arange(scaled.shape[-1]) < jnp.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
         keep = jnp.put_along_axis(jnp.zeros(scaled.shape, bool), order, within, axis=-1, inplace=False)
         scaled = jnp.where(keep, scaled, -jnp.inf)
+    if kind.top_p:
         scaled = jnp.where((top_p < 1)[:, None], _nucleus(scaled, top_p[:, None]), scaled)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)

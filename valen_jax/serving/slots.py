@@ -144,7 +144,7 @@ class SlotEngine:
         """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
         the greedy decode, so no greedy request waits on a compile (on a CPU one stalls every slot for
         seconds); a sampled request's first sync of a shape compiles its kind's program once
-        (`SamplingKind`: two more kinds, whatever numbers clients send).
+        (`SamplingKind`: at most four more kinds, whatever numbers clients send).
         Padding rows only: their slots are out of range, so the cache is untouched. Its seconds are
         `warm_seconds` (in `metrics`, and the server logs them)."""
         started = time.perf_counter()
