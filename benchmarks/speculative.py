@@ -83,6 +83,11 @@ that drafter fitted its 111 regenerated answers (tau 11.5 there) and not the eva
 changed is the drafter's data (1208 answers on new scenes, not 111) and a target that writes well-formed
 trajectories, not the loop.
 
+Again at the defaults with the spelled drafts (2026-12-05, a quiet faster host, `--workdir=/tmp/s55/spec`; 1101 +
+214 + 492 s of training and regeneration): `acceptance_length=7.31 speedup_vs_ar=3.49 answer_speedup=1.65
+batch8_speedup=0.45 identical=1.00`: whole answers 1.16 -> 1.65x (the calls' fixed text verified in passes: 17
+passes, 150 tokens), record 8 still 0.78x (10 passes accepting nothing), records 10-15 1.80-2.32x.
+
 Earlier, on the dim-64 / 2-layer tiny target (--quick's shape; --extra-scenes=192, 400 + 1000 steps):
 `acceptance_length=12.31 speedup_vs_ar=2.13 answer_speedup=0.72 batch8_speedup=0.56 identical=1.00`
 (an engine step there is ~0.1 ms, so the loop's per-iteration work outside blocks weighs).
