@@ -7,8 +7,8 @@ whole life of the server:
   compiled once per prompt bucket;
 - `decode`: `steps_per_sync` tokens for every slot in one scan of `Transformer.decode_step` (each slot
   its own cursor and position, its own stop and budget, its own temperature, top-k and top-p on the
-  device), the cache donated; compiled once per (slot rows, cache prefix, `SamplingKind`): greedy,
-  sampled, sampled with filters, whatever numbers the clients send. An empty or finished slot still
+  device), the cache donated; compiled once per (slot rows, cache prefix, `SamplingKind`: greedy, or
+  sampled with or without each of top-k and top-p), whatever numbers the clients send. An empty or finished slot still
   occupies its lane (static shapes); its writes land in its own row, which the next prefill into it
   replaces whole;
 - `choose`: the first token of each new request from its prompt's logits (`sampling.sample_rows`), once
