@@ -149,6 +149,63 @@ def test_streamed_openai_client_and_seeded_sampling(served):
     assert sampled[0].usage.completion_tokens_details.accepted_prediction_tokens is not None
 
 
+def serve_together(engine, requests: list[Request]) -> None:
+    """`requests` admitted in one round of `engine`, until all have ended."""
+    done, pending = threading.Event(), [len(requests)]
+
+    def emit(token):
+        if token is None:
+            pending[0] -= 1
+            if not pending[0]:
+                done.set()
+
+    for request in requests:
+        request.emit = emit
+    with engine._wake:
+        for request in requests:
+            engine.submit(request)
+    assert done.wait(timeout=300) and engine.failure is None
+
+
+def test_slots_of_different_samplings_share_one_sync_and_draw_what_each_draws_alone(served):
+    """Greedy, temperature, top-k and top-p in the 4 slots at once, prompts ending in an announced block: each
+    answer equals the same request served alone (its own kind of program), token for token, and the greedy
+    one the offline engine's. The numbers are arrays of the sync program: one request served again with
+    other numbers of the same kind compiles nothing."""
+    from valen_jax.serving.speculative_slots import _sync_program
+
+    engine = served.service.engine
+    prompts = [ids_of(served, COMPACT), ids_of(served, "push the blue box" + COMPACT[len("move the red cup left"):]),
+               ids_of(served, COMPACT), ids_of(served, SPACED)]
+    samplings = [Sampling(), Sampling(temperature=0.8), Sampling(temperature=1.0, top_k=5),
+                 Sampling(temperature=1.2, top_p=0.9)]
+
+    def requests():
+        return [Request(np.asarray(ids, np.int32), BLOCK + 4, sampling, seed, 0, None)
+                for seed, (ids, sampling) in enumerate(zip(prompts, samplings, strict=True))]
+
+    alone = []
+    for request in requests():
+        serve_together(engine, [request])
+        alone.append(request.tokens)
+    together = requests()
+    serve_together(engine, together)
+    assert [r.tokens for r in together] == alone
+    assert alone[0] == offline(served, prompts[0], BLOCK + 4)
+    assert sum(r.speculation["verify_passes"] for r in together) > 0
+
+    def one(round_: int) -> list[int]:
+        sampling = Sampling(temperature=0.6 + 0.1 * round_, top_k=5 + round_, top_p=0.9 - 0.05 * round_)
+        request = Request(np.asarray(prompts[0], np.int32), 6, sampling, 3, 0, None)
+        serve_together(engine, [request])
+        return request.tokens
+
+    one(0)
+    compiled = _sync_program.cache_info().misses
+    one(1), one(2)
+    assert _sync_program.cache_info().misses == compiled
+
+
 def test_an_image_prompt_is_prefilled_with_its_patches_and_answers_as_offline(served):
     """The vflash target has a vision tower: the speculative prefill (the prompt but its last token) carries
     the image's patches and positions; the greedy answer equals the offline engine's on the same prompt."""

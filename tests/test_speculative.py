@@ -20,6 +20,7 @@ from data_pipeline.tokenizer import load_tokenizer
 from tests.speculative_host import HostDecoder, HostOracle, HostTrainedDrafter, Proposal
 from tests.train_runs import ROOT
 from valen_jax.decoding import Sampling, generate_ids
+from valen_jax.decoding.sampling import RowSampling, SamplingKind, sampling_rows
 from valen_jax.decoding.speculative import (
     CachedDrafter,
     OracleDrafter,
@@ -275,6 +276,32 @@ def small_vocab_logits():
         return net.extend(pairs, jnp.broadcast_to(jnp.arange(4, 6), (vocab, 2)), caches, jnp.full(vocab, 4))[0]
 
     return jax.jit(run)(params)
+
+
+def test_a_pass_with_each_row_s_own_sampling_accepts_as_each_alone():
+    """`accept_pass` with a `RowSampling` (a server's slots: each row's numbers, vmapped with the rows) against
+    the same row with its own `Sampling` (generate's): the same accepted count and next token for every row
+    of a mixed batch (greedy, temperature, top-k, top-p, both), over random passes with ties."""
+    rng = np.random.default_rng(0)
+    width, logits_width, vocab = 5, 64, 60
+    samplings = [Sampling(), Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5),
+                 Sampling(temperature=0.9, top_p=0.8), Sampling(temperature=1.3, top_k=10, top_p=0.9)]
+    rows = sampling_rows(samplings, len(samplings))
+    per_row = RowSampling(SamplingKind.of(samplings), *(jnp.asarray(rows[k]) for k in ("temperature", "top_k", "top_p")))
+    mixed = jax.jit(jax.vmap(lambda x, d, q, k, n, s: accept_pass(x, d, q, k, n, s, vocab)))
+    alone = jax.jit(accept_pass, static_argnums=(5, 6))
+    accepted_any = 0
+    for trial in range(40):
+        logits = jnp.asarray(np.round(rng.standard_normal((len(samplings), width, logits_width)) * 2, 1), jnp.float32)
+        draft = jnp.asarray(rng.integers(0, 8, (len(samplings), width - 1)), jnp.int32)  # small ids: some accepted
+        q = jax.nn.softmax(jnp.asarray(rng.standard_normal((len(samplings), width - 1, logits_width)), jnp.float32))
+        keys, drafted = jax.random.split(jax.random.key(trial), len(samplings)), jnp.full(len(samplings), width - 1)
+        got = np.asarray(mixed(logits, draft, q, keys, drafted, per_row)).T
+        want = [tuple(int(v) for v in alone(logits[i], draft[i], q[i], keys[i], drafted[i], s, vocab))
+                for i, s in enumerate(samplings)]
+        assert [tuple(row) for row in got.tolist()] == want, trial
+        accepted_any += int(got[:, 0].sum())
+    assert accepted_any > 0  # drafts were accepted, not only rejected
 
 
 @pytest.mark.heavy

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from valen_jax.decoding import announcements
-from valen_jax.decoding.sampling import Sampling, sample
+from valen_jax.decoding.sampling import RowSampling, Sampling, sample
 from valen_jax.decoding.verification import accept_pass
 from valen_jax.models.drafter import text_positions
 from valen_jax.models.kv_cache import CACHE_AXES, KVCache
@@ -175,7 +175,8 @@ def _target(model, rule, draft_params, rows: Rows, tokens, positions, method: st
 
 
 class Passes:
-    """The loop's two passes for one model, drafter rule and sampling (inside the traced program)."""
+    """The loop's two passes for one model, drafter rule and sampling (inside the traced program): a
+    `Sampling` for the whole batch (`generate`), or a `RowSampling`, each row its own (a server's slots)."""
 
     def __init__(self, model, rule, draft_params, sampling: Sampling, vocab: int, width: int, row_keys, stop_ids,
                  tables):
@@ -234,12 +235,14 @@ class Passes:
         positions = rows.position[:, None] + slots
         logits, cache, draft_state = _target(self.model, self.rule, self.draft_params, rows, tokens, positions,
                                              "extend")
-        accept = functools.partial(accept_pass, sampling=self.sampling, vocab=self.vocab)
         keys = jax.vmap(jax.random.fold_in, (0, None))(base, 2)
-        if q is None:
-            accepted, nxt = jax.vmap(lambda x, d, k, n: accept(x, d, None, k, n))(logits, draft, keys, drafted)
-        else:
-            accepted, nxt = jax.vmap(accept)(logits, draft, q, keys, drafted)
+        per_row = isinstance(self.sampling, RowSampling)  # each row's own numbers, mapped with its row
+
+        def accept(x, d, q_row, k, n, row_sampling):
+            return accept_pass(x, d, q_row, k, n, row_sampling if per_row else self.sampling, self.vocab)
+
+        accepted, nxt = jax.vmap(accept, in_axes=(0, 0, None if q is None else 0, 0, 0, 0 if per_row else None))(
+            logits, draft, q, keys, drafted, self.sampling if per_row else None)
         # A row with nothing to verify takes the target's token at its last committed one: the engine's step.
         verified = drafting | spelling
         plain = sample(logits[:, 0], base, self.sampling, self.vocab)

@@ -80,7 +80,10 @@ def _nucleus(logits, top_p):
 def sample(logits, keys, sampling: Sampling, vocab: int):
     """int32 [B]: the next token of each row from logits [B, V] and one PRNG key per row [B].
 
-    Greedy is `argmax`, whose ties go to the first index (the uncached decoder's rule)."""
+    Greedy is `argmax`, whose ties go to the first index (the uncached decoder's rule). A `RowSampling`:
+    each row its own (`sample_rows`)."""
+    if isinstance(sampling, RowSampling):
+        return sample_rows(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.kind, vocab)
     logits = mask_vocab(logits, vocab)
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -129,13 +132,45 @@ def sample_rows(logits, keys, temperature, top_k, top_p, kind: SamplingKind, voc
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not kind.sampled:
         return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1)[:, None]
+    scaled = filter_rows(logits, temperature, top_k, top_p, kind)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+def filter_rows(logits, temperature, top_k, top_p, kind: SamplingKind):
+    """`filter_logits` with the numbers per row: logits f32 [..., V], temperature, top_k and top_p of shape
+    [...] (a greedy row, temperature 0, is divided by 1: its filtered logits are not used)."""
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1)[..., None]
     if kind.top_k:
         order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties towards the lower id, as lax.top_k
-        within = jnp.arange(scaled.shape[-1]) < jnp.where(top_k > 0, top_k, scaled.shape[-1])[:, None]
+        within = jnp.arange(scaled.shape[-1]) < jnp.where(top_k > 0, top_k, scaled.shape[-1])[..., None]
         keep = jnp.put_along_axis(jnp.zeros(scaled.shape, bool), order, within, axis=-1, inplace=False)
         scaled = jnp.where(keep, scaled, -jnp.inf)
     if kind.top_p:
-        scaled = jnp.where((top_p < 1)[:, None], _nucleus(scaled, top_p[:, None]), scaled)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+        scaled = jnp.where((top_p < 1)[..., None], _nucleus(scaled, top_p[..., None]), scaled)
+    return scaled
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's own sampling inside a compiled program (`decoding.loop.Passes`, where a `Sampling` is the
+    whole batch's): the numbers are arrays of the program (`sampling_rows`), `kind` is static. Its leaves
+    are per row ([B]), or scalars for one row under `vmap` (`verification.accept_pass`)."""
+
+    kind: SamplingKind
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @property
+    def greedy(self) -> bool:
+        """No row samples (statically): the program is argmax only."""
+        return not self.kind.sampled
+
+    def tree_flatten(self):
+        return (self.temperature, self.top_k, self.top_p), self.kind
+
+    @classmethod
+    def tree_unflatten(cls, kind, leaves):
+        return cls(kind, *leaves)

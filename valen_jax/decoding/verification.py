@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from valen_jax.decoding.sampling import Sampling, filter_logits, mask_vocab
+from valen_jax.decoding.sampling import RowSampling, Sampling, filter_logits, filter_rows, mask_vocab
 
 
 def first_argmax(logits):
@@ -26,9 +26,15 @@ def first_argmax(logits):
     return first.astype(jnp.int32)
 
 
-def target_probs(logits, sampling: Sampling, vocab: int):
-    """The target's sampling distribution p [.., V]: what `sample` draws from."""
-    return jax.nn.softmax(filter_logits(mask_vocab(logits, vocab), sampling), axis=-1)
+def target_probs(logits, sampling: Sampling | RowSampling, vocab: int):
+    """The target's sampling distribution p [.., V]: what `sample` draws from (a `RowSampling`'s numbers
+    broadcast against logits [..., V] without its last axis)."""
+    logits = mask_vocab(logits, vocab)
+    if isinstance(sampling, RowSampling):
+        return jax.nn.softmax(filter_rows(logits, *(jnp.broadcast_to(x, logits.shape[:-1]) for x in
+                                                    (sampling.temperature, sampling.top_k, sampling.top_p)),
+                                          sampling.kind), axis=-1)
+    return jax.nn.softmax(filter_logits(logits, sampling), axis=-1)
 
 
 def verify_sampled(p, draft, q, key, drafted=None):
@@ -52,18 +58,24 @@ def verify_sampled(p, draft, q, key, drafted=None):
     return accepted, jax.random.categorical(next_key, jnp.log(residual)).astype(jnp.int32)
 
 
-def accept_pass(logits, draft, q, key, drafted, sampling: Sampling, vocab: int):
+def accept_pass(logits, draft, q, key, drafted, sampling: Sampling | RowSampling, vocab: int):
     """One verify pass of one row: logits f32 [W, V] at [last, x_1 .. x_{W-1}]; draft int [W - 1], of
     which the first `drafted` (traced) are real; q [W - 1, V] the drafter's distributions, or None for a
-    deterministic drafter (q is then the point mass on its tokens) → (accepted n <= drafted, next token)."""
+    deterministic drafter (q is then the point mass on its tokens) → (accepted n <= drafted, next token).
+    A `RowSampling` here is this row's (scalar numbers, under the caller's vmap): a row of temperature 0
+    takes the greedy rule, the others rejection sampling, as their own `Sampling` would."""
     slots = jnp.arange(draft.shape[0])
+    target = first_argmax(mask_vocab(logits, vocab))
+    greedy = jnp.sum(jnp.cumprod((draft == target[:-1]) & (slots < drafted))).astype(jnp.int32)
     if sampling.greedy:
-        target = first_argmax(mask_vocab(logits, vocab))
-        accepted = jnp.sum(jnp.cumprod((draft == target[:-1]) & (slots < drafted))).astype(jnp.int32)
-        return accepted, target[accepted]
+        return greedy, target[greedy]
     if q is None:
         q = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
     # Rows past the real draft are 0: after `drafted` acceptances the residual is p itself (the bonus).
     q = jnp.where((slots < drafted)[:, None], q.astype(jnp.float32), 0.0)
-    return verify_sampled(target_probs(logits, sampling, vocab), draft, q, key, drafted)
+    accepted, nxt = verify_sampled(target_probs(logits, sampling, vocab), draft, q, key, drafted)
+    if isinstance(sampling, RowSampling):
+        sampled = sampling.temperature > 0
+        return jnp.where(sampled, accepted, greedy), jnp.where(sampled, nxt, target[greedy])
+    return accepted, nxt
 

@@ -36,7 +36,7 @@ from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding import announcements, loop
-from valen_jax.decoding.sampling import Sampling
+from valen_jax.decoding.sampling import RowSampling, SamplingKind
 from valen_jax.decoding.speculative import open_host_span
 from valen_jax.serving.slots import Request, SlotEngine
 
@@ -67,14 +67,15 @@ def _prefill_program(graphdef, rule, cache_length: int):
 
 
 @functools.cache
-def _sync_program(graphdef, rule, vocab: int, sampling: Sampling, width: int, passes: int, rows: int, length: int):
+def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, passes: int, rows: int, length: int):
     """`passes` loop passes of slots [0, rows) over cache positions [0, length) (the rest untouched) →
     (the tokens each slot committed [rows, passes·(width + 1)], from its count on; counts; held; Spans; Stats;
-    both caches)."""
+    both caches). Each slot samples with its own numbers (`temperature`, `top_k`, `top_p`: a `RowSampling`
+    of `kind`, which covers every live slot), so a new number compiles nothing."""
     window = passes * (width + 1)
 
     def sync(params, draft_params, cache, draft, last, cursor, offsets, seeds, choices, counts, live, budgets,
-             spans, stats, stop_ids, tables):
+             spans, stats, stop_ids, tables, temperature, top_k, top_p):
         model = nnx.merge(graphdef, params)
         whole, whole_draft = cache, draft
         cut = functools.partial(jax.tree.map, lambda x: x[:, :rows, :, :length])
@@ -85,6 +86,7 @@ def _sync_program(graphdef, rule, vocab: int, sampling: Sampling, width: int, pa
         out = jnp.zeros((rows, whole.keys.shape[3] + window), jnp.int32)
         state = loop.Rows(cut(whole), cut(whole_draft), last, cursor, cursor + offsets, counts, budgets, ~live,
                           jnp.zeros(rows, bool), out, spans, stats)
+        sampling = RowSampling(kind, temperature[:rows], top_k[:rows], top_p[:rows])
         state = loop.Passes(model, rule, draft_params, sampling, vocab, width, loop.slot_keys(seeds, choices),
                             stop_ids, tables).repeat(state, passes)
         tokens = jax.vmap(lambda o, c: jax.lax.dynamic_slice(o, (c,), (window,)))(state.out, counts)
@@ -132,7 +134,7 @@ class SpeculativeSlotEngine(SlotEngine):
                 self._tables)
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                self._sync(Sampling(), rows, length, [])
+                self._sync(SamplingKind(), rows, length, [])
         self.warm_seconds = time.perf_counter() - started
 
     def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
@@ -162,13 +164,14 @@ class SpeculativeSlotEngine(SlotEngine):
         spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh")}
         open_host_span(self.calls, ids, spans, request.slot)
 
-    def _sync(self, sampling: Sampling, rows: int, length: int, mine: list[Request]):
+    def _sync(self, kind: SamplingKind, rows: int, length: int, mine: list[Request]):
         a = self._slot_arrays(mine)
-        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, sampling, self.width,
+        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, kind, self.width,
                                 self.steps_per_sync, rows, length)
         tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
             self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"], a["seeds"],
-            a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables)
+            a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables,
+            a["temperature"], a["top_k"], a["top_p"])
         tokens, new_counts, held = np.asarray(tokens), np.asarray(new_counts), np.asarray(held)
         for mine_field, new in zip((*self._spans, *self._stats), (*spans, *stats), strict=True):
             mine_field[:rows] = np.asarray(new)
@@ -178,21 +181,19 @@ class SpeculativeSlotEngine(SlotEngine):
         live = [r for r in self._live if r is not None]
         # Each pass writes width + 1 positions from a slot's cursor on.
         rows, length = self._decode_shape(live, self.steps_per_sync * (self.width + 1) + 1)
-        for sampling in {r.sampling for r in live}:
-            mine = [r for r in live if r.sampling == sampling]
-            started = time.perf_counter()
-            tokens, counts, held = self._sync(sampling, rows, length, mine)
-            self._decode_seconds.append(time.perf_counter() - started)
-            self.steps += self.steps_per_sync
-            for r in mine:
-                had = len(r.tokens)
-                self._note_stats(r)  # before the commits: the last one may end the answer, read by the route
-                self._commit_sync(r, tokens[r.slot, :counts[r.slot] - had])
-                if had == 0 and r.tokens:
-                    r.times["first_token"] = time.perf_counter()
-                    self._record(r)
-                if r.finish_reason is None and held[r.slot]:
-                    self._read_call(r, list(r.ids) + r.tokens)
+        started = time.perf_counter()
+        tokens, counts, held = self._sync(SamplingKind.of(r.sampling for r in live), rows, length, live)
+        self._decode_seconds.append(time.perf_counter() - started)
+        self.steps += self.steps_per_sync
+        for r in live:
+            had = len(r.tokens)
+            self._note_stats(r)  # before the commits: the last one may end the answer, read by the route
+            self._commit_sync(r, tokens[r.slot, :counts[r.slot] - had])
+            if had == 0 and r.tokens:
+                r.times["first_token"] = time.perf_counter()
+                self._record(r)
+            if r.finish_reason is None and held[r.slot]:
+                self._read_call(r, list(r.ids) + r.tokens)
 
     def _note_stats(self, request: Request) -> None:
         s, slot = self._stats, request.slot
