@@ -5,7 +5,8 @@ The slot engine of `serving.slots` whose sync runs `steps_per_sync` passes of th
 pass is a decode step while no live slot is inside an announced block or a call's fixed text, else one
 draft → verify pass for every slot (a slot outside both takes the target's token at slot 0 as a plain step). So a
 greedy answer is the target's own (as `SpeculativeDecoder`, tests/test_serve_speculative.py compares
-it with `generate`), and a sampled one is rejection-sampled: its distribution is the target's.
+it with `generate`), and a sampled one is rejection-sampled: its distribution is the target's. Each slot
+samples with its own numbers (`sampling.RowSampling`), so one sync serves every live slot.
 
 What each slot keeps across syncs, besides the target's cache row:
 - the drafter's context cache row (`[L_d, S, K, C, H]`, written by the prefill and every pass, donated
