@@ -33,3 +33,22 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join()
+
+
+def serve_together(engine, requests) -> None:
+    """`requests` (`serving.slots.Request`s; their `emit` is set here) admitted in one round of `engine`
+    (a `SlotEngine`), until all have ended (bounded by pytest-timeout)."""
+    done, pending = threading.Event(), [len(requests)]
+
+    def emit(token):
+        if token is None:
+            pending[0] -= 1
+            if not pending[0]:
+                done.set()
+
+    for request in requests:
+        request.emit = emit
+    with engine._wake:  # held while submitting: the engine admits them all in its next round
+        for request in requests:
+            engine.submit(request)
+    assert done.wait(timeout=300) and engine.failure is None

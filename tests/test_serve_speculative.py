@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from data_pipeline.primitives import AtomicCalls
-from tests.serve_server import Served
+from tests.serve_server import Served, serve_together
 from tests.smoke_workdirs import smoke_workdir
 from tests.test_serve import IMAGE, image_message
 from tests.train_runs import run_train
@@ -147,24 +147,6 @@ def test_streamed_openai_client_and_seeded_sampling(served):
                                          seed=7) for _ in range(2)]
     assert sampled[0].choices[0].text == sampled[1].choices[0].text
     assert sampled[0].usage.completion_tokens_details.accepted_prediction_tokens is not None
-
-
-def serve_together(engine, requests: list[Request]) -> None:
-    """`requests` admitted in one round of `engine`, until all have ended."""
-    done, pending = threading.Event(), [len(requests)]
-
-    def emit(token):
-        if token is None:
-            pending[0] -= 1
-            if not pending[0]:
-                done.set()
-
-    for request in requests:
-        request.emit = emit
-    with engine._wake:
-        for request in requests:
-            engine.submit(request)
-    assert done.wait(timeout=300) and engine.failure is None
 
 
 def test_slots_of_different_samplings_share_one_sync_and_draw_what_each_draws_alone(served):
