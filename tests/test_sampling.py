@@ -86,22 +86,22 @@ def test_rows_of_different_samplings_draw_what_each_draws_alone():
                  Sampling(temperature=0.9, top_p=0.8), Sampling(temperature=1.3, top_k=40, top_p=0.9),
                  Sampling(temperature=0.5, top_k=1000), Sampling(temperature=2.0, top_p=0.3)]
     logits = np.round(rng.standard_normal((len(samplings), 300)) * 3, 1).astype(np.float32)  # ties
-    by_rows = jax.jit(sample_rows, static_argnums=(5, 6))
+    by_rows = jax.jit(sample_rows, static_argnums=(3,))
     alone = jax.jit(sample, static_argnums=(2, 3))
     assert SamplingKind.of(samplings) == SamplingKind(sampled=True, top_k=True, top_p=True)
     # The whole mix under the kind with both filters, and each smaller mix under its own kind.
     for mix in (samplings, samplings[:2], samplings[:3] + samplings[5:6], samplings[:2] + samplings[3:4]):
-        kind, rows = SamplingKind.of(mix), sampling_rows(mix, len(mix))
+        rows = sampling_rows(mix, len(mix))
+        kind = rows.kind
+        assert kind == SamplingKind.of(mix)
         for draw in range(20):
             keys = jax.random.split(jax.random.key(draw), len(mix))
-            got = np.asarray(by_rows(logits[:len(mix)], keys, rows["temperature"], rows["top_k"], rows["top_p"],
-                                     kind, 290))
+            got = np.asarray(by_rows(logits[:len(mix)], keys, rows, 290))
             want = [int(alone(logits[i:i + 1], keys[i:i + 1], s, 290)[0]) for i, s in enumerate(mix)]
             assert got.tolist() == want, (kind, draw)
     greedy = sampling_rows([None, Sampling()], 3)  # None and padding rows are greedy
-    assert SamplingKind.of([Sampling()]) == SamplingKind()
-    assert np.asarray(sample_rows(logits[:3], None, greedy["temperature"], greedy["top_k"], greedy["top_p"],
-                                  SamplingKind(), 290)).tolist() == logits[:3, :290].argmax(-1).tolist()
+    assert greedy.kind == SamplingKind.of([Sampling()]) == SamplingKind()
+    assert np.asarray(sample_rows(logits[:3], None, greedy, 290)).tolist() == logits[:3, :290].argmax(-1).tolist()
 
 
 def test_padding_ids_are_never_sampled_or_chosen():

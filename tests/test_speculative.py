@@ -286,8 +286,8 @@ def test_a_pass_with_each_row_s_own_sampling_accepts_as_each_alone():
     width, logits_width, vocab = 5, 64, 60
     samplings = [Sampling(), Sampling(temperature=0.7), Sampling(temperature=1.0, top_k=5),
                  Sampling(temperature=0.9, top_p=0.8), Sampling(temperature=1.3, top_k=10, top_p=0.9)]
-    rows = sampling_rows(samplings, len(samplings))
-    per_row = RowSampling(SamplingKind.of(samplings), *(jnp.asarray(rows[k]) for k in ("temperature", "top_k", "top_p")))
+    per_row = sampling_rows(samplings, len(samplings))
+    assert isinstance(per_row, RowSampling) and per_row.kind == SamplingKind.of(samplings)
     mixed = jax.jit(jax.vmap(lambda x, d, q, k, n, s: accept_pass(x, d, q, k, n, s, vocab)))
     alone = jax.jit(accept_pass, static_argnums=(5, 6))
     accepted_any = 0

@@ -67,7 +67,7 @@ def filter_logits(logits, sampling: Sampling):
 
 def _nucleus(logits, top_p):
     """logits [..., V] with what top-p drops at -inf (`filter_logits`); `top_p` a number, or an array
-    broadcasting against [..., 1] (`sample_rows`): the same operations either way, so the same tokens."""
+    broadcasting against [..., 1] (`filter_rows`): the same operations either way, so the same tokens."""
     order = jnp.argsort(-logits, axis=-1, stable=True)
     ranked = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(ranked, axis=-1)
@@ -83,7 +83,7 @@ def sample(logits, keys, sampling: Sampling, vocab: int):
     Greedy is `argmax`, whose ties go to the first index (the uncached decoder's rule). A `RowSampling`:
     each row its own (`sample_rows`)."""
     if isinstance(sampling, RowSampling):
-        return sample_rows(logits, keys, sampling.temperature, sampling.top_k, sampling.top_p, sampling.kind, vocab)
+        return sample_rows(logits, keys, sampling, vocab)
     logits = mask_vocab(logits, vocab)
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -93,7 +93,7 @@ def sample(logits, keys, sampling: Sampling, vocab: int):
 
 @dataclass(frozen=True)
 class SamplingKind:
-    """What a program choosing tokens for rows of different `Sampling`s must contain (`sample_rows`): the
+    """What a program choosing tokens for rows of different `Sampling`s must contain (`RowSampling`): the
     numbers are per-row arrays, so a server compiles one program per kind (at most 5: greedy, or sampled
     with or without each filter), not one per distinct temperature, top-k or top-p a client sends (each a
     compile that stalls every slot, and a program kept for the server's life), and serves rows of
@@ -111,42 +111,39 @@ class SamplingKind:
                    top_p=any(s.top_p < 1 for s in samplings))
 
 
-def sampling_rows(samplings, size: int) -> dict:
-    """Host arrays [size] of each row's temperature, top-k and top-p (`sample_rows`); rows past
-    `samplings` (or None in it) are greedy."""
-    rows = {"temperature": np.zeros(size, np.float32), "top_k": np.zeros(size, np.int32),
-            "top_p": np.ones(size, np.float32)}
+def sampling_rows(samplings, size: int) -> RowSampling:
+    """Each row's numbers as host arrays [size] (temperature f32, 0 for greedy; top_k int32, 0 for off; top_p
+    f32, 1 for off) and the kind that covers them; rows past `samplings` (or None in it) are greedy."""
+    temperature, top_k, top_p = np.zeros(size, np.float32), np.zeros(size, np.int32), np.ones(size, np.float32)
     for row, sampling in enumerate(samplings):
         if sampling is not None:
-            rows["temperature"][row], rows["top_k"][row] = sampling.temperature, sampling.top_k
-            rows["top_p"][row] = sampling.top_p
-    return rows
+            temperature[row], top_k[row], top_p[row] = sampling.temperature, sampling.top_k, sampling.top_p
+    return RowSampling(SamplingKind.of(s for s in samplings if s is not None), temperature, top_k, top_p)
 
 
-def sample_rows(logits, keys, temperature, top_k, top_p, kind: SamplingKind, vocab: int):
-    """int32 [B]: each row's next token as `sample` chooses it for that row's own `Sampling`
-    (temperature [B] f32, 0 for greedy; top_k [B] int32, 0 for off; top_p [B] f32, 1 for off) with its own
+def sample_rows(logits, keys, rows: RowSampling, vocab: int):
+    """int32 [B]: each row's next token as `sample` chooses it for that row's own `Sampling`, with its own
     key: the same operations on the same values (a row without a filter skips it, as `filter_logits`
-    does), so a seeded row draws what `generate` draws. `kind` must cover every row (`SamplingKind.of`)."""
+    does), so a seeded row draws what `generate` draws."""
     logits = mask_vocab(logits, vocab)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not kind.sampled:
+    if not rows.kind.sampled:
         return greedy
-    scaled = filter_rows(logits, temperature, top_k, top_p, kind)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    drawn = jax.vmap(jax.random.categorical)(keys, filter_rows(logits, rows)).astype(jnp.int32)
+    return jnp.where(rows.temperature > 0, drawn, greedy)
 
 
-def filter_rows(logits, temperature, top_k, top_p, kind: SamplingKind):
-    """`filter_logits` with the numbers per row: logits f32 [..., V], temperature, top_k and top_p of shape
-    [...] (a greedy row, temperature 0, is divided by 1: its filtered logits are not used)."""
+def filter_rows(logits, rows: RowSampling):
+    """`filter_logits` with the numbers per row: logits f32 [..., V], `rows`' numbers of shape [...] (a
+    greedy row, temperature 0, is divided by 1: its filtered logits are not used)."""
+    temperature, top_k, top_p = rows.temperature, rows.top_k, rows.top_p
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1)[..., None]
-    if kind.top_k:
+    if rows.kind.top_k:
         order = jnp.argsort(-scaled, axis=-1, stable=True)  # ties towards the lower id, as lax.top_k
         within = jnp.arange(scaled.shape[-1]) < jnp.where(top_k > 0, top_k, scaled.shape[-1])[..., None]
         keep = jnp.put_along_axis(jnp.zeros(scaled.shape, bool), order, within, axis=-1, inplace=False)
         scaled = jnp.where(keep, scaled, -jnp.inf)
-    if kind.top_p:
+    if rows.kind.top_p:
         scaled = jnp.where((top_p < 1)[..., None], _nucleus(scaled, top_p[..., None]), scaled)
     return scaled
 
@@ -154,8 +151,9 @@ def filter_rows(logits, temperature, top_k, top_p, kind: SamplingKind):
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True)
 class RowSampling:
-    """Each row's own sampling inside a compiled program (`decoding.loop.Passes`, where a `Sampling` is the
-    whole batch's): the numbers are arrays of the program (`sampling_rows`), `kind` is static. Its leaves
+    """Each row's own sampling (`sampling_rows` builds it on the host), passed to a compiled program whole:
+    the numbers are its arrays, `kind` is static (in the pytree's structure), so new numbers compile
+    nothing (`decoding.loop.Passes`, where a `Sampling` is the whole batch's; `sample_rows`). Its leaves
     are per row ([B]), or scalars for one row under `vmap` (`verification.accept_pass`)."""
 
     kind: SamplingKind

@@ -31,9 +31,8 @@ def target_probs(logits, sampling: Sampling | RowSampling, vocab: int):
     broadcast against logits [..., V] without its last axis)."""
     logits = mask_vocab(logits, vocab)
     if isinstance(sampling, RowSampling):
-        return jax.nn.softmax(filter_rows(logits, *(jnp.broadcast_to(x, logits.shape[:-1]) for x in
-                                                    (sampling.temperature, sampling.top_k, sampling.top_p)),
-                                          sampling.kind), axis=-1)
+        rows = jax.tree.map(lambda x: jnp.broadcast_to(x, logits.shape[:-1]), sampling)
+        return jax.nn.softmax(filter_rows(logits, rows), axis=-1)
     return jax.nn.softmax(filter_logits(logits, sampling), axis=-1)
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from valen_jax.decoding import loop
-from valen_jax.decoding.sampling import SamplingKind, sample_rows
+from valen_jax.decoding.sampling import RowSampling, SamplingKind, sample_rows
 from valen_jax.models.kv_cache import KVCache
 
 
@@ -60,23 +60,21 @@ def cache_programs(graphdef, vocab: int, cache_length: int):
 def decoder(graphdef, vocab: int, kind: SamplingKind, steps: int, rows: int, length: int):
     """`steps` decode steps of slots [0, rows) over cache positions [0, length) in one program (the
     other slots and positions untouched): the rows not `live` (free or finished) keep their token and
-    cursor, and rewrite the same keys/values at their cursor. `kind` covers every live slot's sampling,
-    whose numbers are the arrays `temperature`, `top_k`, `top_p` (`sampling.sampling_rows`)."""
-    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids, temperature,
-               top_k, top_p):
+    cursor, and rewrite the same keys/values at their cursor. `sampling`: every slot's (`sampling.sampling_rows`),
+    of `kind`."""
+    def decode(params, cache, last, cursor, offsets, seeds, choices, counts, live, budgets, stop_ids,
+               sampling: RowSampling):
         model = nnx.merge(graphdef, params)
         full = cache
         cache = KVCache(full.keys[:, :rows, :, :length], full.values[:, :rows, :, :length])
-        last, cursor, offsets, seeds, choices, counts, live, budgets, temperature, top_k, top_p = (
-            x[:rows] for x in (last, cursor, offsets, seeds, choices, counts, live, budgets, temperature, top_k,
-                               top_p))
+        last, cursor, offsets, seeds, choices, counts, live, budgets, sampling = jax.tree.map(
+            lambda x: x[:rows], (last, cursor, offsets, seeds, choices, counts, live, budgets, sampling))
 
         def step(carry, _):
             cache, last, cursor, counts, live = carry
             # A generated token's position is its slot plus the prompt's offset (0 but for M-RoPE media).
             logits, cache = model.decode_step(last, cursor + offsets, cache, cursor)
-            token = sample_rows(logits, jax.vmap(loop.token_key)(seeds, choices, counts), temperature, top_k, top_p,
-                                kind, vocab)
+            token = sample_rows(logits, jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
             token = jnp.where(live, token, last)
             moved = live.astype(jnp.int32)
             counts = counts + moved
@@ -93,8 +91,7 @@ def decoder(graphdef, vocab: int, kind: SamplingKind, steps: int, rows: int, len
 
 @functools.cache
 def chooser(kind: SamplingKind, vocab: int):
-    def choose(logits, rows, seeds, choices, counts, temperature, top_k, top_p):
-        """One token per entry from logits row `rows[i]` with entry i's own key and sampling."""
-        return sample_rows(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), temperature, top_k,
-                           top_p, kind, vocab)
+    def choose(logits, rows, seeds, choices, counts, sampling: RowSampling):
+        """One token per entry from logits row `rows[i]` with entry i's own key and sampling (of `kind`)."""
+        return sample_rows(logits[rows], jax.vmap(loop.token_key)(seeds, choices, counts), sampling, vocab)
     return jax.jit(choose)

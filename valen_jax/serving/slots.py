@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.decoding.engine import batch_arrays, bucket
-from valen_jax.decoding.sampling import Sampling, SamplingKind, sampling_rows
+from valen_jax.decoding.sampling import Sampling, sampling_rows
 from valen_jax.serving import slot_programs
 
 log = logging.getLogger(__name__)
@@ -154,17 +154,17 @@ class SlotEngine:
             logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
                                                 np.full(rows, self.slots, np.int32), None)
             greedy = sampling_rows((), rows)
-            slot_programs.chooser(SamplingKind(), self.vocab)(
+            slot_programs.chooser(greedy.kind, self.vocab)(
                 logits, np.arange(rows), np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
-                greedy["temperature"], greedy["top_k"], greedy["top_p"])
+                greedy)
         zeros, greedy = np.zeros(self.slots, np.int32), sampling_rows((), self.slots)
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                decode = slot_programs.decoder(self.graphdef, self.vocab, SamplingKind(), self.steps_per_sync, rows,
+                decode = slot_programs.decoder(self.graphdef, self.vocab, greedy.kind, self.steps_per_sync, rows,
                                                length)
                 tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros, zeros.astype(np.uint32),
                                              zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
-                                             self._stops, greedy["temperature"], greedy["top_k"], greedy["top_p"])
+                                             self._stops, greedy)
         np.asarray(tokens)
         self.warm_seconds = time.perf_counter() - started
 
@@ -366,7 +366,7 @@ class SlotEngine:
         """Per slot, the host arrays a decode call reads, filled for `requests` (zeros elsewhere): the last
         committed token (the prompt's last before the first output), which is not in the cache yet and goes to
         the slot after the prompt and the others (`cursor`), position offsets, output counts, budgets, seeds,
-        choice indices, `live` (these requests), and their samplings' numbers (`sampling_rows`)."""
+        choice indices, `live` (these requests), and `sampling`, theirs (`sampling_rows`, of the kind covering them)."""
         a = {k: np.zeros(self.slots, np.int32) for k in ("last", "cursor", "offsets", "counts", "budgets")}
         a.update(seeds=np.zeros(self.slots, np.uint32), choices=np.zeros(self.slots, np.uint32),
                  live=np.zeros(self.slots, bool))
@@ -378,7 +378,7 @@ class SlotEngine:
         slot_samplings: list[Sampling | None] = [None] * self.slots
         for r in requests:
             slot_samplings[r.slot] = r.sampling
-        a.update(sampling_rows(slot_samplings, self.slots))
+        a["sampling"] = sampling_rows(slot_samplings, self.slots)
         return a
 
     def _decode_shape(self, live: list[Request], ahead: int) -> tuple[int, int]:
@@ -397,16 +397,15 @@ class SlotEngine:
 
     def _step(self) -> None:
         """`steps_per_sync` tokens of every live slot in one program, each slot with its own sampling (the
-        program of the kind that covers them all: `SamplingKind.of`)."""
+        program of the kind that covers them all: `sampling_rows`)."""
         live = [r for r in self._live if r is not None]
         a = self._slot_arrays(live)
         rows, length = self._decode_shape(live, self.steps_per_sync)
-        kind = SamplingKind.of(r.sampling for r in live)
-        decode = slot_programs.decoder(self.graphdef, self.vocab, kind, self.steps_per_sync, rows, length)
+        decode = slot_programs.decoder(self.graphdef, self.vocab, a["sampling"].kind, self.steps_per_sync, rows,
+                                       length)
         started = time.perf_counter()
         tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
-                                     a["choices"], a["counts"], a["live"], a["budgets"], self._stops, a["temperature"],
-                                     a["top_k"], a["top_p"])
+                                     a["choices"], a["counts"], a["live"], a["budgets"], self._stops, a["sampling"])
         tokens = np.asarray(tokens)
         self._decode_seconds.append(time.perf_counter() - started)
         self.steps += self.steps_per_sync
@@ -423,9 +422,8 @@ class SlotEngine:
         index = np.zeros(size, np.int32)
         for i, r in enumerate(requests):
             seeds[i], choices[i], counts[i], index[i] = r.seed, r.choice, len(r.tokens), rows_of[i]
-        rows = sampling_rows([r.sampling for r in requests], size)
-        choose = slot_programs.chooser(SamplingKind.of(r.sampling for r in requests), self.vocab)
-        chosen = choose(logits, index, seeds, choices, counts, rows["temperature"], rows["top_k"], rows["top_p"])
+        sampling = sampling_rows([r.sampling for r in requests], size)
+        chosen = slot_programs.chooser(sampling.kind, self.vocab)(logits, index, seeds, choices, counts, sampling)
         return np.asarray(chosen)[:len(requests)]
 
     def _commit_sync(self, request: Request, tokens) -> None:

@@ -71,23 +71,22 @@ def _prefill_program(graphdef, rule, cache_length: int):
 def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, passes: int, rows: int, length: int):
     """`passes` loop passes of slots [0, rows) over cache positions [0, length) (the rest untouched) →
     (the tokens each slot committed [rows, passes·(width + 1)], from its count on; counts; held; Spans; Stats;
-    both caches). Each slot samples with its own numbers (`temperature`, `top_k`, `top_p`: a `RowSampling`
-    of `kind`, which covers every live slot), so a new number compiles nothing."""
+    both caches). Each slot samples with its own numbers (`sampling`, of `kind`: `sampling.sampling_rows`), so
+    a new number compiles nothing."""
     window = passes * (width + 1)
 
     def sync(params, draft_params, cache, draft, last, cursor, offsets, seeds, choices, counts, live, budgets,
-             spans, stats, stop_ids, tables, temperature, top_k, top_p):
+             spans, stats, stop_ids, tables, sampling: RowSampling):
         model = nnx.merge(graphdef, params)
         whole, whole_draft = cache, draft
         cut = functools.partial(jax.tree.map, lambda x: x[:, :rows, :, :length])
         first = functools.partial(jax.tree.map, lambda x: x[:rows])
-        last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats = first(
-            (last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats))
+        last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats, sampling = first(
+            (last, cursor, offsets, seeds, choices, counts, live, budgets, spans, stats, sampling))
         # `_commit` writes a slot's tokens at its output index: room for the budget and one sync beyond it.
         out = jnp.zeros((rows, whole.keys.shape[3] + window), jnp.int32)
         state = loop.Rows(cut(whole), cut(whole_draft), last, cursor, cursor + offsets, counts, budgets, ~live,
                           jnp.zeros(rows, bool), out, spans, stats)
-        sampling = RowSampling(kind, temperature[:rows], top_k[:rows], top_p[:rows])
         state = loop.Passes(model, rule, draft_params, sampling, vocab, width, loop.slot_keys(seeds, choices),
                             stop_ids, tables).repeat(state, passes)
         tokens = jax.vmap(lambda o, c: jax.lax.dynamic_slice(o, (c,), (window,)))(state.out, counts)
@@ -135,7 +134,7 @@ class SpeculativeSlotEngine(SlotEngine):
                 self._tables)
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                self._sync(SamplingKind(), rows, length, [])
+                self._sync(rows, length, [])
         self.warm_seconds = time.perf_counter() - started
 
     def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
@@ -165,14 +164,14 @@ class SpeculativeSlotEngine(SlotEngine):
         spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh")}
         open_host_span(self.calls, ids, spans, request.slot)
 
-    def _sync(self, kind: SamplingKind, rows: int, length: int, mine: list[Request]):
+    def _sync(self, rows: int, length: int, mine: list[Request]):
         a = self._slot_arrays(mine)
-        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, kind, self.width,
+        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, a["sampling"].kind, self.width,
                                 self.steps_per_sync, rows, length)
         tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
             self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"], a["seeds"],
             a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables,
-            a["temperature"], a["top_k"], a["top_p"])
+            a["sampling"])
         tokens, new_counts, held = np.asarray(tokens), np.asarray(new_counts), np.asarray(held)
         for mine_field, new in zip((*self._spans, *self._stats), (*spans, *stats), strict=True):
             mine_field[:rows] = np.asarray(new)
@@ -183,7 +182,7 @@ class SpeculativeSlotEngine(SlotEngine):
         # Each pass writes width + 1 positions from a slot's cursor on.
         rows, length = self._decode_shape(live, self.steps_per_sync * (self.width + 1) + 1)
         started = time.perf_counter()
-        tokens, counts, held = self._sync(SamplingKind.of(r.sampling for r in live), rows, length, live)
+        tokens, counts, held = self._sync(rows, length, live)
         self._decode_seconds.append(time.perf_counter() - started)
         self.steps += self.steps_per_sync
         for r in live:
