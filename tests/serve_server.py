@@ -48,7 +48,5 @@ def serve_together(engine, requests) -> None:
 
     for request in requests:
         request.emit = emit
-    with engine._wake:  # held while submitting: the engine admits them all in its next round
-        for request in requests:
-            engine.submit(request)
+    engine.submit(*requests)  # queued together: admitted in one round where slots allow
     assert done.wait(timeout=300) and engine.failure is None

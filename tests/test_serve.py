@@ -272,6 +272,30 @@ def test_full_queue_answers_429_with_retry_after(served):
 
 
 @pytest.mark.slow
+def test_a_request_s_choices_are_queued_all_or_none(served):
+    """`n` choices that do not all fit the queue are refused together (429), none left waiting; with room
+    for all, they are answered."""
+    from valen_jax.serving.slots import QueueFull, Request
+
+    engine = served.service.engine
+    wait_idle(served)
+    bound, engine.max_queue = engine.max_queue, 2
+    try:
+        ids = np.asarray(served.service.tokenizer.encode("hi", add_special_tokens=False), np.int32)
+        choices = [Request(ids, 4, Sampling(temperature=1.0), 0, k, lambda token: None) for k in range(3)]
+        with pytest.raises(QueueFull, match="--max-queue"):
+            engine.submit(*choices)
+        assert engine.busy() == 0 and not any(r.times for r in choices)
+        response = httpx.post(served.url + "/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "hi", "n": 3, "max_tokens": 4, "temperature": 1.0})
+        assert response.status_code == 429
+        response = httpx.post(served.url + "/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "hi", "n": 2, "max_tokens": 4, "temperature": 1.0})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 2
+    finally:
+        engine.max_queue = bound
+
+
 def test_decode_over_the_live_slots_and_cache_prefix_equals_offline(served):
     """16 slots, 3 requests (slots 0-2, so each decode runs 8 slot rows of 16) of which one has a prompt
     past 128 tokens (the cache prefix grows from 128 to 256 positions): token for token offline's."""

@@ -160,11 +160,8 @@ class Service:
             requests.append(Request(ids, budget, sampling, int(body.seed), choice, emit,
                                     positions=prompt.get("positions"), vision=prompt.get("vision")))
         try:
-            for request in requests:
-                self.engine.submit(request)
+            self.engine.submit(*requests)  # all choices or none
         except QueueFull as error:
-            for request in requests:
-                self.engine.cancel(request)
             status = 503 if self.engine._stopping else 429
             raise APIError(status, str(error), None, "overloaded", "server_error", {"Retry-After": "1"}) from None
         return requests, events

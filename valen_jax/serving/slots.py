@@ -179,19 +179,24 @@ class SlotEngine:
                 if rows == 1 or rows * size <= self.prefill_tokens]
 
     # -- the request side (any thread) --
-    def submit(self, request: Request) -> None:
-        if len(request.ids) + request.max_new > self.cache_length:
-            raise ValueError(f"{len(request.ids)} prompt tokens + {request.max_new} new tokens exceed the "
-                             f"model's context of {self.cache_length} tokens")
+    def submit(self, *requests: Request) -> None:
+        """Queue `requests` all or none (a request's `n` choices): they wait together, so the engine admits
+        them in one round when slots allow, where equal prompts share one prefill (`_start`)."""
+        for request in requests:
+            if len(request.ids) + request.max_new > self.cache_length:
+                raise ValueError(f"{len(request.ids)} prompt tokens + {request.max_new} new tokens exceed the "
+                                 f"model's context of {self.cache_length} tokens")
         with self._wake:
             if self.failure is not None:
                 raise QueueFull(f"the decode engine failed ({self.failure}); restart the server")
             if self._stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(requests) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (--max-queue)")
-            request.times["submitted"] = time.perf_counter()
-            self._waiting.append(request)
+            submitted = time.perf_counter()
+            for request in requests:
+                request.times["submitted"] = submitted
+                self._waiting.append(request)
             self._wake.notify()
 
     def cancel(self, request: Request) -> None:
