@@ -121,6 +121,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the repository's
 from data_pipeline.primitives import AtomicCalls  # noqa: E402
 from data_pipeline.tokenizer import end_of_turn_id  # noqa: E402
 from valen_jax.decoding.engine import generate_ids  # noqa: E402
+from valen_jax.decoding.loop import PATIENCE  # noqa: E402
 from valen_jax.decoding.speculative import BlockStats, CachedDrafter, SpeculativeDecoder  # noqa: E402
 from valen_jax.evaluation import prompts  # noqa: E402
 from valen_jax.evaluation import workdir as eval_workdir  # noqa: E402
@@ -369,6 +370,9 @@ def summary(label: str, results: list[Result], block: int) -> float:
     if stats.spelling_passes:
         print(f"  the call's fixed text (spelled drafts, outside blocks): {stats.spelling_passes} passes committed "
               f"{stats.spelling_committed} tokens")
+    if stats.stopped:
+        print(f"  drafting stopped in {stats.stopped} span(s) after {PATIENCE} passes in a row accepted nothing: "
+              f"{stats.undrafted} tokens by plain steps (in tau as passes of one token)")
     return stats.tau
 
 
@@ -479,7 +483,8 @@ def main(argv=None) -> int:
         acceptance = " ".join(f"{v:.2f}" for _, v in sorted(s.acceptance().items()))
         print(f"- {r.answer.where}: reference block {r.answer.reference_block}, generated blocks {r.sizes or 'none'}; "
               f"{len(r.spec)} tokens; identical {r.identical}")
-        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes); whole answer engine "
+        stopped = f", then {s.undrafted} plain (drafting stopped)" if s.stopped else ""
+        print(f"    tau {s.tau:.2f} ({s.committed} tokens / {s.passes} passes{stopped}); whole answer engine "
               f"{1e3 * r.engine_seconds:.1f} ms, spec {1e3 * r.spec_seconds:.1f} ms "
               f"({r.engine_seconds / r.spec_seconds:.2f}x); histogram {histogram}; acceptance {acceptance}")
         print(f"    text: {target.tokenizer.decode(r.spec, skip_special_tokens=False)!r}")

@@ -64,6 +64,7 @@ class _Row:
     cursor: int  # the slot of ids[-1], committed but not yet in the cache
     position: int  # its position
     passes: int = 0  # target passes so far (the random stream's counter)
+    misses: int = 0  # verify passes in a row, in this span, that accepted no draft token
 
     @property
     def output(self) -> list[int]:
@@ -88,6 +89,7 @@ class HostDecoder(SpeculativeDecoder):
         while len(row.output) < max_new_tokens and not self._stopped(row):
             if announced is not None and drafting:
                 start = len(row.output)
+                row.misses = 0  # a span starts drafting afresh (`loop.PATIENCE`)
                 overflow = block(announced.block_size, key)
                 # Seed 004: for dense motion `count` gives the number of trajectories, one block each.
                 blocks = announced.blocks(row.output[start:start + 1] == [self.calls.dense_id])
@@ -140,6 +142,11 @@ class HostDecoder(SpeculativeDecoder):
         _, _, verify = _passes(self.graphdef, row.cache.length)
         remaining = size
         while remaining > 0 and len(row.output) < max_new_tokens and not self._stopped(row):
+            if self.patience and row.misses >= self.patience:  # the drafter gave up: plain steps to the end
+                self.step(row, key)
+                self.stats.undrafted += 1
+                remaining -= 1
+                continue
             d = min(remaining, max_new_tokens - len(row.output))
             pass_key = jax.random.fold_in(key, row.passes)
             proposal = drafter.propose(np.asarray(row.ids, np.int32), d, jax.random.fold_in(pass_key, 1))
@@ -173,6 +180,8 @@ class HostDecoder(SpeculativeDecoder):
                 row.ids.append(int(token))
                 committed += 1
             self.stats.record(d, accepted, committed)
+            row.misses = 0 if accepted else row.misses + 1
+            self.stats.stopped += bool(self.patience) and row.misses == self.patience
             remaining -= accepted + 1
         return max(-remaining, 0)
 

@@ -84,7 +84,8 @@ def test_report_names_drafter_target_and_conventions(reports, runs):
     assert set(blocks["by_entry"]) == {"drive", "robot2d", "points"}
     for group in (blocks["overall"], *blocks["by_entry"].values()):
         assert set(group) == {"answers", "identical", "passes", "committed", "tau", "acceptance", "histogram",
-                              "spelling", "target_only_block_tokens", "answer_tokens", "ms_per_token", "speedup"}
+                              "spelling", "stopped", "target_only_block_tokens", "answer_tokens", "ms_per_token",
+                              "speedup"}
         assert list(group["acceptance"]) == [str(k) for k in range(1, 9)] and len(group["histogram"]) == 9
     assert [blocks["by_entry"][e]["answers"] for e in ("drive", "robot2d", "points")] == [2, 1, 1]
 
@@ -200,9 +201,11 @@ def test_block_stats_add_sums_every_count_spelling_included():
     first, second = BlockStats(), BlockStats()
     first.record(3, 2, 3)
     second.record(2, 1, 2)
-    second.add_counts(1, 5, [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0, 1], spelling_passes=2, spelling_committed=17)
+    second.add_counts(1, 5, [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0, 1], spelling_passes=2, spelling_committed=17,
+                      stopped=1, undrafted=4)
     first.add(second)
-    assert (first.passes, first.committed) == (3, 10)
+    assert (first.passes, first.committed, first.stopped, first.undrafted) == (3, 10, 1, 4)
+    assert first.tau == (10 + 4) / (3 + 4)  # a plain step after drafting stopped: a pass of one token
     assert first.drafted_at == {1: 3, 2: 3, 3: 2, 4: 1} and first.accepted_at == {1: 3, 2: 2, 3: 1, 4: 1}
     assert first.histogram == {2: 1, 1: 1, 4: 1}
     assert (first.spelling_passes, first.spelling_committed) == (2, 17)
@@ -228,3 +231,23 @@ def test_block_sums_carry_the_spelled_passes_apart_from_the_blocks():
     assert overall["passes"] == 2 and overall["tau"] == pytest.approx(5.0) and sum(overall["histogram"]) == 2
     assert summed[0]["by_entry"]["drive"]["spelling"] == {"passes": 3, "tokens": 26}
     assert BlockSums(4).report()["overall"]["spelling"] == {"passes": 0, "tokens": 0}
+
+
+def test_block_sums_count_the_plain_steps_of_a_stopped_span_in_tau():
+    """A span whose drafting stopped (`loop.PATIENCE` misses in a row) is reported, summed over processes,
+    and its plain steps are passes of one token in tau: giving up on a drafter never raises tau."""
+    parts = []
+    for stopped, undrafted in ((1, 6), (0, 0)):
+        blocks = BlockStats()
+        blocks.record(4, 0, 1)
+        blocks.record(4, 0, 1)
+        blocks.stopped, blocks.undrafted = stopped, undrafted
+        stats = BlockSums(4)
+        stats.add(blocks, identical=True, target_only_block_tokens=8, answer_tokens=40,
+                  target_only_seconds=0.02, speculative_seconds=0.01, entry="drive")
+        parts.append(stats)
+    hosts = FakeHosts(2)
+    overall = hosts.run(lambda i: eval_hosts.sum_stats(parts[i], hosts.gather).report())[0]["overall"]
+    assert overall["stopped"] == {"spans": 1, "undrafted_tokens": 6}
+    assert (overall["passes"], overall["committed"]) == (4, 4) and overall["histogram"] == [4, 0, 0, 0, 0]
+    assert overall["tau"] == pytest.approx(1.0)

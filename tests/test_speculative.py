@@ -19,7 +19,8 @@ from data_pipeline.primitives import AtomicCalls
 from data_pipeline.tokenizer import load_tokenizer
 from tests.speculative_host import HostDecoder, HostOracle, HostTrainedDrafter, Proposal
 from tests.train_runs import ROOT
-from valen_jax.decoding import Sampling, generate_ids
+from valen_jax.decoding import Sampling, announcements, generate_ids, loop
+from valen_jax.decoding.loop import PATIENCE
 from valen_jax.decoding.sampling import RowSampling, SamplingKind, sampling_rows
 from valen_jax.decoding.speculative import (
     CachedDrafter,
@@ -135,6 +136,80 @@ def test_a_partly_wrong_draft_is_cropped_and_drafted_again(tokenizer, target):
                                           9: 0.0, 10: 0.0, 11: 0.0, 12: 0.0}
 
 
+def wrong_script(reference, vocab):
+    """A script of the target's greedy output with every token shifted: each pass accepts nothing."""
+    return (np.asarray(reference, np.int32) + 1) % vocab
+
+
+@pytest.mark.parametrize("patience", [PATIENCE, 1, 0])
+def test_a_drafter_that_keeps_missing_stops_drafting_for_the_rest_of_its_span(tokenizer, target, patience):
+    """After `patience` verify passes in a row that accept nothing, the rest of the block is plain steps:
+    the output is still the target's, the passes are `patience` (not one per token), tau counts each plain
+    step as a pass of one token; patience 0 drafts on (one pass per token). The host loop's rule agrees."""
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 12, seed=5)
+    reference = target_only(graphdef, params, vocab, prompt)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, patience=patience)
+    assert decoder.generate(prompt, ScriptedDrafter(wrong_script(reference, vocab)), max_new_tokens=NEW) == reference
+    s = decoder.stats
+    passes = patience or 12
+    assert (s.passes, s.committed, s.histogram, s.stopped, s.undrafted) == (
+        passes, passes, {0: passes}, int(patience > 0), 12 - passes)
+    assert s.tau == 1.0
+    host = HostDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, patience=patience)
+    assert host.generate(prompt, CorruptedOracle(HostOracle(graphdef, params, vocab), wrong=0, vocab=vocab),
+                         max_new_tokens=NEW) == reference
+    h = host.stats
+    assert (h.passes, h.committed, h.histogram, h.stopped, h.undrafted) == (
+        s.passes, s.committed, s.histogram, s.stopped, s.undrafted)
+
+
+def test_one_hit_between_misses_keeps_a_row_drafting(tokenizer, target):
+    """Misses count in a row: a pass that accepts a draft token resets them. Block of 12, patience 2: pass 1
+    misses (output 0), pass 2 accepts 1 (outputs 1-2), pass 3 misses (output 3), pass 4 accepts the other 8.
+    Without the reset, pass 3 would be the second miss and the rest plain steps."""
+    graphdef, params, vocab = target
+    prompt = announced_prompt(tokenizer, 12, seed=5)
+    reference = target_only(graphdef, params, vocab, prompt)
+    script = np.asarray(reference, np.int32).copy()
+    for wrong in (0, 2, 3):
+        script[wrong] = (script[wrong] + 1) % vocab
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, patience=2)
+    assert decoder.generate(prompt, ScriptedDrafter(script), max_new_tokens=NEW) == reference
+    s = decoder.stats
+    assert (s.passes, s.histogram, s.stopped, s.undrafted) == (4, {0: 2, 1: 1, 8: 1}, 0, 0)
+
+
+def test_rows_of_a_batch_give_up_each_on_its_own(tokenizer, target):
+    """In one batch a row whose drafter keeps missing decodes its span by plain steps inside the other
+    rows' verify passes, while a row whose drafter is right still commits its block in one pass."""
+    graphdef, params, vocab = target
+    prompts = [announced_prompt(tokenizer, 12, seed=5), announced_prompt(tokenizer, 10, seed=6)]
+    references = [target_only(graphdef, params, vocab, p) for p in prompts]
+    scripts = np.stack([wrong_script(references[0], vocab), np.asarray(references[1], np.int32)])
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    assert decoder.generate_batch(prompts, ScriptedDrafter(scripts), max_new_tokens=NEW) == references
+    bad, good = decoder.row_stats
+    assert (bad.passes, bad.stopped, bad.undrafted) == (PATIENCE, 1, 12 - PATIENCE)
+    assert (good.passes, good.committed, good.stopped, good.undrafted) == (1, 11, 0, 0)
+
+
+def test_a_span_starts_with_no_misses(tokenizer, target):
+    """The miss count belongs to a span: the `</tool_call>` that announces one sets it to 0, whatever the
+    row's drafter missed before (`loop._advance_span`), and a prompt's span starts at 0."""
+    graphdef, params, vocab = target
+    calls = AtomicCalls(tokenizer)
+    tables = announcements.tables(calls, nnx.merge(graphdef, params).cfg.vocab_size)
+    prompt = jnp.asarray(announced_prompt(tokenizer, 12, seed=5))[None]
+    spans, _ = loop.prompt_spans(tables, prompt[:, :-2], jnp.asarray([prompt.shape[1] - 2]), prompt[:, -2],
+                                 jnp.asarray([True]))
+    assert int(spans.left[0]) == 0 and int(spans.misses[0]) == 0
+    opened, _ = loop._advance_span(spans._replace(misses=jnp.asarray([5], jnp.int32)), prompt[:, -1], tables)
+    assert int(opened.left[0]) == 12 and int(opened.misses[0]) == 0
+    other, _ = loop._advance_span(spans._replace(misses=jnp.asarray([5], jnp.int32)), prompt[:, 0], tables)
+    assert int(other.misses[0]) == 5  # no announcement: the count stands
+
+
 @pytest.mark.heavy
 def test_the_decode_loop_and_the_host_oracle_decode_an_untrained_drafter_alike(tokenizer, target):
     """The differential test: the compiled decode loop (context cache, one program per answer) and the host
@@ -168,10 +243,12 @@ def test_the_library_decoder_takes_device_drafters_only(tokenizer, target):
 def test_random_drafter_is_lossless(tokenizer, target, block_size, seed):
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, block_size, seed=10 + seed)
-    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab)
+    # patience=0: random drafts are verified to the block's end (they would be given up after two misses)
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, patience=0)
     out = decoder.generate(prompt, RandomDrafter(vocab), max_new_tokens=NEW, seed=seed)
     assert out == target_only(graphdef, params, vocab, prompt)
     assert decoder.stats.committed == block_size + (decoder.stats.committed > block_size)
+    assert decoder.stats.stopped == decoder.stats.undrafted == 0
     assert sum(decoder.stats.histogram.values()) == decoder.stats.passes >= 1
 
 
@@ -354,7 +431,7 @@ def test_sampled_speculative_decoding_runs_and_keeps_ids_in_the_vocabulary(token
     graphdef, params, vocab = target
     prompt = announced_prompt(tokenizer, 12, seed=3)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab,
-                                 sampling=Sampling(temperature=1.0))
+                                 sampling=Sampling(temperature=1.0), patience=0)
     out = decoder.generate(prompt, RandomDrafter(vocab), max_new_tokens=NEW, seed=4)
     assert len(out) == NEW and all(0 <= t < vocab for t in out)
     assert decoder.stats.committed >= 12

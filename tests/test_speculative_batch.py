@@ -67,12 +67,16 @@ def test_batched_greedy_equals_each_row_alone_and_the_engine(tokenizer, target):
         alone = SpeculativeDecoder(graphdef, params, calls=calls, vocab=vocab)
         assert alone.generate(prompt, drafter, max_new_tokens=budget) == references[row]
         mine, theirs = alone.stats, batched.row_stats[row]
-        assert (mine.passes, mine.committed, mine.histogram, mine.drafted_at, mine.accepted_at) == (
-            theirs.passes, theirs.committed, theirs.histogram, theirs.drafted_at, theirs.accepted_at), row
+        assert (mine.passes, mine.committed, mine.histogram, mine.drafted_at, mine.accepted_at, mine.stopped,
+                mine.undrafted) == (theirs.passes, theirs.committed, theirs.histogram, theirs.drafted_at,
+                                    theirs.accepted_at, theirs.stopped, theirs.undrafted), row
     # Blocks really ran where announced: three dense blocks of 5 (15 tokens), the block of 12, the call
-    # the host read (9); the plain row drafted nothing.
-    assert batched.row_stats[0].committed >= 12 and batched.row_stats[1].committed >= 15
-    assert batched.row_stats[2].passes == 0 and batched.row_stats[3].committed >= 9
+    # the host read (9), drafted or, once this untrained drafter missed twice in a row, by plain steps; the
+    # plain row drafted nothing.
+    inside = [s.committed + s.undrafted for s in batched.row_stats]
+    assert inside[0] >= 12 and inside[1] >= 15 and inside[3] >= 9
+    assert batched.row_stats[2].passes == 0 and inside[2] == 0
+    assert batched.stats.stopped >= 1  # the drafter gave up in some span while other rows drafted on
     assert max(batched.stats.drafted_at) == 8 and batched.timing.host_reads == 1 and batched.timing.launches == 2
 
 
@@ -149,7 +153,7 @@ def device_in_span(calls, found, prompt, output):
     automaton; a held call is answered by `AtomicCalls.announced`, as `SpeculativeDecoder` does. Also
     the output indices after which a row was held."""
     zeros = jnp.zeros(1, jnp.int32)
-    state = loop.Spans(zeros, jnp.zeros((1, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(1, bool))
+    state = loop.Spans(zeros, jnp.zeros((1, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(1, bool), zeros)
 
     def opened(state, found_call):
         size = jnp.asarray([found_call[0]], jnp.int32)

@@ -98,7 +98,8 @@ def test_a_target_that_writes_the_call_verifies_its_fixed_text_in_two_passes(tok
     assert engine == answer  # the target learnt the answer by heart (else nothing below is tested)
     # Beside it in the batch, a row that writes no call (its prompt cut short): its own engine output.
     other = {"ids": prompt[:-3], "positions": np.arange(len(prompt) - 3, dtype=np.int32)}
-    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=(eot,))
+    decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, stop_ids=(eot,),
+                                 patience=0)  # the random drafter drafts the whole block (see below)
     out = decoder.generate_batch([*rows, other], RandomDrafter(vocab), max_new_tokens=40)
     assert out == [engine, generate_ids(params, graphdef, [other], max_new_tokens=40, stop_ids=(eot,), vocab=vocab)[0]]
     # After <tool_call>: the 13 tokens up to block_size's number, accepted, + the number (the bonus); after

@@ -21,7 +21,9 @@ Committed tokens go through `_commit` one slot at a time: the budget, the stop i
 announcement automaton (`announcements.advance`): a `</tool_call>` that completes the compact
 `atomic_decoding` spelling outside a span opens a span of `block_size` tokens (`count` of them when its
 first token is `<dense>`, `Announcement.blocks`); a pass never drafts past the current block of the span
-(the drafter is trained on one block). A call the device cannot read holds the row (`held`): the loop
+(the drafter is trained on one block). A row whose drafter missed `PATIENCE` passes in a row (accepted
+no draft token) decodes the rest of that span with plain steps, so a drafter that does not fit the
+target costs a couple of passes per span, not one per token. A call the device cannot read holds the row (`held`): the loop
 stops when no row is live, the host reads the body with `AtomicCalls.announced`, and `resume` goes on
 with the same state (`SpeculativeDecoder`). Spans follow `AtomicCalls.announced_spans`: a call completed
 by a block's last token announces the next span even when the same pass's bonus token follows it.
@@ -64,6 +66,7 @@ class Spans(NamedTuple):
     size: jax.Array  # int32 [B]: the span's block_size
     count: jax.Array  # int32 [B]: its announced count (0: none), applied at its first token
     fresh: jax.Array  # bool [B]: the next committed token is the span's first
+    misses: jax.Array  # int32 [B]: verify passes in a row, in this span, that accepted no draft token
 
 
 class Stats(NamedTuple):
@@ -77,6 +80,9 @@ class Stats(NamedTuple):
     # Outside spans: passes verifying the call's fixed text (`announcements.spelled_drafts`), tokens they commit
     spelling_passes: jax.Array  # int32 [B]
     spelling_committed: jax.Array  # int32 [B]
+    # Spans whose drafting stopped (`patience`), and the tokens plain steps committed in them afterwards
+    stopped: jax.Array  # int32 [B]
+    undrafted: jax.Array  # int32 [B]
 
 
 class Rows(NamedTuple):
@@ -123,7 +129,7 @@ def _advance_span(spans: Spans, token, tables):
     hold = outside & (event == announcements.ASK_HOST)
     return Spans(automaton, registers, jnp.where(announce, registers[:, 0], left),
                  jnp.where(announce, registers[:, 0], spans.size), jnp.where(announce, registers[:, 1], spans.count),
-                 announce | (spans.fresh & ~in_span)), hold
+                 announce | (spans.fresh & ~in_span), jnp.where(announce, 0, spans.misses)), hold
 
 
 def _commit(rows: Rows, new, offered, stop_ids, tables) -> Rows:
@@ -174,24 +180,52 @@ def _target(model, rule, draft_params, rows: Rows, tokens, positions, method: st
                                       rows.cursor)
 
 
+# Verify passes in a row that accept no draft token before a row stops drafting for the rest of its span
+# (`Passes`). A drafter that keeps missing (a target that writes a block unlike the ones the drafter was
+# trained on, or a drafter trained against another target) would otherwise cost a verify pass per token,
+# where a plain step is cheaper: on this CPU a 17-slot pass costs about two steps, on a GPU/TPU about one
+# step plus the drafter's forward. Two, not one: a block's first pass misses more often than later ones.
+PATIENCE = 2
+
+
 class Passes:
     """The loop's two passes for one model, drafter rule and sampling (inside the traced program): a
-    `Sampling` for the whole batch (`generate`), or a `RowSampling`, each row its own (a server's slots)."""
+    `Sampling` for the whole batch (`generate`), or a `RowSampling`, each row its own (a server's slots).
+
+    patience: after that many verify passes in a row accepting no draft token, a row decodes the rest of
+    its span with plain steps (counted in `Stats.stopped`/`undrafted`); 0 drafts on whatever happens. Which
+    tokens are drafted never changes what is committed: greedy output stays the target's, and a sampled
+    token is drawn from the target's distribution whether it was drafted or not (the choice to draft
+    depends on earlier tokens only)."""
 
     def __init__(self, model, rule, draft_params, sampling: Sampling, vocab: int, width: int, row_keys, stop_ids,
-                 tables):
+                 tables, patience: int = PATIENCE):
         self.model, self.rule, self.draft_params, self.sampling, self.vocab = model, rule, draft_params, sampling, vocab
         self.width, self.row_keys, self.stop_ids, self.tables = width, row_keys, stop_ids, tables
+        self.patience = int(patience)
 
     def live(self, rows: Rows):
         return ~rows.done & ~rows.held
+
+    def drafting(self, rows: Rows):
+        """Live rows inside a span whose drafter has not missed `patience` passes in a row."""
+        drafting = self.live(rows) & (rows.spans.left > 0)
+        return drafting & (rows.spans.misses < self.patience) if self.patience else drafting
+
+    def _undrafted(self, rows: Rows, after: Rows, plain) -> Rows:
+        """`after` with the tokens that `plain` rows (live, inside a span, not drafting) committed counted."""
+        plain = plain & (rows.spans.left > 0)
+        return after._replace(stats=after.stats._replace(
+            undrafted=after.stats.undrafted + jnp.where(plain, after.count - rows.count, 0)))
 
     def step(self, rows: Rows) -> Rows:
         logits, cache, draft = _target(self.model, self.rule, self.draft_params, rows, rows.last, rows.position,
                                        "decode_step")
         token = sample(logits, _keys_at(self.row_keys, rows.count), self.sampling, self.vocab)
-        return _commit(rows._replace(cache=cache, draft=draft), token[:, None], self.live(rows).astype(jnp.int32),
-                       self.stop_ids, self.tables)
+        live = self.live(rows)
+        after = _commit(rows._replace(cache=cache, draft=draft), token[:, None], live.astype(jnp.int32),
+                        self.stop_ids, self.tables)
+        return after if self.tables is None else self._undrafted(rows, after, live)
 
     def spells(self) -> bool:
         """Whether the tables hold spelled drafts (`announcements.spelled_drafts`; none without tables)."""
@@ -212,7 +246,7 @@ class Passes:
         width = self.width if drafter else min(self.width, self.tables.spelled.shape[1])
         slots = jnp.arange(width + 1)
         live = self.live(rows)
-        drafting = live & (rows.spans.left > 0)
+        drafting = self.drafting(rows)
         spelling = self.spelling(rows)
         block_left = (rows.spans.left - 1) % jnp.maximum(rows.spans.size, 1) + 1
         room = rows.budget - rows.count
@@ -248,23 +282,27 @@ class Passes:
         plain = sample(logits[:, 0], base, self.sampling, self.vocab)
         accepted, nxt = jnp.where(verified, accepted, 0), jnp.where(verified, nxt, plain)
         new = jnp.where(slots[None] < accepted[:, None], jnp.pad(draft, ((0, 0), (0, 1))), nxt[:, None])
-        after = _commit(rows._replace(cache=cache, draft=draft_state), new, jnp.where(live, accepted + 1, 0),
-                        self.stop_ids, self.tables)
+        # Misses before the commit: a span the commit opens starts its own count at 0 (`_advance_span`).
+        misses = jnp.where(drafting, jnp.where(accepted == 0, rows.spans.misses + 1, 0), rows.spans.misses)
+        after = _commit(rows._replace(cache=cache, draft=draft_state, spans=rows.spans._replace(misses=misses)), new,
+                        jnp.where(live, accepted + 1, 0), self.stop_ids, self.tables)
         s, k, one, committed = rows.stats, jnp.arange(self.width)[None], drafting.astype(jnp.int32), after.count - rows.count
+        stopping = drafting & (misses == self.patience) if self.patience else jnp.zeros_like(drafting)
         stats = Stats(s.passes + one, s.committed + jnp.where(drafting, committed, 0),
                       s.drafted_at + (drafting[:, None] & (k < drafted[:, None])),
                       s.accepted_at + (drafting[:, None] & (k < accepted[:, None])),
                       s.histogram + (drafting[:, None] & (jnp.arange(self.width + 1)[None] == accepted[:, None])),
                       s.spelling_passes + spelling.astype(jnp.int32),
-                      s.spelling_committed + jnp.where(spelling, committed, 0))
-        return after._replace(stats=stats)
+                      s.spelling_committed + jnp.where(spelling, committed, 0),
+                      s.stopped + stopping.astype(jnp.int32), s.undrafted)
+        return self._undrafted(rows, after._replace(stats=stats), live & ~drafting & ~spelling)
 
     def pass_(self, rows: Rows) -> Rows:
         """One pass: with a drafter, a verify pass when some live row is inside a span, a narrower one
         without the drafter when some live row is inside the call's fixed text, else a step."""
         if self.rule is None:
             return self.step(rows)
-        in_span = jnp.any(self.live(rows) & (rows.spans.left > 0))
+        in_span = jnp.any(self.drafting(rows))
         if not self.spells():
             return jax.lax.cond(in_span, self.verify, self.step, rows)
         branch = jnp.where(in_span, 2, jnp.where(jnp.any(self.spelling(rows)), 1, 0))
@@ -315,15 +353,15 @@ def prompt_spans(tables, tokens, lengths, last, active) -> tuple[Spans, jax.Arra
     state, registers, event = announcements.advance(tables, state, registers, last)
     announce = active & (event == announcements.ANNOUNCE)
     spans = Spans(state, registers, jnp.where(announce, registers[:, 0], 0), jnp.where(announce, registers[:, 0], 0),
-                  jnp.where(announce, registers[:, 1], 0), announce)
+                  jnp.where(announce, registers[:, 1], 0), announce, zeros)
     return spans, active & (event == announcements.ASK_HOST)
 
 
 def blank(batch: int, width: int, out_length: int, budget):
     zeros = jnp.zeros(batch, jnp.int32)
-    spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool))
+    spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool), zeros)
     stats = Stats(zeros, zeros, jnp.zeros((batch, width), jnp.int32), jnp.zeros((batch, width), jnp.int32),
-                  jnp.zeros((batch, width + 1), jnp.int32), zeros, zeros)
+                  jnp.zeros((batch, width + 1), jnp.int32), zeros, zeros, zeros, zeros)
     return spans, stats, jnp.zeros((batch, out_length), jnp.int32), jnp.broadcast_to(budget, (batch,))
 
 
@@ -377,8 +415,8 @@ def prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths, 
 
 @functools.cache
 def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: int, cache_length: int,
-                         out_length: int):
-    """(start, resume) with a device drafter (`draft_rules`). start: the prefill of every prompt but its
+                         out_length: int, patience: int = PATIENCE):
+    """(start, resume) with a device drafter (`draft_rules`; `patience` as `Passes`). start: the prefill of every prompt but its
     last token (that one is the first pass's `last`), the drafter's state from the same pass, the
     automaton over the whole prompt (a prompt ending with a call opens a span at output 0), then the loop
     → Rows. resume(Rows): the loop again after the host answered held rows (state donated)."""
@@ -396,7 +434,8 @@ def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: 
         return _passes(model, draft_params, seed, rows, stop_ids, tables).run(state)
 
     def _passes(model, draft_params, seed, rows, stop_ids, tables):
-        return Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables)
+        return Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables,
+                      patience)
 
     def resume(params, draft_params, state: Rows, stop_ids, seed, rows, tables):
         return _passes(nnx.merge(graphdef, params), draft_params, seed, rows, stop_ids, tables).run(state)

@@ -22,7 +22,9 @@ otherwise: `Announcement.blocks`), are drafted and verified:
 
 Statistics (`BlockStats`): tau = tokens committed per target pass inside blocks, the bonus token
 INCLUDED (an oracle drafter on a block of B tokens gives tau = B + 1: B accepted + the bonus, one pass);
-per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass.
+per-position acceptance; a histogram over 0..B of the draft tokens accepted per pass. A row whose drafter
+accepted nothing in `patience` passes in a row (default `loop.PATIENCE`; 0: never) decodes the rest of
+that span with plain steps (`stopped`, `undrafted`; tau counts each such step as a pass of one token).
 
 Rows are decoded together, each answer whole, in ONE compiled `lax.while_loop` (`decoding.loop`: plain
 steps, announcements found on the device by `decoding.announcements`, drafted blocks), with a device
@@ -57,7 +59,7 @@ from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding import announcements
 from valen_jax.decoding.draft_rules import ScriptRule, TrainedRule, UniformRule
 from valen_jax.decoding.engine import GREEDY, batch_arrays, bucket, generate_ids
-from valen_jax.decoding.loop import speculative_programs
+from valen_jax.decoding.loop import PATIENCE, speculative_programs
 from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.verification import accept_pass, target_probs, verify_sampled
 
@@ -78,6 +80,10 @@ class BlockStats:
     # Outside blocks: passes verifying the call's fixed text (`announcements.spelled_drafts`), tokens committed
     spelling_passes: int = 0
     spelling_committed: int = 0
+    # Spans whose drafting stopped after `loop.PATIENCE` passes in a row accepted nothing, and the tokens
+    # plain steps committed in them afterwards (each one target pass inside a block: `tau` counts them)
+    stopped: int = 0
+    undrafted: int = 0
 
     def record(self, drafted: int, accepted: int, committed: int) -> None:
         self.passes += 1
@@ -93,16 +99,20 @@ class BlockStats:
         self.committed += other.committed
         self.spelling_passes += other.spelling_passes
         self.spelling_committed += other.spelling_committed
+        self.stopped += other.stopped
+        self.undrafted += other.undrafted
         for mine, theirs in ((self.drafted_at, other.drafted_at), (self.accepted_at, other.accepted_at),
                              (self.histogram, other.histogram)):
             for k, n in theirs.items():
                 mine[k] = mine.get(k, 0) + n
 
     def add_counts(self, passes, committed, drafted_at, accepted_at, histogram, spelling_passes,
-                   spelling_committed) -> None:
+                   spelling_committed, stopped, undrafted) -> None:
         """One row's sums from the device loop (`loop.Stats`): arrays over draft positions 1.. and 0.."""
         self.spelling_passes += int(spelling_passes)
         self.spelling_committed += int(spelling_committed)
+        self.stopped += int(stopped)
+        self.undrafted += int(undrafted)
         self.passes += int(passes)
         self.committed += int(committed)
         for k, (drafted, accepted) in enumerate(zip(np.asarray(drafted_at).tolist(), np.asarray(accepted_at).tolist(),
@@ -116,7 +126,10 @@ class BlockStats:
 
     @property
     def tau(self) -> float:
-        return self.committed / self.passes if self.passes else 0.0
+        """Tokens committed inside blocks per target pass there: a plain step after drafting stopped is a
+        pass committing one token, so giving up on a drafter never raises tau."""
+        passes = self.passes + self.undrafted
+        return (self.committed + self.undrafted) / passes if passes else 0.0
 
     def acceptance(self) -> dict[int, float]:
         return {k: self.accepted_at[k] / n for k, n in sorted(self.drafted_at.items())}
@@ -143,7 +156,7 @@ _HOST_CAP = 1 << 15
 def open_host_span(calls: AtomicCalls, ids: list[int], spans: dict, row: int) -> bool:
     """A held row's ids (prompt and output) end with a call outside the device's spelling: read it with
     `AtomicCalls.announced` (the rule's one home) and open the span it announces in row `row` of `spans`
-    (host arrays `left`, `size`, `count`, `fresh`) → whether it announced one (else the row decodes on:
+    (host arrays `left`, `size`, `count`, `fresh`, `misses`) → whether it announced one (else the row decodes on:
     another tool, or text)."""
     found = calls.announced(ids)
     if found is None:
@@ -151,15 +164,17 @@ def open_host_span(calls: AtomicCalls, ids: list[int], spans: dict, row: int) ->
     size = min(found.block_size, _HOST_CAP)
     spans["left"][row], spans["size"][row] = size, size
     spans["count"][row], spans["fresh"][row] = min(found.count or 0, _HOST_CAP), True
+    spans["misses"][row] = 0
     return True
 
 
 class SpeculativeDecoder:
     """Greedy (`Sampling()`) or sampled decoding of a batch of prompts with speculative blocks: one compiled
-    loop per batch (`decoding.loop`); `width`: the draft slots per pass of a drafter without a block size."""
+    loop per batch (`decoding.loop`); `width`: the draft slots per pass of a drafter without a block size;
+    `patience`: verify passes in a row accepting nothing before a row stops drafting in its span (0: never)."""
 
     def __init__(self, graphdef, params, *, calls: AtomicCalls | None, vocab: int, stop_ids=(),
-                 sampling: Sampling = GREEDY, width: int = 32):
+                 sampling: Sampling = GREEDY, width: int = 32, patience: int = PATIENCE):
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a decoding.Sampling, got {type(sampling).__name__}")
         if calls is None:
@@ -167,6 +182,9 @@ class SpeculativeDecoder:
                              "drafted; target-only decoding is engine.generate_ids")
         self.graphdef, self.params, self.calls = graphdef, params, calls
         self.vocab, self.stop_ids, self.sampling, self.width = int(vocab), {int(s) for s in stop_ids}, sampling, width
+        if int(patience) < 0:
+            raise ValueError(f"patience: verify passes >= 0 (0: never stop drafting), got {patience}")
+        self.patience = int(patience)
         self.stats = BlockStats()
         self.row_stats: list[BlockStats] = []  # per prompt decoded, in order
         self.timing = Timing()
@@ -227,7 +245,8 @@ class SpeculativeDecoder:
         arrays = batch_arrays(chunk, vision_of, batch, bucket(longest - 1), patches, cfg, mrope)
         width = drafter.rule.block_size or self.width
         start, resume = speculative_programs(self.graphdef, drafter.rule, self.sampling, self.vocab, width,
-                                             bucket(longest + max(budgets)), bucket(max(budgets) + width + 1))
+                                             bucket(longest + max(budgets)), bucket(max(budgets) + width + 1),
+                                             self.patience)
         tables = announcements.tables(self.calls, cfg.vocab_size)
         stops = jnp.asarray(sorted(self.stop_ids) or [-1], jnp.int32)
         vision = (None if not patches else
@@ -251,7 +270,7 @@ class SpeculativeDecoder:
         """Held rows completed a call outside the device's spelling: the host reads it (the rule's home)
         and opens the span it announces, or lets the row decode on (another tool, text)."""
         out, count = np.asarray(state.out), np.asarray(state.count)
-        spans = {k: np.array(getattr(state.spans, k)) for k in ("left", "size", "count", "fresh")}
+        spans = {k: np.array(getattr(state.spans, k)) for k in ("left", "size", "count", "fresh", "misses")}
         for row in np.flatnonzero(held):
             self.timing.host_reads += 1
             open_host_span(self.calls, list(rows[row][0]) + out[row, :count[row]].tolist(), spans, row)

@@ -136,10 +136,11 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
         if service.drafter is None:
             return counts
         # OpenAI's predicted-output counts, and ours: verify passes and the tokens they committed in blocks,
-        # and outside blocks the passes verifying a call's fixed text and the tokens they committed.
+        # outside blocks the passes verifying a call's fixed text and the tokens they committed, and the spans
+        # whose drafting stopped (`loop.PATIENCE` misses in a row) with the tokens plain steps committed there.
         spec = {k: sum((r.speculation or {}).get(k, 0) for r in requests)
                 for k in ("verify_passes", "block_tokens", "drafted_tokens", "accepted_tokens", "spelling_passes",
-                          "spelling_tokens")}
+                          "spelling_tokens", "stopped_spans", "undrafted_tokens")}
         return dict(counts, completion_tokens_details={
             "accepted_prediction_tokens": spec["accepted_tokens"],
             "rejected_prediction_tokens": spec["drafted_tokens"] - spec["accepted_tokens"]}, valen=spec)

@@ -68,7 +68,8 @@ def _prefill_program(graphdef, rule, cache_length: int):
 
 
 @functools.cache
-def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, passes: int, rows: int, length: int):
+def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, passes: int, rows: int, length: int,
+                  patience: int):
     """`passes` loop passes of slots [0, rows) over cache positions [0, length) (the rest untouched) →
     (the tokens each slot committed [rows, passes·(width + 1)], from its count on; counts; held; Spans; Stats;
     both caches). Each slot samples with its own numbers (`sampling`, of `kind`: `sampling.sampling_rows`), so
@@ -88,7 +89,7 @@ def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, pa
         state = loop.Rows(cut(whole), cut(whole_draft), last, cursor, cursor + offsets, counts, budgets, ~live,
                           jnp.zeros(rows, bool), out, spans, stats)
         state = loop.Passes(model, rule, draft_params, sampling, vocab, width, loop.slot_keys(seeds, choices),
-                            stop_ids, tables).repeat(state, passes)
+                            stop_ids, tables, patience).repeat(state, passes)
         tokens = jax.vmap(lambda o, c: jax.lax.dynamic_slice(o, (c,), (window,)))(state.out, counts)
 
         def back(full, part):
@@ -103,7 +104,8 @@ def _sync_program(graphdef, rule, vocab: int, kind: SamplingKind, width: int, pa
 class SpeculativeSlotEngine(SlotEngine):
     """`SlotEngine` with a block drafter (module docstring). drafter: a device drafter with a block size
     (a `CachedDrafter` of a vflash workdir trained against this target; the tests' `ScriptedDrafter`);
-    calls: the target tokenizer's `AtomicCalls`."""
+    calls: the target tokenizer's `AtomicCalls`; patience: as `loop.Passes` (verify passes in a row accepting
+    nothing before a slot stops drafting in its span; 0: never)."""
 
     # A verify pass computes block_size + 1 positions of every slot up to the highest live one, so an idle
     # lane costs as much as a live one: sync programs of 1, 2, 4, ... slots (plain decode starts at 8, where
@@ -113,8 +115,9 @@ class SpeculativeSlotEngine(SlotEngine):
     shares_prefills = False
 
     def __init__(self, params, graphdef, *, drafter, calls: AtomicCalls, slots: int,
-                 cache_length: int, **kwargs):
+                 cache_length: int, patience: int = loop.PATIENCE, **kwargs):
         self.drafter, self.calls, self.width = drafter, calls, int(drafter.rule.block_size)
+        self.patience = int(patience)
         self._spec_prefill, empty = _prefill_program(graphdef, drafter.rule, int(cache_length))
         self._draft = empty(params, drafter.params, int(slots))
         self._tables = announcements.tables(calls, nnx.merge(graphdef, params).cfg.vocab_size)
@@ -161,13 +164,13 @@ class SpeculativeSlotEngine(SlotEngine):
                 self._read_call(request, list(request.ids))
 
     def _read_call(self, request: Request, ids: list[int]) -> None:
-        spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh")}
+        spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh", "misses")}
         open_host_span(self.calls, ids, spans, request.slot)
 
     def _sync(self, rows: int, length: int, mine: list[Request]):
         a = self._slot_arrays(mine)
         program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, a["sampling"].kind, self.width,
-                                self.steps_per_sync, rows, length)
+                                self.steps_per_sync, rows, length, self.patience)
         tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
             self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"], a["seeds"],
             a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables,
@@ -201,4 +204,5 @@ class SpeculativeSlotEngine(SlotEngine):
                                "drafted_tokens": int(s.drafted_at[slot].sum()),
                                "accepted_tokens": int(s.accepted_at[slot].sum()),
                                "spelling_passes": int(s.spelling_passes[slot]),
-                               "spelling_tokens": int(s.spelling_committed[slot])}
+                               "spelling_tokens": int(s.spelling_committed[slot]),
+                               "stopped_spans": int(s.stopped[slot]), "undrafted_tokens": int(s.undrafted[slot])}

@@ -7,7 +7,10 @@ blocks) and the timings of the same answer decoded target-only and speculatively
 Conventions (TAU_CONVENTION is written into the report):
 - tau: tokens committed per target verification pass inside announced blocks, the target's bonus token
   INCLUDED: an oracle drafter on a block of B tokens commits B + 1 in one pass; a drafter that is never
-  right commits 1 per pass (the bonus), as target-only decoding does;
+  right commits 1 per pass (the bonus), as target-only decoding does; a plain step inside a block after
+  its drafting stopped (`loop.PATIENCE` passes in a row accepted nothing) counts as a pass of one token;
+- stopped: blocks (announced spans) whose drafting stopped so; undrafted: the tokens plain steps committed
+  in them afterwards (not in `passes`, `committed`, acceptance or the histogram);
 - acceptance k (1..B, B the drafter's block size): of the passes that drafted position k, the fraction
   that had it accepted; acceptance is a prefix (k accepted only if 1..k-1 were);
 - histogram 0..B: verify passes by number of drafted tokens accepted; it sums to `passes`;
@@ -27,7 +30,8 @@ import numpy as np
 from valen_jax.evaluation.metrics import OVERALL, GroupedSums, ratio
 
 TAU_CONVENTION = ("tokens committed per target verification pass inside announced blocks, the bonus token "
-                  "included (an oracle drafter on a block of B tokens gives B + 1, a drafter never right gives 1)")
+                  "included (an oracle drafter on a block of B tokens gives B + 1, a drafter never right gives 1); "
+                  "a plain step in a block whose drafting stopped counts as a pass of one token")
 
 
 class BlockSums(GroupedSums):
@@ -47,7 +51,7 @@ class BlockSums(GroupedSums):
                 *(f"drafted_{k}" for k in range(1, block_size + 1)),
                 *(f"accepted_{k}" for k in range(1, block_size + 1)),
                 *(f"histogram_{n}" for n in range(block_size + 1)),
-                "spelling_passes", "spelling_committed",
+                "spelling_passes", "spelling_committed", "stopped", "undrafted",
                 "target_only_block_tokens", "answer_tokens", "target_only_seconds", "speculative_seconds")
 
     def _config(self) -> dict:
@@ -76,7 +80,8 @@ class BlockSums(GroupedSums):
             raise ValueError(f"draft positions {too_long} outside 1..{self.block_size} (the drafter's block size)")
         amounts = {"answers": 1, "identical": float(identical), "passes": blocks.passes,
                    "committed": blocks.committed, "spelling_passes": blocks.spelling_passes,
-                   "spelling_committed": blocks.spelling_committed,
+                   "spelling_committed": blocks.spelling_committed, "stopped": blocks.stopped,
+                   "undrafted": blocks.undrafted,
                    "target_only_block_tokens": target_only_block_tokens, "answer_tokens": answer_tokens,
                    "target_only_seconds": target_only_seconds, "speculative_seconds": speculative_seconds}
         amounts.update({f"drafted_{k}": n for k, n in blocks.drafted_at.items()})
@@ -93,10 +98,11 @@ class BlockSums(GroupedSums):
             "identical": ratio(s["identical"], s["answers"]),
             "passes": int(s["passes"]),
             "committed": int(s["committed"]),
-            "tau": ratio(s["committed"], s["passes"]),
+            "tau": ratio(s["committed"] + s["undrafted"], s["passes"] + s["undrafted"]),
             "acceptance": {str(k): ratio(s[f"accepted_{k}"], s[f"drafted_{k}"]) for k in block},
             "histogram": [int(s[f"histogram_{n}"]) for n in range(self.block_size + 1)],
             "spelling": {"passes": int(s["spelling_passes"]), "tokens": int(s["spelling_committed"])},
+            "stopped": {"spans": int(s["stopped"]), "undrafted_tokens": int(s["undrafted"])},
             "target_only_block_tokens": int(s["target_only_block_tokens"]),
             "answer_tokens": int(s["answer_tokens"]),
             "ms_per_token": {"target_only": target_only, "speculative": speculative},
