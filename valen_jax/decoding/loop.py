@@ -416,22 +416,30 @@ def prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths, 
 @functools.cache
 def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: int, cache_length: int,
                          out_length: int, patience: int = PATIENCE):
-    """(start, resume) with a device drafter (`draft_rules`; `patience` as `Passes`). start: the prefill of every prompt but its
-    last token (that one is the first pass's `last`), the drafter's state from the same pass, the
-    automaton over the whole prompt (a prompt ending with a call opens a span at output 0), then the loop
-    → Rows. resume(Rows): the loop again after the host answered held rows (state donated)."""
+    """(start, resume) with a device drafter (`draft_rules`; `patience` as `Passes`). start: the prefill of
+    whole prompts and the drafter's state from the same pass, the automaton over the whole prompt, the first
+    token from the prefill's logits (drawn as the engine draws it), then the loop → Rows. A row whose prompt
+    ends with a call that opens a span (or that the host must read: `held`) takes no first token there: its
+    first pass feeds the prompt's last token again (`last`, rewriting that token's cache slot with the
+    same keys/values), so the block is drafted whole (an oracle: tau = B + 1). resume(Rows): the loop again
+    after the host answered held rows (state donated)."""
 
     def start(params, draft_params, tokens, positions, lengths, last, last_position, active, vision, stop_ids, seed,
               rows, budget, tables):
         model = nnx.merge(graphdef, params)
-        _, cache, draft = prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths, cache_length,
-                                               vision)
+        logits, cache, draft = prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths,
+                                                    cache_length, vision)
         batch = tokens.shape[0]
         _, stats, out, budget = blank(batch, width, out_length, budget)
-        spans, held = prompt_spans(tables, tokens, lengths, last, active)
-        state = Rows(cache, draft, last, lengths, last_position, jnp.zeros(batch, jnp.int32), budget,
+        # The automaton over the prompt but its last token, then that one (`last`): its event opens a span.
+        spans, held = prompt_spans(tables, tokens, lengths - 1, last, active)
+        state = Rows(cache, draft, last, lengths - 1, last_position, jnp.zeros(batch, jnp.int32), budget,
                      ~active | (budget <= 0), held, out, spans, stats)
-        return _passes(model, draft_params, seed, rows, stop_ids, tables).run(state)
+        passes = _passes(model, draft_params, seed, rows, stop_ids, tables)
+        # The first token of every other row is the prefill's, as in `engine_program`: a step saved per answer.
+        first = sample(logits, _keys_at(passes.row_keys, state.count), sampling, vocab)
+        take = passes.live(state) & (spans.left == 0)
+        return passes.run(_commit(state, first[:, None], take.astype(jnp.int32), stop_ids, tables))
 
     def _passes(model, draft_params, seed, rows, stop_ids, tables):
         return Passes(model, rule, draft_params, sampling, vocab, width, _row_keys(seed, rows), stop_ids, tables,

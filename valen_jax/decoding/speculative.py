@@ -30,8 +30,9 @@ Rows are decoded together, each answer whole, in ONE compiled `lax.while_loop` (
 steps, announcements found on the device by `decoding.announcements`, drafted blocks), with a device
 drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, `OracleDrafter`). The host waits once per
 batch, plus once per call outside the device's spelling, which it reads with `AtomicCalls.announced` (a
-held row; `Timing.host_reads`). The prefill covers each prompt but its last token, which the first pass
-feeds, so a block announced by the prompt is drafted whole (an oracle: tau = B + 1). The trained
+held row; `Timing.host_reads`). The prefill covers each whole prompt and gives the first token, as in the
+engine; a prompt that ends with a call announcing a block has its last token fed again by the first pass
+instead, so that block is drafted whole (an oracle: tau = B + 1). The trained
 drafter's context keys/values are cached once per token from the target's own passes
 (`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over B + 1 slots
 (`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the prompt's image;
@@ -238,11 +239,12 @@ class SpeculativeDecoder:
         cfg = nnx.merge(self.graphdef, self.params).cfg
         mrope = cfg.mrope_section is not None
         batch, longest = len(rows), max(len(ids) for ids, _, _ in rows)
-        # The prefill takes every prompt but its last token: that one is the first pass's `last`.
-        chunk = [(np.asarray(ids[:-1], np.int32), np.asarray(pos[:-1], np.int32)) for ids, pos, _ in rows]
+        # Whole prompts; the last token and its position also as `last`, fed again by the first pass of a
+        # row whose prompt announces a block (`loop.speculative_programs`).
+        chunk = [(np.asarray(ids, np.int32), np.asarray(pos, np.int32)) for ids, pos, _ in rows]
         vision_of = [v if cfg.vision is not None else None for _, _, v in rows]
         patches = max((len(v["patches"]) for v in vision_of if v is not None), default=0)
-        arrays = batch_arrays(chunk, vision_of, batch, bucket(longest - 1), patches, cfg, mrope)
+        arrays = batch_arrays(chunk, vision_of, batch, bucket(longest), patches, cfg, mrope)
         width = drafter.rule.block_size or self.width
         start, resume = speculative_programs(self.graphdef, drafter.rule, self.sampling, self.vocab, width,
                                              bucket(longest + max(budgets)), bucket(max(budgets) + width + 1),

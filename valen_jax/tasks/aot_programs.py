@@ -106,7 +106,7 @@ def programs(config, task, layout: TrainLayout, assembly, spec):
         width = rule.block_size or 32  # SpeculativeDecoder's default width for a drafter without a size
         start, _ = loop.speculative_programs(decoding.graphdef, rule, engine.GREEDY, model_cfg.vocab_size, width,
                                              engine.bucket(seq_len + new), engine.bucket(new + width + 1))
-        tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len - 1))
+        tokens, positions, lengths, media = prompt_inputs(batched, rows, engine.bucket(seq_len))
         states = announcements.states()
         tables = announcements.Tables(one((model_cfg.vocab_size,), jnp.int32), one((128, states), jnp.int32),
                                       one((128, states, 2), jnp.int32), one((128, states, 2), jnp.int32),
