@@ -115,6 +115,20 @@ def test_a_plain_answer_runs_no_verify_pass_and_equals_generate(served):
     assert answer["usage"]["valen"]["verify_passes"] == 0
 
 
+def test_the_first_token_comes_from_the_prefill_unless_the_prompt_announces_a_block(served):
+    """A plain prompt's first token is drawn from its prefill, as in plain serving: one token asked, no
+    sync runs. A prompt announcing a block gets its first token from a verify pass (the block drafted from
+    output 0), so a sync runs; both answers are generate's."""
+    engine = served.service.engine
+    for text, syncs in ((PLAIN, 0), (COMPACT, 1)):
+        ids = ids_of(served, text)
+        before = engine.steps
+        answer = complete(served, ids, 1)
+        assert answer["choices"][0]["text"] == text_of(served, offline(served, ids, 1)), text
+        assert engine.steps - before == syncs * engine.steps_per_sync, text
+        assert answer["usage"]["valen"]["verify_passes"] == syncs, text
+
+
 def test_a_call_being_written_has_its_fixed_text_verified_and_the_answer_is_the_targets(served):
     """A prompt ending with <tool_call>: the first pass verifies the spelling's fixed text (`{"name":...`),
     which this random target rejects, committing its own token: the answer is still generate's."""

@@ -112,20 +112,16 @@ def test_a_target_that_writes_the_call_verifies_its_fixed_text_in_two_passes(tok
 
 @pytest.mark.slow  # trains its target in the module fixture (~2 min under load)
 def test_spelled_drafts_are_rejection_sampled_to_the_target_distribution(tokenizer, writer):
-    """The prompt ends with <tool_call>: each row's first token is the prefill's draw (as the engine's), and
-    where it is the spelling's `{"` the next pass verifies the spelled `name`, ... (a point-mass q: accepted
-    with probability p(x), else the residual is drawn): 800 rows' first two tokens follow p(a) p(b | a) at
-    temperature 2, top-k 3."""
+    """The prompt ends with <tool_call>, so each row's first pass verifies the spelled `{"`, `name` ...
+    (a point-mass q: accepted with probability p(x), else the residual is drawn): 800 rows' first two
+    tokens follow p(a) p(b | a) at temperature 2, top-k 3."""
     graphdef, params, vocab, prompt, _ = writer
     prompt = np.concatenate([prompt, encode(tokenizer, "<tool_call>")]).astype(np.int32)
     sampling = Sampling(temperature=2.0, top_k=3)
     decoder = SpeculativeDecoder(graphdef, params, calls=AtomicCalls(tokenizer), vocab=vocab, sampling=sampling)
     rows = 800
-    out = np.asarray(decoder.generate_batch([prompt] * rows, RandomDrafter(vocab), max_new_tokens=3, seed=9))
-    pairs = out[:, :2]
-    # A spelling pass drafts 2 tokens (the budget's room) and commits 2 when the first is accepted, else 1.
-    passes = decoder.stats.spelling_passes
-    assert passes > rows // 2 and 0 < decoder.stats.spelling_committed - passes < passes
+    pairs = np.asarray(decoder.generate_batch([prompt] * rows, RandomDrafter(vocab), max_new_tokens=2, seed=9))
+    assert 0 < decoder.stats.spelling_committed - rows < rows  # some first drafts accepted, some rejected
     net = nnx.merge(graphdef, params)
 
     def probs(ids):

@@ -418,11 +418,12 @@ def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: 
                          out_length: int, patience: int = PATIENCE):
     """(start, resume) with a device drafter (`draft_rules`; `patience` as `Passes`). start: the prefill of
     whole prompts and the drafter's state from the same pass, the automaton over the whole prompt, the first
-    token from the prefill's logits (drawn as the engine draws it), then the loop → Rows. A row whose prompt
-    ends with a call that opens a span (or that the host must read: `held`) takes no first token there: its
-    first pass feeds the prompt's last token again (`last`, rewriting that token's cache slot with the
-    same keys/values), so the block is drafted whole (an oracle: tau = B + 1). resume(Rows): the loop again
-    after the host answered held rows (state donated)."""
+    token from the prefill's logits (drawn as the engine draws it), then the loop → Rows. A row that has a
+    draft at output 0 takes no first token there: a prompt ending with a call that opens a span (or one the
+    host must read: `held`), or inside the call's fixed text (`Passes.spelling`). Its first pass feeds the
+    prompt's last token again (`last`, rewriting that token's cache slot with the same keys/values), so the
+    block is drafted whole (an oracle: tau = B + 1). resume(Rows): the loop again after the host answered
+    held rows (state donated)."""
 
     def start(params, draft_params, tokens, positions, lengths, last, last_position, active, vision, stop_ids, seed,
               rows, budget, tables):
@@ -438,7 +439,7 @@ def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: 
         passes = _passes(model, draft_params, seed, rows, stop_ids, tables)
         # The first token of every other row is the prefill's, as in `engine_program`: a step saved per answer.
         first = sample(logits, _keys_at(passes.row_keys, state.count), sampling, vocab)
-        take = passes.live(state) & (spans.left == 0)
+        take = passes.live(state) & (spans.left == 0) & ~passes.spelling(state)
         return passes.run(_commit(state, first[:, None], take.astype(jnp.int32), stop_ids, tables))
 
     def _passes(model, draft_params, seed, rows, stop_ids, tables):

@@ -31,8 +31,8 @@ steps, announcements found on the device by `decoding.announcements`, drafted bl
 drafter (`CachedDrafter`, `ScriptedDrafter`, `RandomDrafter`, `OracleDrafter`). The host waits once per
 batch, plus once per call outside the device's spelling, which it reads with `AtomicCalls.announced` (a
 held row; `Timing.host_reads`). The prefill covers each whole prompt and gives the first token, as in the
-engine; a prompt that ends with a call announcing a block has its last token fed again by the first pass
-instead, so that block is drafted whole (an oracle: tau = B + 1). The trained
+engine; a prompt that ends with a call announcing a block (or inside the call's fixed text) has its last
+token fed again by the first pass instead, so that block is drafted whole (an oracle: tau = B + 1). The trained
 drafter's context keys/values are cached once per token from the target's own passes
 (`Transformer.prefill(collect=)`), so a pass costs one small drafter forward over B + 1 slots
 (`draft_rules`). Targets with a vision tower and M-RoPE positions are decoded with the prompt's image;

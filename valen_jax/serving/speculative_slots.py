@@ -15,11 +15,13 @@ What each slot keeps across syncs, besides the target's cache row:
   (`loop.Stats`: passes, tokens committed in blocks, drafted and accepted per position), on the host
   between syncs (a few ints per slot), reset by the slot's prefill.
 
-As in `SpeculativeDecoder`, the prefill covers each prompt but its last token, which the first pass
-feeds: a prompt ending with an `atomic_decoding` call has its block drafted from output 0, and the first
-token arrives with the first sync after the prefill (one pass later than in plain serving). A call the
-device's automaton cannot read holds its slot until the sync ends; the host reads it with
-`AtomicCalls.announced` (`speculative.open_host_span`) and the slot goes on at the next sync.
+As in `SpeculativeDecoder`, the prefill covers the whole prompt and gives the first token (as in plain
+serving: `SlotEngine._choose`, each request with its own sampling), except for a prompt ending with an
+`atomic_decoding` call (or inside its fixed text): its first pass feeds the prompt's last token again so
+that the block (or the text) is drafted from output 0, and its first token arrives with the first sync. A call the device's automaton cannot read
+holds its slot until the sync ends; the host reads it with `AtomicCalls.announced`
+(`speculative.open_host_span`) and the slot goes on at the next sync (a prompt ending with one is read
+at its prefill).
 
 A pass costs a verify `extend` over width + 1 positions for every slot up to the highest live one as soon
 as any of them is inside a block; the other slots take their plain token from the same pass.
@@ -37,8 +39,9 @@ from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding import announcements, loop
-from valen_jax.decoding.sampling import RowSampling, SamplingKind
+from valen_jax.decoding.sampling import RowSampling, SamplingKind, sampling_rows
 from valen_jax.decoding.speculative import open_host_span
+from valen_jax.serving.slot_programs import chooser
 from valen_jax.serving.slots import Request, SlotEngine
 
 
@@ -50,13 +53,13 @@ def _into_slots(whole, rows, slots):
 @functools.cache
 def _prefill_program(graphdef, rule, cache_length: int):
     def prefill(params, draft_params, cache, draft, tokens, positions, lengths, slots, vision, last, tables):
-        """Prompts but their last token [A, P] into their slots, the drafter's context with them, and the
-        automaton over the whole prompt → (cache, draft, Spans, held) of the A rows."""
+        """Whole prompts [A, P] into their slots, the drafter's context with them, and the automaton over each
+        prompt (`last` its last token) → (logits at the last tokens, cache, draft, Spans, held) of the A rows."""
         model = nnx.merge(graphdef, params)
-        _, rows, context = loop.prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths,
-                                                     cache_length, vision)
-        spans, held = loop.prompt_spans(tables, tokens, lengths, last, slots < cache.keys.shape[1])
-        return _into_slots(cache, rows, slots), _into_slots(draft, context, slots), spans, held
+        logits, rows, context = loop.prefill_with_drafter(model, rule, draft_params, tokens, positions, lengths,
+                                                          cache_length, vision)
+        spans, held = loop.prompt_spans(tables, tokens, lengths - 1, last, slots < cache.keys.shape[1])
+        return logits, _into_slots(cache, rows, slots), _into_slots(draft, context, slots), spans, held
 
     def empty(params, draft_params, slots):
         model = nnx.merge(graphdef, params)
@@ -65,6 +68,13 @@ def _prefill_program(graphdef, rule, cache_length: int):
                                          cache_length, None)[2]
 
     return jax.jit(prefill, donate_argnums=(2, 3)), jax.jit(empty, static_argnums=(2,))
+
+
+@jax.jit
+def _advance(spans: loop.Spans, tokens, tables):
+    """Every slot's span and automaton after one committed token (a first token drawn from the prefill) →
+    (Spans, hold): the loop's own rule (`loop._advance_span`), for the host to keep the slots it concerns."""
+    return loop._advance_span(spans, tokens, tables)
 
 
 @functools.cache
@@ -121,36 +131,43 @@ class SpeculativeSlotEngine(SlotEngine):
         self._spec_prefill, empty = _prefill_program(graphdef, drafter.rule, int(cache_length))
         self._draft = empty(params, drafter.params, int(slots))
         self._tables = announcements.tables(calls, nnx.merge(graphdef, params).cfg.vocab_size)
+        self._spelled_length = np.asarray(self._tables.spelled_length)
         self._spans, self._stats = jax.tree.map(np.array, loop.blank(slots, self.width, 1, 0)[:2])
         super().__init__(params, graphdef, slots=slots, cache_length=cache_length, **kwargs)
 
     def warm(self) -> None:
-        """Compile every speculative prefill (both row counts, every prompt bucket) and the greedy sync of
-        every slot count and cache prefix before serving (`SlotEngine.warm`'s reasons)."""
+        """Compile every speculative prefill (both row counts, every prompt bucket) with the greedy first-token
+        choice after it, and the greedy sync of every slot count and cache prefix before serving
+        (`SlotEngine.warm`'s reasons)."""
         started = time.perf_counter()
         for rows, size in self._prefill_shapes():
             zeros = np.zeros((rows, size), np.int32)
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
-            self._cache, self._draft, *_ = self._spec_prefill(
+            logits, self._cache, self._draft, *_ = self._spec_prefill(
                 self.params, self.drafter.params, self._cache, self._draft, zeros, positions,
                 np.ones(rows, np.int32), np.full(rows, self.slots, np.int32), None, np.zeros(rows, np.int32),
                 self._tables)
+            greedy = sampling_rows((), rows)
+            chooser(greedy.kind, self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
+                                             np.zeros(rows, np.uint32), np.zeros(rows, np.int32), greedy)
+        _advance(self._spans, np.zeros(self.slots, np.int32), self._tables)
         for rows in self._row_sizes:
             for length in self._length_sizes:
                 self._sync(rows, length, [])
         self.warm_seconds = time.perf_counter() - started
 
     def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
-        """The prompts but their last tokens into the requests' slots (the first pass feeds the last), their
-        spans from the automaton, their statistics reset; no token yet (it comes with the next sync)."""
-        # The last prompt token (at the prompt's largest position) is fed by the first pass, at slot len(ids) - 1.
-        arrays, slots, vision = self._prompt_arrays(requests, rows, lambda ids: len(ids) - 1)
+        """The whole prompts into the requests' slots, their spans from the automaton, their statistics reset;
+        then the first token of each request whose prompt opens no span and ends outside the call's fixed
+        text (a prompt ending with a call the host reads is read here first), from the prefill's logits as `SlotEngine` draws it, the spans advanced
+        by it. A request whose prompt announces a block gets its first token with the next sync."""
+        arrays, slots, vision = self._prompt_arrays(requests, rows, len)
         last = np.zeros(rows, np.int32)
         last[:len(requests)] = [r.ids[-1] for r in requests]
         started = time.perf_counter()
         for request in requests:
             request.times["prefill_start"] = started
-        self._cache, self._draft, spans, held = self._spec_prefill(
+        logits, self._cache, self._draft, spans, held = self._spec_prefill(
             self.params, self.drafter.params, self._cache, self._draft, arrays["tokens"], arrays["positions"],
             arrays["lengths"], slots, vision, last, self._tables)
         self.prefilled += len(requests)
@@ -162,6 +179,25 @@ class SpeculativeSlotEngine(SlotEngine):
                 mine[request.slot] = 0
             if held[row]:
                 self._read_call(request, list(request.ids))
+        # As `loop.speculative_programs`: a slot with a draft at output 0 (a span, the call's fixed text) waits.
+        firsts = [(row, r) for row, r in enumerate(requests) if self._spans.left[r.slot] == 0
+                  and not self._spelled_length[self._spans.automaton[r.slot]]]
+        if not firsts:
+            return
+        chosen = self._choose(logits, [r for _, r in firsts], [row for row, _ in firsts])
+        ended = time.perf_counter()
+        tokens = np.zeros(self.slots, np.int32)
+        for (_, request), token in zip(firsts, chosen, strict=True):
+            tokens[request.slot] = token
+        moved, hold = jax.tree.map(np.asarray, _advance(self._spans, tokens, self._tables))
+        for (_, request), token in zip(firsts, chosen, strict=True):
+            for mine, new in zip(self._spans, moved, strict=True):
+                mine[request.slot] = new[request.slot]
+            request.times["first_token"] = ended
+            self._record(request)
+            self._commit(request, token)
+            if request.finish_reason is None and hold[request.slot]:
+                self._read_call(request, list(request.ids) + request.tokens)
 
     def _read_call(self, request: Request, ids: list[int]) -> None:
         spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh", "misses")}
