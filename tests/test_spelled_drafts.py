@@ -74,10 +74,13 @@ def test_the_spelling_drafts_its_fixed_text_up_to_each_number(tokenizer):
     assert draft_after("<tool_call>") == '{"name":"atomic_decoding","arguments":{"block_size":'
     assert draft_after('<tool_call>{"name":"atomic') == '_decoding","arguments":{"block_size":'
     assert draft_after('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18,"') == 'count":'
-    # After a digit the target chooses (another digit, `,"count"` or `}}`); outside a call nothing is drafted.
-    for text in ['<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18', "<action>Pull.</action>",
-                 '<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18,"count":2}}',
-                 '<tool_call>{"name":"other_tool"']:
+    # Inside a number the draft guesses it ends there: block_size's is followed by `,"count":`, count's by `}}`
+    # (never `</tool_call>`: the bonus after it stays the target's, a block's first token the drafter's).
+    assert draft_after('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18') == ',"count":'
+    assert draft_after('<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18,"count":2') == '}}'
+    # After the whole spelling, outside a call, or inside another tool's, nothing is drafted.
+    for text in ["<action>Pull.</action>", '<tool_call>{"name":"other_tool"',
+                 '<tool_call>{"name":"atomic_decoding","arguments":{"block_size":18,"count":2}}']:
         assert draft_after(text) == "", text
     # The automaton, fed a draft from its own state, lands where the spelling wants a number next.
     state, registers, _ = announcements.initial(tables, encode(tokenizer, "<tool_call>"))
@@ -102,10 +105,10 @@ def test_a_target_that_writes_the_call_verifies_its_fixed_text_in_two_passes(tok
                                  patience=0)  # the random drafter drafts the whole block (see below)
     out = decoder.generate_batch([*rows, other], RandomDrafter(vocab), max_new_tokens=40)
     assert out == [engine, generate_ids(params, graphdef, [other], max_new_tokens=40, stop_ids=(eot,), vocab=vocab)[0]]
-    # After <tool_call>: the 13 tokens up to block_size's number, accepted, + the number (the bonus); after
-    # `,"`: `count":` + the count. The call's other 4 tokens (<tool_call>, `,"`, `}}`, </tool_call>) are steps.
+    # After <tool_call> (the prefill's token): the 13 tokens up to block_size's number, accepted, + the number
+    # (the bonus); after it `,"count":` + the count; after that `}}` + </tool_call>: three passes for the call.
     first = decoder.row_stats[0]
-    assert (first.spelling_passes, first.spelling_committed) == (2, 13 + 1 + 2 + 1)
+    assert (first.spelling_passes, first.spelling_committed) == (3, 13 + 1 + 3 + 1 + 1 + 1)
     # The block after the call is still the drafter's: a random one, so one pass per block token.
     assert first.passes == 6 and first.committed == 6
 

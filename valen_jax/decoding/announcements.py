@@ -169,16 +169,20 @@ def spelled_drafts(tokenizer, open_id: int, close_id: int, token_class, next_sta
     spelling with two numbers, `<tool_call>{"name":"atomic_decoding","arguments":{"block_size":7,"count":9}}`,
     encoded by the tokenizer and walked through the automaton's tables. At each token boundary inside a
     literal part (after `<tool_call>`, after `,"`, ...) the state there maps to the tokens that follow it up
-    to the next one holding a digit (a number is the target's to choose, as is where it ends: `,"count"`
-    or `}}`) and never `</tool_call>` (the token after a spelling is the target's own bonus, so a block's
-    first token stays the drafter's). → (spelled [S, F], spelled_length [S]). The draft is only a proposal:
-    the target verifies it, so a target that writes another tool or spelling loses one pass, never a token."""
+    to the next one holding a digit (a number is the target's to choose) and never `</tool_call>` (the
+    token after a spelling is the target's own bonus, so a block's first token stays the drafter's). Inside
+    a number (its digits state) the draft guesses that the number ends there: after block_size's digits
+    `,"count":` (so the count is the bonus), after count's `}}` (so `</tool_call>` is). The guess is wrong
+    when the number goes on (a tokenizer writing digits one by one) or when no count follows; then the pass
+    commits the target's own token, as a step would, so the call costs at most as many passes as it would
+    undrafted. → (spelled [S, F], spelled_length [S]). The draft is only a proposal: the target verifies
+    it, so a target that writes another tool or spelling loses one pass, never a token."""
     prefix, between, suffix = spelling()
     ids = tokenizer.encode("<tool_call>" + prefix + "7" + between + "9" + suffix + "</tool_call>",
                            add_special_tokens=False)
     forced: dict[int, list[int]] = {}
     names = _CharAutomaton().names
-    literal = {state for state, (kind, _) in names.items() if kind in ("P", "B", "S")}
+    literal = {state for state, (kind, _) in names.items() if kind in ("P", "B", "S", "digits")}
     if open_id in ids:
         body = ids[ids.index(open_id) + 1:]
         state = int(next_state[token_class[open_id], NEVER])
