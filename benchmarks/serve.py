@@ -223,8 +223,10 @@ def main() -> None:
             results[concurrency] = (rate, np.percentile(ttft, 95))
             if drafter:  # the usage's verify statistics (`serving.speculative_slots`), summed over one pass
                 spent = {k: sum(g["speculation"][k] for g in timed[0][1]) for k in got[0]["speculation"]}
-                print(f"    speculation: {spent} (tau = block tokens / verify passes = "
-                      f"{spent['block_tokens'] / max(spent['verify_passes'], 1):.2f})")
+                # A plain step in a span whose drafting stopped is a pass of one token (`BlockStats.tau`).
+                undrafted = spent.get("undrafted_tokens", 0)
+                print(f"    speculation: {spent} (tau = (block tokens + undrafted) / (verify passes + undrafted) = "
+                      f"{(spent['block_tokens'] + undrafted) / max(spent['verify_passes'] + undrafted, 1):.2f})")
             # The engine's side of every pass's first tokens (`GET /v1/valen/metrics`): queue, prefill, decode calls.
             engine = httpx.get(url + "/v1/valen/metrics", timeout=5).json()
             where = ", ".join(f"{k[:-3]} p50 {engine[k]['p50']:.1f} p95 {engine[k]['p95']:.1f}" for k in
