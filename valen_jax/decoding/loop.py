@@ -23,9 +23,9 @@ announcement automaton (`announcements.advance`): a `</tool_call>` that complete
 first token is `<dense>`, `Announcement.blocks`); a pass never drafts past the current block of the span
 (the drafter is trained on one block). A row whose drafter missed `PATIENCE` passes in a row (accepted
 no draft token) decodes the rest of that span with plain steps, so a drafter that does not fit the
-target costs a couple of passes per span, not one per token. A call the device cannot read holds the row (`held`): the loop
-stops when no row is live, the host reads the body with `AtomicCalls.announced`, and `resume` goes on
-with the same state (`SpeculativeDecoder`). Spans follow `AtomicCalls.announced_spans`: a call completed
+target costs a couple of passes per span, not one per token. A call the device cannot read holds the
+row (`held`): the loop stops when no row is live, the host reads the body with
+`AtomicCalls.announced`, and `resume` goes on with the same state (`SpeculativeDecoder`). Spans follow `AtomicCalls.announced_spans`: a call completed
 by a block's last token announces the next span even when the same pass's bonus token follows it.
 
 A row's random stream is the engine's: the token at output index i outside spans is drawn with

@@ -18,10 +18,10 @@ What each slot keeps across syncs, besides the target's cache row:
 As in `SpeculativeDecoder`, the prefill covers the whole prompt and gives the first token (as in plain
 serving: `SlotEngine._choose`, each request with its own sampling), except for a prompt ending with an
 `atomic_decoding` call (or inside its fixed text): its first pass feeds the prompt's last token again so
-that the block (or the text) is drafted from output 0, and its first token arrives with the first sync. A call the device's automaton cannot read
-holds its slot until the sync ends; the host reads it with `AtomicCalls.announced`
-(`speculative.open_host_span`) and the slot goes on at the next sync (a prompt ending with one is read
-at its prefill).
+that the block (or the text) is drafted from output 0, and its first token arrives with the first sync.
+A call the device's automaton cannot read holds its slot until the sync ends; the host reads it with
+`AtomicCalls.announced` (`speculative.open_host_span`) and the slot goes on at the next sync (a prompt
+ending with one is read at its prefill).
 
 A pass costs a verify `extend` over width + 1 positions for every slot up to the highest live one as soon
 as any of them is inside a block; the other slots take their plain token from the same pass.
@@ -159,8 +159,9 @@ class SpeculativeSlotEngine(SlotEngine):
     def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
         """The whole prompts into the requests' slots, their spans from the automaton, their statistics reset;
         then the first token of each request whose prompt opens no span and ends outside the call's fixed
-        text (a prompt ending with a call the host reads is read here first), from the prefill's logits as `SlotEngine` draws it, the spans advanced
-        by it. A request whose prompt announces a block gets its first token with the next sync."""
+        text (a prompt ending with a call the host reads is read here first), drawn from the prefill's logits
+        as `SlotEngine` draws it, the spans advanced by it. A request whose prompt announces a block gets its
+        first token with the next sync."""
         arrays, slots, vision = self._prompt_arrays(requests, rows, len)
         last = np.zeros(rows, np.int32)
         last[:len(requests)] = [r.ids[-1] for r in requests]
