@@ -357,6 +357,14 @@ def prompt_spans(tables, tokens, lengths, last, active) -> tuple[Spans, jax.Arra
     return spans, active & (event == announcements.ASK_HOST)
 
 
+def drafts_first(spans: Spans, spelled_length):
+    """Rows whose first output token is drafted: the prompt opened a span, or ends inside the call's fixed
+    text (`Tables.spelled_length` of its automaton state). Their first pass feeds the prompt's last token
+    again instead of the prefill choosing that token (`speculative_programs`, and the server's slots on
+    their host copies: numpy or device arrays alike)."""
+    return (spans.left > 0) | (spelled_length[spans.automaton] > 0)
+
+
 def blank(batch: int, width: int, out_length: int, budget):
     zeros = jnp.zeros(batch, jnp.int32)
     spans = Spans(zeros, jnp.zeros((batch, 2), jnp.int32), zeros, zeros, zeros, jnp.zeros(batch, bool), zeros)
@@ -439,7 +447,7 @@ def speculative_programs(graphdef, rule, sampling: Sampling, vocab: int, width: 
         passes = _passes(model, draft_params, seed, rows, stop_ids, tables)
         # The first token of every other row is the prefill's, as in `engine_program`: a step saved per answer.
         first = sample(logits, _keys_at(passes.row_keys, state.count), sampling, vocab)
-        take = passes.live(state) & (spans.left == 0) & ~passes.spelling(state)
+        take = passes.live(state) & ~drafts_first(spans, tables.spelled_length)
         return passes.run(_commit(state, first[:, None], take.astype(jnp.int32), stop_ids, tables))
 
     def _passes(model, draft_params, seed, rows, stop_ids, tables):

@@ -153,10 +153,7 @@ class SlotEngine:
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
             logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
                                                 np.full(rows, self.slots, np.int32), None)
-            greedy = sampling_rows((), rows)
-            slot_programs.chooser(greedy.kind, self.vocab)(
-                logits, np.arange(rows), np.zeros(rows, np.uint32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
-                greedy)
+            self._choose(logits, [], [])  # the greedy first-token choice of this row count
         zeros, greedy = np.zeros(self.slots, np.int32), sampling_rows((), self.slots)
         for rows in self._row_sizes:
             for length in self._length_sizes:
@@ -341,12 +338,18 @@ class SlotEngine:
             for i, (row, follower) in enumerate(copies):
                 sources[i], targets[i], follower.offset = requests[row].slot, follower.slot, requests[row].offset
             self._cache = self._copy_rows(self._cache, sources, targets)
-        chosen = self._choose(logits, everyone, list(range(len(requests))) + [row for row, _ in copies])
+        self._first_tokens(logits, everyone, list(range(len(requests))) + [row for row, _ in copies])
+
+    def _first_tokens(self, logits, requests: list[Request], rows_of: list[int]) -> np.ndarray:
+        """Each request's first token from its prompt's logits row (`_choose`), committed, its time recorded
+        → the tokens."""
+        chosen = self._choose(logits, requests, rows_of)
         ended = time.perf_counter()
-        for request, token in zip(everyone, chosen, strict=True):
+        for request, token in zip(requests, chosen, strict=True):
             request.times["first_token"] = ended
             self._record(request)
             self._commit(request, token)
+        return chosen
 
     def _prompt_arrays(self, requests: list[Request], rows: int, prefilled) -> tuple[dict, np.ndarray, tuple | None]:
         """The prefill's host arrays of each request's first `prefilled(ids)` prompt tokens (`engine.batch_arrays`,

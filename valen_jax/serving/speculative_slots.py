@@ -39,9 +39,8 @@ from flax import nnx
 
 from data_pipeline.primitives import AtomicCalls
 from valen_jax.decoding import announcements, loop
-from valen_jax.decoding.sampling import RowSampling, SamplingKind, sampling_rows
+from valen_jax.decoding.sampling import RowSampling, SamplingKind
 from valen_jax.decoding.speculative import open_host_span
-from valen_jax.serving.slot_programs import chooser
 from valen_jax.serving.slots import Request, SlotEngine
 
 
@@ -147,9 +146,7 @@ class SpeculativeSlotEngine(SlotEngine):
                 self.params, self.drafter.params, self._cache, self._draft, zeros, positions,
                 np.ones(rows, np.int32), np.full(rows, self.slots, np.int32), None, np.zeros(rows, np.int32),
                 self._tables)
-            greedy = sampling_rows((), rows)
-            chooser(greedy.kind, self.vocab)(logits, np.arange(rows), np.zeros(rows, np.uint32),
-                                             np.zeros(rows, np.uint32), np.zeros(rows, np.int32), greedy)
+            self._choose(logits, [], [])  # the greedy first-token choice of this row count
         _advance(self._spans, np.zeros(self.slots, np.int32), self._tables)
         for rows in self._row_sizes:
             for length in self._length_sizes:
@@ -180,23 +177,18 @@ class SpeculativeSlotEngine(SlotEngine):
                 mine[request.slot] = 0
             if held[row]:
                 self._read_call(request, list(request.ids))
-        # As `loop.speculative_programs`: a slot with a draft at output 0 (a span, the call's fixed text) waits.
-        firsts = [(row, r) for row, r in enumerate(requests) if self._spans.left[r.slot] == 0
-                  and not self._spelled_length[self._spans.automaton[r.slot]]]
+        waits = loop.drafts_first(self._spans, self._spelled_length)
+        firsts = [(row, r) for row, r in enumerate(requests) if not waits[r.slot]]
         if not firsts:
             return
-        chosen = self._choose(logits, [r for _, r in firsts], [row for row, _ in firsts])
-        ended = time.perf_counter()
+        chosen = self._first_tokens(logits, [r for _, r in firsts], [row for row, _ in firsts])
         tokens = np.zeros(self.slots, np.int32)
         for (_, request), token in zip(firsts, chosen, strict=True):
             tokens[request.slot] = token
         moved, hold = jax.tree.map(np.asarray, _advance(self._spans, tokens, self._tables))
-        for (_, request), token in zip(firsts, chosen, strict=True):
+        for _, request in firsts:
             for mine, new in zip(self._spans, moved, strict=True):
                 mine[request.slot] = new[request.slot]
-            request.times["first_token"] = ended
-            self._record(request)
-            self._commit(request, token)
             if request.finish_reason is None and hold[request.slot]:
                 self._read_call(request, list(request.ids) + request.tokens)
 
