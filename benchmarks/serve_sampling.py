@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="sampled rounds, each with new numbers")
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
+    from tests.serve_server import serve_together
     from valen_jax.decoding.sampling import Sampling
     from valen_jax.serve import load_service
     from valen_jax.serving.slots import Request
@@ -61,19 +61,9 @@ def main() -> None:
     ids = np.asarray(service.tokenizer.encode("The weather in Wellington is", add_special_tokens=False), np.int32)
 
     def round_seconds(samplings) -> float:
-        done, left = threading.Event(), [len(samplings)]
-
-        def emit(token):
-            if token is None:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
-        requests = [Request(ids, args.new_tokens, s, seed, 0, emit) for seed, s in enumerate(samplings)]
+        requests = [Request(ids, args.new_tokens, s, seed, 0, None) for seed, s in enumerate(samplings)]
         started = time.perf_counter()
-        engine.submit(*requests)  # queued together: admitted in one round
-        if not done.wait(600) or engine.failure:
-            raise SystemExit(f"the engine did not finish the round: {engine.failure}")
+        serve_together(engine, requests)  # queued together: admitted in one round, until all have ended
         return time.perf_counter() - started
 
     try:
