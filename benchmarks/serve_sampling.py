@@ -5,18 +5,21 @@ temperature (half of them with top-p 0.9), against a round of greedy requests on
     .venv/bin/python benchmarks/serve_sampling.py                      # trains configs/chat.py:tiny for 4 steps first
     .venv/bin/python benchmarks/serve_sampling.py --workdir=runs/chat-smoke [--rounds=3] [--new-tokens=32]
 
-The engine is warmed as the server warms it (`SlotEngine.warm`: every prefill and the greedy decode).
+The engine is warmed as the server warms it (`SlotEngine.warm`: every prefill and the greedy decode, then
+in a background thread the sampled kinds' programs and those of several choices), and the rounds start once
+that background compile has ended (`--no-background-warm-up`: the greedy warm-up only, as before it).
 Each round's numbers differ from every earlier round's (temperature 0.5 + 0.1 i + 0.01 round), as
 clients' numbers do. A slot's temperature, top-k and top-p are arrays of the decode program, one
-program per kind of sampling (`sampling.SamplingKind`), so only the first sampled round compiles (its
-kinds: temperature alone, and with top-p); before (one program per distinct `Sampling`, commit 507b903) every round compiled
-`--slots` new decode and choose programs, each stalling every slot, and each sync ran the model once
-per distinct sampling among the slots.
+program per kind of sampling (`sampling.SamplingKind`), so without the background compile only the first
+sampled round compiles (its kinds: temperature alone, and with top-p; its first-token choice for 8 choices of
+one prompt; the copies of that prompt's rows); before (one program per distinct `Sampling`, commit 507b903)
+every round compiled `--slots` new decode and choose programs, each stalling every slot, and each sync ran
+the model once per distinct sampling among the slots.
 
 Printed: the greedy round's seconds, each sampled round's, and last
 `sampled_round_vs_greedy=X first_sampled_round_s=Y`: the median of the sampled rounds after the first over
 the greedy round (the cost of sampling itself, filters included), and the first sampled round's seconds
-(its compiles).
+(its compiles, if any).
 
 Measured on this 2-core CPU, idle (2026-12-05, the tiny chat model, 8 slots, 32 new tokens, 4 sampled
 rounds), two runs: greedy 0.124 / 0.114 s a round; sampled 1.372 / 1.284 s for the first round, then
@@ -24,6 +27,11 @@ rounds), two runs: greedy 0.124 / 0.114 s a round; sampled 1.372 / 1.284 s for t
 script on 507b903 (before): greedy 0.118 s, sampled 8.658 / 8.835 / 9.205 / 8.926 s:
 `sampled_round_vs_greedy=75.85 first_sampled_round_s=8.66`. (With one kind for both filters, where a top-p
 round also sorted for top-k, a sampled round took 0.22 s: 1.86.)
+With the background compile (2026-12-05, same host, quiet): greedy 0.126 s, sampled 0.188 s for the first
+round, then 0.166-0.175 s: `sampled_round_vs_greedy=1.32 first_sampled_round_s=0.19` (background 23.5 s);
+`--no-background-warm-up` in the run before it: greedy 0.176 s, sampled 1.794 s, then 0.139-0.157 s:
+`sampled_round_vs_greedy=0.89 first_sampled_round_s=1.79`. Rounds of 0.12-0.18 s swing by a third between
+runs here; the first round's compile does not.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4, help="sampled rounds, each with new numbers")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--no-background-warm-up", action="store_true",
+                        help="warm as before the background compile: prefills and the greedy decode only")
     args = parser.parse_args()
     from tests.serve_server import serve_together
     from valen_jax.decoding.sampling import Sampling
@@ -56,8 +66,12 @@ def main() -> None:
     workdir = Path(args.workdir) if args.workdir else Path(tmp.name) / "chat-smoke"
     if not args.workdir:
         train_smoke(workdir)
-    service = load_service(workdir, slots=args.slots)  # warmed, as the server starts
+    service = load_service(workdir, slots=args.slots, warm=False)
     engine = service.engine
+    engine.warm(background=not args.no_background_warm_up)  # as the server starts
+    engine.wait_warm()  # a server serves greedy requests meanwhile; here the rounds start after it
+    print(f"warm-up: {engine.warm_seconds:.1f} s, then in the background: "
+          f"{engine.background_warm_seconds or 0:.1f} s")
     ids = np.asarray(service.tokenizer.encode("The weather in Wellington is", add_special_tokens=False), np.int32)
 
     def round_seconds(samplings) -> float:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import logging
 import shutil
 import threading
 import time
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -179,6 +181,52 @@ def test_slots_of_different_samplings_share_one_program_and_each_equals_generate
     compiled = slot_programs.decoder.cache_info().misses
     assert one(1) > 1 and one(2) > 1
     assert slot_programs.decoder.cache_info().misses == compiled
+
+
+def compiled_programs(caplog, run) -> list[str]:
+    """The names of the JAX programs compiled (in any thread) while `run()` runs."""
+    previous = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax"):
+            caplog.clear()
+            run()
+    finally:
+        jax.config.update("jax_log_compiles", previous)
+    return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("background", [True, False], ids=["background", "greedy-only"])
+def test_the_warm_up_compiles_the_sampled_kinds_in_the_background(served, caplog, background):
+    """`warm()` compiles every prefill and the greedy decode, then the programs of sampled requests and of
+    several choices ahead of time in a background thread: afterwards a request of two choices with
+    temperature, top-k and top-p chooses its first tokens and decodes without a compile (a compile stalls
+    every slot: a second or two here, far more for a large model). The control, `warm(background=False)`,
+    shows the same request compiling its decode. Each case has its own `steps_per_sync`, so no other test
+    has compiled its programs."""
+    from valen_jax.serving.slots import Request, SlotEngine
+
+    service = served.service
+    run = service.restored
+    # No stop token: the answer runs its budget, so decode calls run.
+    engine = SlotEngine(run.params, run.graphdef, vocab=len(service.tokenizer), stop_ids=(), slots=3,
+                        cache_length=128, max_queue=4, steps_per_sync=3 if background else 5)
+    try:
+        engine.warm(background=background)
+        engine.wait_warm()
+        assert (engine.background_warm_seconds is not None) == background
+        ids = np.asarray(service.tokenizer.encode("Hello Oslo", add_special_tokens=False), np.int32)
+        # Two choices of one request (`n`=2): one prefill, its row copied, two first tokens chosen in one call.
+        requests = [Request(ids, 12, Sampling(temperature=5.0, top_k=50, top_p=0.99), 3, choice, None)
+                    for choice in range(2)]
+        compiled = compiled_programs(caplog, lambda: serve_together(engine, requests))
+    finally:
+        engine.stop()
+    assert [len(r.tokens) for r in requests] == [12, 12] and requests[0].tokens != requests[1].tokens
+    assert ("jit(decode)" in compiled) == (not background), compiled
+    if background:
+        assert compiled == []
 
 
 def test_n_choices_and_stop_strings(served, client):

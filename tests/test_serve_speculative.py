@@ -262,3 +262,31 @@ def test_an_oracle_drafter_commits_the_block_in_one_pass(served):
     # One pass: the block's 14 drafted tokens accepted, and the target's own next token (tau = B + 1).
     assert request.speculation["verify_passes"] == 1
     assert request.speculation["accepted_tokens"] == BLOCK and request.speculation["block_tokens"] == BLOCK + 1
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "greedy-only"])
+def test_the_warm_up_compiles_the_sampled_syncs_in_the_background(served, caplog, background):
+    """As tests/test_serve.py's warm-up test, for the speculative engine: after `warm()` and its background
+    compile, a sampled request whose block is drafted syncs without compiling; with
+    `warm(background=False)` it compiles its sync. Its own `steps_per_sync` per case: no other test
+    compiled these programs."""
+    from tests.test_serve import compiled_programs
+
+    service = served.service
+    run = service.restored
+    engine = SpeculativeSlotEngine(run.params, run.graphdef, drafter=service.engine.drafter,
+                                   calls=AtomicCalls(service.tokenizer), vocab=len(service.tokenizer), stop_ids=(),
+                                   slots=2, cache_length=bucket(service.context), max_queue=4,
+                                   steps_per_sync=3 if background else 5)
+    try:
+        engine.warm(background=background)
+        engine.wait_warm()
+        request = Request(np.asarray(ids_of(served, COMPACT), np.int32), BLOCK + 4,
+                          Sampling(temperature=0.9, top_k=40, top_p=0.95), 7, 0, None)
+        compiled = compiled_programs(caplog, lambda: serve_together(engine, [request]))
+    finally:
+        engine.stop()
+    assert len(request.tokens) == BLOCK + 4 and request.speculation["verify_passes"] > 0
+    assert ("jit(sync)" in compiled) == (not background), compiled
+    if background:
+        assert compiled == []

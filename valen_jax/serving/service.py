@@ -61,7 +61,8 @@ class Service:
                 drafter=CachedDrafter(drafter.graphdef, drafter.params, len(self.tokenizer)), **engine)
         if warm:
             self.engine.warm()
-            log.info("serve: compiled every prefill bucket and decode shape in %.1f s (warm-up)",
+            log.info("serve: compiled every prefill bucket and greedy decode shape in %.1f s (warm-up; sampled "
+                     "kinds compile in the background)",
                      self.engine.warm_seconds)
         self._scoring = threading.Lock()  # one scoring request at a time (each converts and compiles its rows)
 

@@ -20,6 +20,7 @@ batch. A larger value amortises the round trip; a smaller one lets a new request
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from valen_jax.decoding.engine import batch_arrays, bucket
-from valen_jax.decoding.sampling import Sampling, sampling_rows
+from valen_jax.decoding.sampling import Sampling, SamplingKind, sampling_rows
 from valen_jax.serving import slot_programs
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ PREFILL_TOKENS = {"cpu": 512}
 PREFILL_TOKENS_ACCELERATOR = 4096
 MIN_DECODE_ROWS = 8  # the smallest slot count a decode program runs (`_shape_buckets`)
 MIN_DECODE_LENGTH = 128  # the shortest cache prefix it attends over
+# Every kind a sampled request's programs can be of (`SamplingKind`: temperature, with or without each filter).
+SAMPLED_KINDS = tuple(SamplingKind(sampled=True, top_k=k, top_p=p) for k in (False, True) for p in (False, True))
 METRICS_WINDOW = 1024  # requests (and decode calls) `SlotEngine.metrics` summarises, the latest ones
 
 
@@ -101,6 +104,15 @@ def _same_prompt(request: Request) -> tuple:
     return request.ids.tobytes(), positions, None if request.vision is None else id(request.vision)
 
 
+def _abstract(tree):
+    """Each array's shape and dtype (and a committed device array's sharding): what a jitted program's
+    `lower` needs to compile the executable a call with these arrays runs."""
+    def shape(x):
+        sharding = x.sharding if isinstance(x, jax.Array) and x.committed else None
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+    return jax.tree.map(shape, tree)
+
+
 def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -137,33 +149,83 @@ class SlotEngine:
         self._firsts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=METRICS_WINDOW)
         self._decode_seconds: collections.deque[float] = collections.deque(maxlen=METRICS_WINDOW)
         self.warm_seconds: float | None = None
+        self.background_warm_seconds: float | None = None  # set once `warm`'s background compile has ended
+        self._warming: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="valen-slots", daemon=True)
         self._thread.start()
 
-    def warm(self) -> None:
-        """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) and
-        the greedy decode, so no greedy request waits on a compile (on a CPU one stalls every slot for
-        seconds); a sampled request's first sync of a shape compiles its kind's program once
-        (`SamplingKind`: at most four more kinds, whatever numbers clients send).
+    def warm(self, background: bool = True) -> None:
+        """Compile before serving: every prefill (both row counts, every prompt bucket up to the cache) with
+        its greedy first-token choice, and the greedy decode of every shape, so no greedy request waits on a
+        compile (on a CPU one stalls every slot for seconds; on an accelerator, for a large model, tens).
         Padding rows only: their slots are out of range, so the cache is untouched. Its seconds are
-        `warm_seconds` (in `metrics`, and the server logs them)."""
+        `warm_seconds` (in `metrics`, and the server logs them). With `background`, the programs of sampled
+        requests and of several choices are then compiled in a background thread (`_warm_background`;
+        `wait_warm` waits for it, `background_warm_seconds` its time)."""
         started = time.perf_counter()
+        firsts = {}  # the prefill's logits per row count: what the first-token choice reads
         for rows, size in self._prefill_shapes():
             zeros = np.zeros((rows, size), np.int32)
             positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
-            logits, self._cache = self._prefill(self.params, self._cache, zeros, positions, np.ones(rows, np.int32),
-                                                np.full(rows, self.slots, np.int32), None)
-            self._choose(logits, [], [])  # the greedy first-token choice of this row count
-        zeros, greedy = np.zeros(self.slots, np.int32), sampling_rows((), self.slots)
+            firsts[rows] = self._warm_prefill(zeros, positions)
+            self._choose(firsts[rows], [], [])  # the greedy first-token choice of this row count
+        self._warm_decodes()
+        self.warm_seconds = time.perf_counter() - started
+        if background:
+            jobs = self._background_programs(firsts)  # shapes taken now: serving replaces the donated cache
+            self._warming = threading.Thread(target=self._warm_background, args=(jobs,), name="valen-warm",
+                                             daemon=True)
+            self._warming.start()
+
+    def _background_programs(self, firsts: dict) -> list[tuple[object, tuple]]:
+        """(program, abstract inputs) of what a request can need beyond `warm`'s greedy programs: every sampled
+        kind's decode of every shape; every kind's first-token choice for each prefill row count and each
+        count of choices sharing a prompt (`_choose`'s sizes); the copies of a shared prefill's rows, per
+        power-of-two count (`_prefill_rows`). `firsts`: the prefill logits per row count."""
+        sizes = sorted({(rows, max(rows, 1 << i)) for rows in firsts
+                        for i in range(_power_of_two(self.slots).bit_length())})
+        jobs = [(slot_programs.chooser(kind, self.vocab), _abstract(self._choose_inputs(firsts[rows], [], [], kind, size)))
+                for kind in (SamplingKind(), *SAMPLED_KINDS) for rows, size in sizes if kind.sampled or size > rows]
+        if self.shares_prefills:
+            jobs += [(self._copy_rows, _abstract((self._cache, np.zeros(1 << i, np.int32), np.zeros(1 << i, np.int32))))
+                     for i in range(_power_of_two(max(self.slots - 1, 1)).bit_length())]
+        return jobs + [(self._decode_program(kind, rows, length), _abstract(self._decode_inputs(self._slot_arrays([], kind))))
+                       for kind in SAMPLED_KINDS for rows in self._row_sizes for length in self._length_sizes]
+
+    def wait_warm(self) -> None:
+        """Until `warm`'s background compile has ended (at once if none runs)."""
+        if self._warming is not None:
+            self._warming.join()
+
+    def _warm_prefill(self, tokens, positions):
+        """One padding-only prefill of `tokens`' shape → its logits."""
+        rows = len(tokens)
+        logits, self._cache = self._prefill(self.params, self._cache, tokens, positions, np.ones(rows, np.int32),
+                                            np.full(rows, self.slots, np.int32), None)
+        return logits
+
+    def _warm_decodes(self) -> None:
+        """The greedy decode of every slot count and cache prefix, run on padding (no live slot)."""
+        a = self._slot_arrays([])
         for rows in self._row_sizes:
             for length in self._length_sizes:
-                decode = slot_programs.decoder(self.graphdef, self.vocab, greedy.kind, self.steps_per_sync, rows,
-                                               length)
-                tokens, self._cache = decode(self.params, self._cache, zeros, zeros, zeros, zeros.astype(np.uint32),
-                                             zeros.astype(np.uint32), zeros, np.zeros(self.slots, bool), zeros,
-                                             self._stops, greedy)
-        np.asarray(tokens)
-        self.warm_seconds = time.perf_counter() - started
+                self._decode(rows, length, a)
+
+    def _warm_background(self, jobs) -> None:
+        """Compile `jobs` (`_background_programs`) ahead of time (abstract inputs: nothing runs, no second
+        cache is allocated), one after another in this background thread while the server already serves:
+        JAX keeps an ahead-of-time compiled executable for the calls of the same program with the same
+        shapes, so a sampled request (or one of several choices) arriving afterwards runs compiled programs
+        instead of stalling every slot on a compile; one arriving earlier compiles its own, as without this.
+        `stop` ends it between two compiles."""
+        started = time.perf_counter()
+        for program, inputs in jobs:
+            if self._stopping:
+                return
+            program.lower(*inputs).compile()
+        self.background_warm_seconds = time.perf_counter() - started
+        log.info("serve: compiled the sampled kinds' and several choices' %d programs in the background in %.1f s",
+                 len(jobs), self.background_warm_seconds)
 
     def _prefill_shapes(self) -> list[tuple[int, int]]:
         """(rows, prompt bucket) of every prefill `_start` can run: one row per bucket up to the cache, and
@@ -226,7 +288,9 @@ class SlotEngine:
         return {"requests": len(firsts), "queue_ms": summary(columns[0]), "behind_prefills_ms": summary(columns[1]),
                 "prefill_ms": summary(columns[2]), "first_token_ms": summary([sum(f) for f in firsts]),
                 "decode_call_ms": summary(calls), "steps_per_sync": self.steps_per_sync,
-                "warm_up_s": None if self.warm_seconds is None else round(self.warm_seconds, 2)}
+                "warm_up_s": None if self.warm_seconds is None else round(self.warm_seconds, 2),
+                "background_warm_up_s": (None if self.background_warm_seconds is None
+                                         else round(self.background_warm_seconds, 2))}
 
     def busy(self) -> int:
         return sum(r is not None for r in self._live) + len(self._waiting)
@@ -240,6 +304,8 @@ class SlotEngine:
                     request.cancelled = True
             self._wake.notify()
         self._thread.join()
+        if self._warming is not None:
+            self._warming.join()  # at most the compile under way (`_warm_background` checks between two)
 
     # -- the engine thread --
     def _run(self) -> None:
@@ -370,11 +436,12 @@ class SlotEngine:
         vision = (arrays["patches"], arrays["patch_positions"], arrays["patch_segments"]) if patches else None
         return arrays, slots, vision
 
-    def _slot_arrays(self, requests: list[Request]) -> dict[str, np.ndarray]:
+    def _slot_arrays(self, requests: list[Request], kind: SamplingKind | None = None) -> dict[str, np.ndarray]:
         """Per slot, the host arrays a decode call reads, filled for `requests` (zeros elsewhere): the last
         committed token (the prompt's last before the first output), which is not in the cache yet and goes to
         the slot after the prompt and the others (`cursor`), position offsets, output counts, budgets, seeds,
-        choice indices, `live` (these requests), and `sampling`, theirs (`sampling_rows`, of the kind covering them)."""
+        choice indices, `live` (these requests), and `sampling`, theirs (`sampling_rows`, of the kind covering
+        them, or `kind`: the warm-up's)."""
         a = {k: np.zeros(self.slots, np.int32) for k in ("last", "cursor", "offsets", "counts", "budgets")}
         a.update(seeds=np.zeros(self.slots, np.uint32), choices=np.zeros(self.slots, np.uint32),
                  live=np.zeros(self.slots, bool))
@@ -387,6 +454,8 @@ class SlotEngine:
         for r in requests:
             slot_samplings[r.slot] = r.sampling
         a["sampling"] = sampling_rows(slot_samplings, self.slots)
+        if kind is not None:
+            a["sampling"] = dataclasses.replace(a["sampling"], kind=kind)
         return a
 
     def _decode_shape(self, live: list[Request], ahead: int) -> tuple[int, int]:
@@ -409,30 +478,48 @@ class SlotEngine:
         live = [r for r in self._live if r is not None]
         a = self._slot_arrays(live)
         rows, length = self._decode_shape(live, self.steps_per_sync)
-        decode = slot_programs.decoder(self.graphdef, self.vocab, a["sampling"].kind, self.steps_per_sync, rows,
-                                       length)
         started = time.perf_counter()
-        tokens, self._cache = decode(self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"],
-                                     a["choices"], a["counts"], a["live"], a["budgets"], self._stops, a["sampling"])
-        tokens = np.asarray(tokens)
+        tokens = self._decode(rows, length, a)
         self._decode_seconds.append(time.perf_counter() - started)
         self.steps += self.steps_per_sync
         for r in live:
             self._commit_sync(r, tokens[:, r.slot])
+
+    def _decode(self, rows: int, length: int, a: dict) -> np.ndarray:
+        """One sync of `rows` slots over `length` cache positions with `_slot_arrays`' `a` → its tokens [steps, S]."""
+        tokens, self._cache = self._decode_program(a["sampling"].kind, rows, length)(*self._decode_inputs(a))
+        return np.asarray(tokens)
+
+    def _decode_program(self, kind: SamplingKind, rows: int, length: int):
+        """The compiled sync of `rows` slots over `length` cache positions for `kind` (`slot_programs.decoder`)."""
+        return slot_programs.decoder(self.graphdef, self.vocab, kind, self.steps_per_sync, rows, length)
+
+    def _decode_inputs(self, a: dict) -> tuple:
+        """The sync's arguments from `_slot_arrays`' `a`."""
+        return (self.params, self._cache, a["last"], a["cursor"], a["offsets"], a["seeds"], a["choices"], a["counts"],
+                a["live"], a["budgets"], self._stops, a["sampling"])
 
     def _choose(self, logits, requests: list[Request], rows_of: list[int]) -> np.ndarray:
         """The first token of each new request from its prompt's logits row `rows_of[i]` of [rows, V], each
         with its own sampling, in one call (padded to at least the prefill's rows, then powers of two, so each
         `SamplingKind` compiles once per row count and a few counts of requests sharing prompts, not per
         number admitted)."""
-        size = max(logits.shape[0], _power_of_two(len(requests)))
+        inputs = self._choose_inputs(logits, requests, rows_of)
+        chosen = slot_programs.chooser(inputs[-1].kind, self.vocab)(*inputs)
+        return np.asarray(chosen)[:len(requests)]
+
+    def _choose_inputs(self, logits, requests: list[Request], rows_of: list[int], kind: SamplingKind | None = None,
+                       size: int = 0):
+        """`_choose`'s arguments (the warm-up's: its sampling of `kind` and at least `size` entries)."""
+        size = max(logits.shape[0], _power_of_two(len(requests)), size)
         seeds, choices, counts = np.zeros(size, np.uint32), np.zeros(size, np.uint32), np.zeros(size, np.int32)
         index = np.zeros(size, np.int32)
         for i, r in enumerate(requests):
             seeds[i], choices[i], counts[i], index[i] = r.seed, r.choice, len(r.tokens), rows_of[i]
         sampling = sampling_rows([r.sampling for r in requests], size)
-        chosen = slot_programs.chooser(sampling.kind, self.vocab)(logits, index, seeds, choices, counts, sampling)
-        return np.asarray(chosen)[:len(requests)]
+        if kind is not None:
+            sampling = dataclasses.replace(sampling, kind=kind)
+        return logits, index, seeds, choices, counts, sampling
 
     def _commit_sync(self, request: Request, tokens) -> None:
         """A sync's tokens of one request, up to its end (a stop, its budget, or the client gone), then one

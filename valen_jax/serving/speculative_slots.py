@@ -134,24 +134,18 @@ class SpeculativeSlotEngine(SlotEngine):
         self._spans, self._stats = jax.tree.map(np.array, loop.blank(slots, self.width, 1, 0)[:2])
         super().__init__(params, graphdef, slots=slots, cache_length=cache_length, **kwargs)
 
-    def warm(self) -> None:
-        """Compile every speculative prefill (both row counts, every prompt bucket) with the greedy first-token
-        choice after it, and the greedy sync of every slot count and cache prefix before serving
-        (`SlotEngine.warm`'s reasons)."""
-        started = time.perf_counter()
-        for rows, size in self._prefill_shapes():
-            zeros = np.zeros((rows, size), np.int32)
-            positions = np.zeros((rows, size, 3) if self.mrope else (rows, size), np.int32)
-            logits, self._cache, self._draft, *_ = self._spec_prefill(
-                self.params, self.drafter.params, self._cache, self._draft, zeros, positions,
-                np.ones(rows, np.int32), np.full(rows, self.slots, np.int32), None, np.zeros(rows, np.int32),
-                self._tables)
-            self._choose(logits, [], [])  # the greedy first-token choice of this row count
+    def _warm_prefill(self, tokens, positions):
+        """One padding-only speculative prefill (the drafter's state too) → its logits."""
+        rows = len(tokens)
+        logits, self._cache, self._draft, *_ = self._spec_prefill(
+            self.params, self.drafter.params, self._cache, self._draft, tokens, positions, np.ones(rows, np.int32),
+            np.full(rows, self.slots, np.int32), None, np.zeros(rows, np.int32), self._tables)
+        return logits
+
+    def _warm_decodes(self) -> None:
+        """The span advance after a first token, then every greedy sync (`SlotEngine._warm_decodes`)."""
         _advance(self._spans, np.zeros(self.slots, np.int32), self._tables)
-        for rows in self._row_sizes:
-            for length in self._length_sizes:
-                self._sync(rows, length, [])
-        self.warm_seconds = time.perf_counter() - started
+        super()._warm_decodes()
 
     def _prefill_rows(self, requests: list[Request], rows: int, followers: dict[int, list[Request]]) -> None:
         """The whole prompts into the requests' slots, their spans from the automaton, their statistics reset;
@@ -196,14 +190,20 @@ class SpeculativeSlotEngine(SlotEngine):
         spans = {k: getattr(self._spans, k) for k in ("left", "size", "count", "fresh", "misses")}
         open_host_span(self.calls, ids, spans, request.slot)
 
-    def _sync(self, rows: int, length: int, mine: list[Request]):
-        a = self._slot_arrays(mine)
-        program = _sync_program(self.graphdef, self.drafter.rule, self.vocab, a["sampling"].kind, self.width,
-                                self.steps_per_sync, rows, length, self.patience)
-        tokens, new_counts, held, spans, stats, self._cache, self._draft = program(
-            self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"], a["seeds"],
-            a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops, self._tables,
-            a["sampling"])
+    def _decode_program(self, kind: SamplingKind, rows: int, length: int):
+        return _sync_program(self.graphdef, self.drafter.rule, self.vocab, kind, self.width, self.steps_per_sync,
+                             rows, length, self.patience)
+
+    def _decode_inputs(self, a: dict) -> tuple:
+        return (self.params, self.drafter.params, self._cache, self._draft, a["last"], a["cursor"], a["offsets"],
+                a["seeds"], a["choices"], a["counts"], a["live"], a["budgets"], self._spans, self._stats, self._stops,
+                self._tables, a["sampling"])
+
+    def _decode(self, rows: int, length: int, a: dict):
+        """One sync (`_sync_program`) → (tokens, each slot's output count, the slots whose latest token ends a
+        call the host reads); the spans and statistics updated."""
+        program = self._decode_program(a["sampling"].kind, rows, length)
+        tokens, new_counts, held, spans, stats, self._cache, self._draft = program(*self._decode_inputs(a))
         tokens, new_counts, held = np.asarray(tokens), np.asarray(new_counts), np.asarray(held)
         for mine_field, new in zip((*self._spans, *self._stats), (*spans, *stats), strict=True):
             mine_field[:rows] = np.asarray(new)
@@ -214,7 +214,7 @@ class SpeculativeSlotEngine(SlotEngine):
         # Each pass writes width + 1 positions from a slot's cursor on.
         rows, length = self._decode_shape(live, self.steps_per_sync * (self.width + 1) + 1)
         started = time.perf_counter()
-        tokens, counts, held = self._sync(rows, length, live)
+        tokens, counts, held = self._decode(rows, length, self._slot_arrays(live))
         self._decode_seconds.append(time.perf_counter() - started)
         self.steps += self.steps_per_sync
         for r in live:
