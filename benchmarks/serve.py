@@ -34,7 +34,8 @@ first streamed chunk with text or a finish_reason: an answer that is only the en
 text) p50/p95, per-token latency (a request's streamed span / its tokens after the first)
 p50/p95. `prefill` is the median of 5 single requests of the longest prompt asking one token (TTFT
 alone, HTTP included). Under each concurrency, the engine's side of its first tokens (`GET
-/v1/valen/metrics`: queue, behind other prefills, own prefill, decode call); then `ttft_p95_c8 / prefill`. Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: the paired ratio of
+/v1/valen/metrics`: queue, behind other prefills, own prefill, decode call), and the fractions of the
+timed served passes the engine thread spent prefilling and decoding (its `busy_s`); then `ttft_p95_c8 / prefill`. Last line: `serve_throughput_vs_offline=X ttft_p95_ms=Y`: the paired ratio of
 served tokens/s at concurrency 8 over offline tokens/s, and the TTFT p95 at concurrency 8 (goals: X >= 0.8, Y <= 2 x prefill).
 """
 
@@ -214,20 +215,25 @@ def main() -> None:
         results = {}
         for concurrency in (1, 8, 32):
             # An untimed pass first (it warms this concurrency's connections), then `--passes` timed ones.
-            passes, ratios = [], []
+            passes, ratios, busy = [], [], {"prefill": 0.0, "decode": 0.0}
             for k in range(args.passes + 1):
                 if k == 1:  # the engine's figures below cover the timed passes
                     httpx.get(url + "/v1/valen/metrics", params={"reset": "true"}, timeout=5).raise_for_status()
                 # Offline just before (the server idle): a drift of the host's speed between the two sides of a
                 # ratio measured minutes apart swung it by +-0.3 between runs; a pair shares the host's state.
                 offline_rate = offline_rate_now() if k else None
+                before = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
                 start = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                     got = list(pool.map(lambda t: request(t, args.new_tokens), texts))
                 passes.append((time.perf_counter() - start, got))
+                after = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
                 if k:
                     ratios.append(sum(g["tokens"] for g in got) / passes[-1][0] / offline_rate)
+                    for work in busy:  # the engine thread's seconds in this pass (the offline pass not counted)
+                        busy[work] += after[work] - before[work]
             timed = passes[1:]
+            served_s = sum(w for w, _ in timed)
             tokens = sum(g["tokens"] for g in timed[0][1])  # greedy: every pass produces the same tokens
             rate = float(np.median([sum(g["tokens"] for g in pass_) / w for w, pass_ in timed]))
             ratio = float(np.median(ratios))
@@ -248,7 +254,9 @@ def main() -> None:
             print(f"concurrency {concurrency:2d}: {tokens} tokens a pass, {rate:.1f} tokens/s "
                   f"({ratio:.2f}x offline, the median of the paired passes' ratios), TTFT p50 {np.percentile(ttft, 50):.1f} ms "
                   f"p95 {np.percentile(ttft, 95):.1f} ms, per token p50 {np.percentile(per, 50):.1f} ms "
-                  f"p95 {np.percentile(per, 95):.1f} ms\n    engine (ms): {where}")
+                  f"p95 {np.percentile(per, 95):.1f} ms\n    engine (ms): {where}\n    engine busy: prefill "
+                  f"{busy['prefill'] / served_s:.2f}, decode {busy['decode'] / served_s:.2f} of the timed "
+                  f"passes' {served_s:.2f} s; garbage collections {engine['garbage_collection']}")
         while not clients.empty():
             clients.get().close()
     finally:  # a failed run must not leave its server behind (it holds this run's stdout)

@@ -475,3 +475,8 @@ def test_metrics_split_the_first_tokens_time(served, client):
     # parts by up to 4 x 0.005 ms (CI saw 7.19 against 0.17 + 0.17 + 6.84 = 7.18).
     assert 0 < metrics["first_token_ms"]["max"] <= sum(parts) + 0.02 + 1e-9
     assert metrics["prefill_ms"]["p50"] > 0 and metrics["decode_call_ms"]["p50"] > 0
+    # The engine's busy seconds cover those calls (each figure rounded on its own).
+    busy = metrics["busy_s"]
+    assert busy["prefill"] * 1e3 + 0.1 >= metrics["prefill_ms"]["max"]
+    assert busy["decode"] * 1e3 + 0.1 >= metrics["decode_call_ms"]["max"]
+    assert 0 < busy["prefill"] + busy["decode"] <= metrics["window_s"] + 1e-3

@@ -67,3 +67,25 @@ def test_api_key_then_sigterm_drains(server):
     assert process.wait(timeout=120) in {0, -signal.SIGTERM}
     with pytest.raises(httpx.TransportError):  # no longer listening
         httpx.get(url + "/health", timeout=5)
+    # Its start-up lines reach the log (an import used to leave the root logger at WARNING), and SIGTERM
+    # during the background compile waited for the compile under way instead of aborting.
+    log = process.stderr.read()
+    assert "serve: compiled every prefill bucket and greedy decode shape" in log, log[-3000:]
+    assert "objects frozen out of garbage collection" in log and "FATAL" not in log, log[-3000:]
+
+
+@pytest.mark.slow  # a subprocess restoring and warming the smoke workdir (~20 s)
+def test_exiting_during_the_background_compile_does_not_abort(tmp_path_factory):
+    """A script that warms a server's engine and exits without `stop` (the background compile of the sampled
+    kinds still under way) ends normally: the compile under way finishes, the rest is skipped. The
+    interpreter used to kill the daemon thread inside XLA: SIGABRT, "exception not rethrown"."""
+    workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
+    script = ("from valen_jax.cli import log_setup\n"
+              "from valen_jax.serve import load_service\n"
+              "log_setup.configure(force=True)\n"
+              f"service = load_service({str(workdir)!r}, slots=2)\n"
+              "assert service.engine.background_warm_seconds is None  # still compiling\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env_with_devices(1), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "FATAL" not in done.stderr, done.stderr[-3000:]
+    assert "the background compile stopped (exit) after" in done.stderr, done.stderr[-3000:]

@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     for flag, path in (("--workdir", args.workdir), ("--drafter", args.drafter)):
         if path is not None and not os.path.isdir(path):
             raise SystemExit(f"{flag}={path}: no such directory")
-    cli_logging.configure()
+    # force: importing orbax logs through absl, which configures the root logger at WARNING first, and the
+    # server's start-up lines (its warm-up, what it froze out of garbage collection) were never shown.
+    cli_logging.configure(force=True)
     with error_boundary("valen_jax.serve", paths=(args.workdir, *([args.drafter] if args.drafter else []))):
         import uvicorn
 

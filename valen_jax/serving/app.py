@@ -42,7 +42,8 @@ def build_app(service: Service) -> FastAPI:
     async def metrics(reset: bool = False):
         # Where the latest requests' time to first token went in the engine (`SlotEngine.metrics`); `?reset=true`
         # starts a new window (a benchmark's phase).
-        return {"object": "valen.metrics", "model": service.name, **service.engine.metrics(reset)}
+        return {"object": "valen.metrics", "model": service.name, **service.engine.metrics(reset),
+                "garbage_collection": service.pauses.summary(reset)}
 
     @app.get("/v1/models")
     async def models():

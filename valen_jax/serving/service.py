@@ -27,7 +27,7 @@ from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation.answers import vflash_fields
 from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.valen import predict_valen_data
-from valen_jax.serving import images
+from valen_jax.serving import collector, images
 from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
@@ -59,12 +59,22 @@ class Service:
             self.engine = SpeculativeSlotEngine(
                 restored.params, restored.graphdef, calls=AtomicCalls(self.tokenizer),
                 drafter=CachedDrafter(drafter.graphdef, drafter.params, len(self.tokenizer)), **engine)
+        self.pauses = collector.pauses()
+        self._freezer: threading.Thread | None = None
         if warm:
             self.engine.warm()
             log.info("serve: compiled every prefill bucket and greedy decode shape in %.1f s (warm-up; sampled "
-                     "kinds compile in the background)",
-                     self.engine.warm_seconds)
+                     "kinds compile in the background); %s",
+                     self.engine.warm_seconds, collector.freeze())
+            # The background compile's objects too, once it has ended.
+            self._freezer = threading.Thread(target=self._freeze_after_warm, name="valen-freeze", daemon=True)
+            self._freezer.start()
         self._scoring = threading.Lock()  # one scoring request at a time (each converts and compiles its rows)
+
+    def _freeze_after_warm(self) -> None:
+        self.engine.wait_warm()
+        if self.engine.background_warm_seconds is not None:  # not stopped before the end
+            log.info("serve: after the background compile, %s", collector.freeze())
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "valen-jax",

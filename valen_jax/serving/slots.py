@@ -19,7 +19,9 @@ batch. A larger value amortises the round trip; a smaller one lets a new request
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -148,9 +150,13 @@ class SlotEngine:
         # The first-token paths of the latest requests and the latest decode calls' seconds (`metrics`).
         self._firsts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=METRICS_WINDOW)
         self._decode_seconds: collections.deque[float] = collections.deque(maxlen=METRICS_WINDOW)
+        # The engine thread's seconds in prefill rounds and in decode syncs since `_window_started` (`metrics`).
+        self._busy_seconds = {"prefill": 0.0, "decode": 0.0}
+        self._window_started = time.perf_counter()
         self.warm_seconds: float | None = None
         self.background_warm_seconds: float | None = None  # set once `warm`'s background compile has ended
         self._warming: threading.Thread | None = None
+        self._warm_ended = False  # set at exit (`_end_warm`)
         self._thread = threading.Thread(target=self._run, name="valen-slots", daemon=True)
         self._thread.start()
 
@@ -175,6 +181,9 @@ class SlotEngine:
             jobs = self._background_programs(firsts)  # shapes taken now: serving replaces the donated cache
             self._warming = threading.Thread(target=self._warm_background, args=(jobs,), name="valen-warm",
                                              daemon=True)
+            # A process exiting without `stop` must not end mid-compile: the interpreter kills a daemon thread
+            # inside XLA and the process aborts (SIGABRT, "exception not rethrown").
+            atexit.register(self._end_warm)
             self._warming.start()
 
     def _background_programs(self, firsts: dict) -> list[tuple[object, tuple]]:
@@ -191,6 +200,11 @@ class SlotEngine:
                      for i in range(_power_of_two(max(self.slots - 1, 1)).bit_length())]
         return jobs + [(self._decode_program(kind, rows, length), _abstract(self._decode_inputs(self._slot_arrays([], kind))))
                        for kind in SAMPLED_KINDS for rows in self._row_sizes for length in self._length_sizes]
+
+    def _end_warm(self) -> None:
+        """At exit: the background compile stops after the compile under way, which this waits for."""
+        self._warm_ended = True
+        self.wait_warm()
 
     def wait_warm(self) -> None:
         """Until `warm`'s background compile has ended (at once if none runs)."""
@@ -219,10 +233,15 @@ class SlotEngine:
         instead of stalling every slot on a compile; one arriving earlier compiles its own, as without this.
         `stop` ends it between two compiles."""
         started = time.perf_counter()
-        for program, inputs in jobs:
-            if self._stopping:
-                return
-            program.lower(*inputs).compile()
+        try:
+            for done, (program, inputs) in enumerate(jobs):
+                if self._stopping or self._warm_ended:
+                    log.info("serve: the background compile stopped (%s) after %d of %d programs",
+                             "exit" if self._warm_ended else "stop", done, len(jobs))
+                    return
+                program.lower(*inputs).compile()
+        finally:
+            atexit.unregister(self._end_warm)
         self.background_warm_seconds = time.perf_counter() - started
         log.info("serve: compiled the sampled kinds' and several choices' %d programs in the background in %.1f s",
                  len(jobs), self.background_warm_seconds)
@@ -269,13 +288,21 @@ class SlotEngine:
         last `METRICS_WINDOW`): `queue` (submitted → given a slot: waiting for the decode call under way, or
         for free slots), `behind_prefills` (given a slot → its prefill call begun: the shorter prompts
         admitted with it go first), `prefill` (its prefill call and first token); `first_token` is their
-        sum. `decode_call` is one sync's `steps_per_sync` steps of every live slot. The HTTP side
+        sum. `decode_call` is one sync's `steps_per_sync` steps of every live slot. `busy_s`: the seconds of
+        `window_s` (the time since the last reset, or the start) the engine thread spent in prefill rounds
+        (prefills and first tokens) and in decode syncs (host work around them included); a sum near
+        `window_s` means requests queue behind each other whatever the scheduling. The HTTP side
         (parsing, tokenising, the event loop's write) is outside these figures. `reset`: start a new window."""
         with self._wake:
             firsts, calls = list(self._firsts), list(self._decode_seconds)
+            now = time.perf_counter()
+            window = now - self._window_started
+            busy = {work: round(seconds, 4) for work, seconds in self._busy_seconds.items()}
             if reset:
                 self._firsts.clear()
                 self._decode_seconds.clear()
+                self._busy_seconds = dict.fromkeys(self._busy_seconds, 0.0)
+                self._window_started = now
 
         def summary(values):
             if not values:
@@ -287,7 +314,8 @@ class SlotEngine:
         columns = list(zip(*firsts, strict=True)) if firsts else [[], [], []]
         return {"requests": len(firsts), "queue_ms": summary(columns[0]), "behind_prefills_ms": summary(columns[1]),
                 "prefill_ms": summary(columns[2]), "first_token_ms": summary([sum(f) for f in firsts]),
-                "decode_call_ms": summary(calls), "steps_per_sync": self.steps_per_sync,
+                "decode_call_ms": summary(calls), "busy_s": busy, "window_s": round(window, 4),
+                "steps_per_sync": self.steps_per_sync,
                 "warm_up_s": None if self.warm_seconds is None else round(self.warm_seconds, 2),
                 "background_warm_up_s": (None if self.background_warm_seconds is None
                                          else round(self.background_warm_seconds, 2))}
@@ -338,12 +366,24 @@ class SlotEngine:
             # a decode call or for the round under way, was most of the time to first token). Each round takes
             # free slots, so the decode waits at most `slots` admissions.
             while admitted:
-                self._start(admitted)
+                with self._busy("prefill"):
+                    self._start(admitted)
                 with self._wake:
                     admitted = self._admit()
             self._drop_cancelled()
             if any(self._live):
-                self._step()
+                with self._busy("decode"):
+                    self._step()
+
+    @contextlib.contextmanager
+    def _busy(self, work: str):
+        """Adds the block's seconds to `work`'s busy time (`metrics`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._wake:
+                self._busy_seconds[work] += time.perf_counter() - started
 
     def _admit(self) -> list[Request]:
         taken = []
