@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import gc
 import json
 import logging
 import shutil
@@ -467,7 +468,11 @@ def test_metrics_split_the_first_tokens_time(served, client):
     httpx.get(served.url + "/v1/valen/metrics", params={"reset": "true"}).raise_for_status()
     for prompt in ("one two", "the weather in wellington is windy"):
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    gc.collect()  # the test's server runs in this process: a full collection it must count
     metrics = httpx.get(served.url + "/v1/valen/metrics").json()
+    collections = metrics["garbage_collection"]
+    assert collections["full"] >= 1 and collections["collections"] >= collections["full"]
+    assert 0 < collections["max_ms"] <= collections["total_ms"]
     assert metrics["requests"] == 2 and metrics["steps_per_sync"] == served.service.engine.steps_per_sync
     assert metrics["warm_up_s"] is None  # the tests' server skips the warm-up (tests/serve_server.py)
     parts = [metrics[k]["max"] for k in ("queue_ms", "behind_prefills_ms", "prefill_ms")]
