@@ -221,15 +221,16 @@ def main() -> None:
                     httpx.get(url + "/v1/valen/metrics", params={"reset": "true"}, timeout=5).raise_for_status()
                 # Offline just before (the server idle): a drift of the host's speed between the two sides of a
                 # ratio measured minutes apart swung it by +-0.3 between runs; a pair shares the host's state.
-                offline_rate = offline_rate_now() if k else None
-                before = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
+                if k:
+                    offline_rate = offline_rate_now()
+                    before = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
                 start = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                     got = list(pool.map(lambda t: request(t, args.new_tokens), texts))
                 passes.append((time.perf_counter() - start, got))
-                after = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
                 if k:
                     ratios.append(sum(g["tokens"] for g in got) / passes[-1][0] / offline_rate)
+                    after = httpx.get(url + "/v1/valen/metrics", timeout=5).json()["busy_s"]
                     for work in busy:  # the engine thread's seconds in this pass (the offline pass not counted)
                         busy[work] += after[work] - before[work]
             timed = passes[1:]

@@ -60,15 +60,13 @@ class Service:
                 restored.params, restored.graphdef, calls=AtomicCalls(self.tokenizer),
                 drafter=CachedDrafter(drafter.graphdef, drafter.params, len(self.tokenizer)), **engine)
         self.pauses = collector.pauses()
-        self._freezer: threading.Thread | None = None
         if warm:
             self.engine.warm()
             log.info("serve: compiled every prefill bucket and greedy decode shape in %.1f s (warm-up; sampled "
                      "kinds compile in the background); %s",
                      self.engine.warm_seconds, collector.freeze())
             # The background compile's objects too, once it has ended.
-            self._freezer = threading.Thread(target=self._freeze_after_warm, name="valen-freeze", daemon=True)
-            self._freezer.start()
+            threading.Thread(target=self._freeze_after_warm, name="valen-freeze", daemon=True).start()
         self._scoring = threading.Lock()  # one scoring request at a time (each converts and compiles its rows)
 
     def _freeze_after_warm(self) -> None:

@@ -198,8 +198,11 @@ class SlotEngine:
         if self.shares_prefills:
             jobs += [(self._copy_rows, _abstract((self._cache, np.zeros(1 << i, np.int32), np.zeros(1 << i, np.int32))))
                      for i in range(_power_of_two(max(self.slots - 1, 1)).bit_length())]
-        return jobs + [(self._decode_program(kind, rows, length), _abstract(self._decode_inputs(self._slot_arrays([], kind))))
-                       for kind in SAMPLED_KINDS for rows in self._row_sizes for length in self._length_sizes]
+        for kind in SAMPLED_KINDS:
+            inputs = _abstract(self._decode_inputs(self._slot_arrays([], kind)))  # the same for every shape
+            jobs += [(self._decode_program(kind, rows, length), inputs)
+                     for rows in self._row_sizes for length in self._length_sizes]
+        return jobs
 
     def _end_warm(self) -> None:
         """At exit: the background compile stops after the compile under way, which this waits for."""
@@ -332,8 +335,7 @@ class SlotEngine:
                     request.cancelled = True
             self._wake.notify()
         self._thread.join()
-        if self._warming is not None:
-            self._warming.join()  # at most the compile under way (`_warm_background` checks between two)
+        self.wait_warm()  # at most the compile under way (`_warm_background` checks between two)
 
     # -- the engine thread --
     def _run(self) -> None:
