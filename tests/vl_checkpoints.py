@@ -89,8 +89,12 @@ def _processor_files(directory: Path, family: str) -> None:
     (directory / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
 
-def make_vl_checkpoint(directory, family: str = "qwen2_5_vl", seed: int = 0) -> dict:
+def make_vl_checkpoint(directory, family: str = "qwen2_5_vl", seed: int = 0, *, tokenizer=None,
+                       text_fields: dict | None = None, tie_word_embeddings: bool = True) -> dict:
     """Write a tiny random `family` checkpoint (model, tokenizer, processor files) into `directory`.
+
+    `tokenizer` (already saved in `directory`) replaces the smoke BPE tokenizer and `text_fields` are laid over
+    the text config (tests/hub_checkpoints.py: the hub's tokens, template and config fields).
 
     Returns what tests compare against: family, directory, the four vision token ids (equal in the
     tokenizer and in config.json), vocab_size (= the tokenizer's length), the transformers class name
@@ -102,7 +106,7 @@ def make_vl_checkpoint(directory, family: str = "qwen2_5_vl", seed: int = 0) -> 
         raise ValueError(f"family {family!r}; choose one of {', '.join(FAMILIES)}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(directory)
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(directory)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     config_cls, model_cls, vision = _VISION[family]
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -112,12 +116,16 @@ def make_vl_checkpoint(directory, family: str = "qwen2_5_vl", seed: int = 0) -> 
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  **({"mrope_interleaved": True} if family == "qwen3_vl" else {})},
                 **({"head_dim": 16, "attention_bias": False} if family == "qwen3_vl" else {}))
+    text_fields = dict(text_fields or {})
+    if "rope_theta" in text_fields:
+        text["rope_parameters"]["rope_theta"] = float(text_fields.pop("rope_theta"))
+    text.update(text_fields)
     config = getattr(transformers, config_cls)(
         text_config=text, vision_config=dict(num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE,
                                              temporal_patch_size=TEMPORAL, initializer_range=0.1, **vision),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True)
+        tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
