@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,27 +89,55 @@ def run_command(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return done
 
 
+# The README's own-data walkthrough, as a user copies it; swapped for the test: the hub name for the tiny local
+# checkpoint, my_data/ and runs/my-chat for temp folders, and the train command sized for this CPU (the
+# defaults are a real run's: 1,000 steps in bf16).
+HUB_NAME, DATA, WORKDIR = "Qwen/Qwen2.5-7B-Instruct", "my_data/", "runs/my-chat"
+CPU_SIZED = (f"--config.train.steps={STEPS}", "--config.train.learning_rate=3e-2", "--config.data.global_batch=4",
+             "--config.data.seq_len=512", "--config.model.dtype=float32", "--config.eval.every=0",
+             "--config.train.checkpoint_every=1000")
+
+
+def walkthrough_commands() -> list[list[str]]:
+    """The commands of the README block after the `own-data walkthrough` marker, each as argv."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("own-data walkthrough"):]
+    block = block[block.index("```bash\n") + len("```bash\n"):]
+    block = block[:block.index("```")]
+    return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
 def first_hour(directory: Path, family: str) -> dict:
     """Everything a user runs in the first hour, up to the exports (built once per family and run)."""
     checkpoint = directory / "checkpoint"
     info = make_hub_checkpoint(checkpoint, family)
-    train, evaluation = write_own_data(directory / "data", info["vision"])
-    workdir = directory / "workdir"
-    trained = run_command(
-        "valen_jax.train", "--config=configs/chat.py:hf,lora", f"--workdir={workdir}",
-        f"--config.model.init_from={checkpoint}", f"--config.data.tokenizer={checkpoint}",
-        f"--config.data.train={train}", f"--config.data.eval={evaluation}",
-        # Small enough for this CPU: the defaults are a real run's (1,000 steps, bf16).
-        f"--config.train.steps={STEPS}", "--config.train.learning_rate=3e-2", "--config.data.global_batch=4",
-        "--config.data.seq_len=512", "--config.model.dtype=float32", "--config.eval.every=0",
-        "--config.train.checkpoint_every=1000")
-    report = directory / "report.json"
-    run_command("valen_jax.evaluate", f"--workdir={workdir}", f"--data={evaluation}", f"--output={report}")
-    run_command("valen_jax.export", f"--workdir={workdir}", f"--output={directory / 'merged'}")
-    run_command("valen_jax.export", f"--workdir={workdir}", f"--output={directory / 'adapter'}", "--adapter")
-    return {"family": family, "checkpoint": str(checkpoint), "workdir": str(workdir), "report": str(report),
-            "merged": str(directory / "merged"), "adapter": str(directory / "adapter"),
-            "train_log": trained.stderr[-4000:], "vision": info["vision"]}
+    data = directory / "my_data"
+    write_own_data(data, info["vision"])
+    workdir = directory / "runs/my-chat"
+    logs = {}
+    for argv in walkthrough_commands():
+        assert argv[:2] == ["python", "-m"], argv
+        module = argv[2]
+        if module == "valen_jax.serve":
+            continue  # served in-process by the tool-calling test below, through the same load_service
+        args = [arg.replace(HUB_NAME, str(checkpoint)).replace(DATA, f"{data}/").replace(WORKDIR, str(workdir))
+                for arg in argv[3:]]
+        if module == "valen_jax.train":
+            args += CPU_SIZED
+        logs[module] = run_command(module, *args).stderr[-4000:]
+    return {"family": family, "checkpoint": str(checkpoint), "workdir": str(workdir),
+            "report": str(workdir / "report.json"), "merged": str(workdir / "merged"),
+            "adapter": str(workdir / "adapter"), "train_log": logs["valen_jax.train"], "vision": info["vision"],
+            "eval_data": str(data / "eval.jsonl")}
+
+
+def test_the_walkthrough_is_the_four_keys_then_evaluate_export_serve():
+    commands = walkthrough_commands()
+    assert [argv[2] for argv in commands] == ["valen_jax.train", "valen_jax.evaluate", "valen_jax.export",
+                                               "valen_jax.export", "valen_jax.serve"]
+    train = commands[0]
+    assert {arg.split("=")[0] for arg in train if arg.startswith("--config.")} == {
+        "--config.model.init_from", "--config.data.tokenizer", "--config.data.train", "--config.data.eval"}
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +155,8 @@ def test_train_on_own_data_then_evaluate(first_hour_run, family):
     run = first_hour_run(family)
     report = json.loads(Path(run["report"]).read_text())
     # The report and the end of training's log name what was evaluated: the user's file, not a bundled one.
-    assert report["data"].endswith("eval.jsonl") and "/data/" in report["data"], report["data"]
-    assert "eval.jsonl" in run["train_log"].splitlines()[-1] or any(
-        "eval.jsonl" in line for line in run["train_log"].splitlines()[-4:]), run["train_log"][-800:]
+    assert report["data"] == run["eval_data"], report["data"]
+    assert any(run["eval_data"] in line for line in run["train_log"].splitlines()[-4:]), run["train_log"][-800:]
     assert report["tool_call_exact_match"] == 1.0 and report["answer_exact_match"] == 1.0, report
 
 
