@@ -158,7 +158,7 @@ def test_a_hub_text_checkpoint_trains_on_own_chat_files_evaluates_them_and_expor
                        f"--config.data.tokenizer={text_base}", f"--config.data.train={train}",
                        f"--config.data.eval={held_out}", "--config.train.steps=2", "--config.train.log_every=1",
                        "--config.train.checkpoint_every=2", "--config.train.warmup_steps=1",
-                       "--config.model.dtype=float32", "--config.data.global_batch=4", "--config.data.seq_len=256",
+                       "--config.model.dtype=float32", "--config.data.global_batch=4", "--config.data.seq_len=512",
                        "--config.eval.every=0", "--config.eval.max_examples=2", "--config.eval.max_new_tokens=4",
                        "--config.model.lora.rank=4", timeout=600)
     report = json.loads((workdir / "eval/report-2.json").read_text())
