@@ -7,9 +7,14 @@ every assistant turn (converter option `assistant_turns`).
 Trains on `data/smoke/chat/train.jsonl`, evaluates on `data/smoke/chat/eval.jsonl`. Variants
 after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model, for
 tests; `hf` = start from an HF checkpoint (directory or hub name). A VLM (Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL) is imported whole, vision tower included; a text model gives the decoder and the vision
-tower starts fresh from config.model.vision:
-    --config=configs/chat.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
+Qwen3-VL) is imported whole, vision tower included; a text model (Qwen2, Qwen3, Llama) gives the
+decoder and no vision tower, so its rows must be text (image rows are refused, naming PATH:LINE).
+`--config.model.vision=None` trains a text model from scratch.
+
+Your own conversations, from a hub checkpoint (the four keys; configs/common.py says more):
+    python -m valen_jax.train --config=configs/chat.py:hf,lora --workdir=runs/mine \
+        --config.model.init_from=PATH --config.data.tokenizer=PATH \
+        --config.data.train=own_train.jsonl --config.data.eval=own_eval.jsonl
 """
 
 import sys

@@ -13,8 +13,21 @@ checkpoint, a directory or hub name (`--config.model.init_from=PATH --config.dat
   media tokens (the tokenizer must be the checkpoint's: its vision token ids are checked); the
   `model.vision` keys come from the checkpoint and must stay unset. Freeze the tower with
   `--config.train.param_groups='({"pattern": "vision/.*", "frozen": True},)'`.
-- a text model (Qwen2, Qwen3, Llama): its decoder is imported and a vision tower starts fresh from
-  `model.vision` (unset keys take the schema defaults, logged).
+- a text model (Qwen2, Qwen3, Llama): its decoder is imported and the model has no vision tower (seed 003:
+  the base of a run on images must accept them), so image rows are refused before the run starts, naming
+  their PATH:LINE; `model.vision` keys must stay unset (or `--config.model.vision=None`).
+
+Training on your own files takes four keys (python -m valen_jax.train --config=configs/chat.py:hf,lora ...):
+- `model.init_from`: the HF checkpoint to start from (a directory or hub name);
+- `data.tokenizer`: its tokenizer, usually the same directory. A hub tokenizer's inference template has no
+  `{% generation %}` markers: the training template of `data.template_family` (default chatml; llama3)
+  is installed for every conversion the run makes;
+- `data.train`: your training file in `data.format` (or a shard directory from `python -m data_pipeline.convert`);
+- `data.eval`: your held-out file in `data.eval_format`, which the run evaluates during training
+  (`eval.every`) and at its end (`eval.at_end`, the report names it); `--config.data.eval=None` trains
+  without evaluation. Your own `data.train` beside a bundled smoke `data.eval` is refused, so a report
+  never scores your model on the smoke set by default.
+`--config.KEY=None` unsets any key, a group included (`--config.model.vision=None`: a text model from scratch).
 """
 
 from __future__ import annotations
@@ -99,8 +112,8 @@ def _apply_size(config: ml_collections.ConfigDict, variant: str, name: str) -> m
         config.eval.max_new_tokens = 16
     elif variant == "hf":
         # The decoder comes from the checkpoint; so does the vision tower of a VLM checkpoint, while a text
-        # checkpoint gets a fresh tower from these keys (unset: schema defaults). Unset, not defaulted, so
-        # a key set next to a VLM is seen and refused (models/build.py).
+        # checkpoint gets none. Unset, not defaulted, so a key set next to either is seen and refused
+        # (models/build.py).
         for key in ARCHITECTURE_KEYS:
             config.model[key] = None
         if config.model.vision is not None:

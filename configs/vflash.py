@@ -9,9 +9,12 @@ generated one-disc scenes) and evaluates on `data/smoke/scenes/eval_recipe.json`
 and 16 held-out scenes); `tiny` and `hf` take the smoke recipe and `eval.jsonl` alone. Variants
 after `:` (see configs/common.py): none = the CPU smoke run; `tiny` = the smallest model and a
 few steps, for tests; `hf` = start from an HF checkpoint (directory or hub name). A VLM (Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL) is imported whole, vision tower included; a text model gives the decoder and
-the vision tower starts fresh from config.model.vision:
-    --config=configs/vflash.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
+Qwen2.5-VL, Qwen3-VL) is imported whole, vision tower included; VFlash rows hold images, so a text
+checkpoint is refused (seed 003: the base must accept images). Your own records (the four keys;
+configs/common.py says more; `data.format` is `recipe`, so a VFlash JSONL also sets it to `vflash`):
+    python -m valen_jax.train --config=configs/vflash.py:hf,lora --workdir=runs/mine \
+        --config.model.init_from=PATH --config.data.tokenizer=PATH \
+        --config.data.train=own_train.jsonl --config.data.format=vflash --config.data.eval=own_eval.jsonl
 `drafter`, alone or after another variant (`:drafter`, `:tiny,drafter`): train.mode=vflash, a block
 drafter (valen_jax/models/drafter.py) trained against the frozen target of an ar workdir, which
 `--config.model.target_from=WORKDIR` must name; `tiny,drafter` takes blocks of 8 tokens and 16 anchors

@@ -140,9 +140,10 @@ def _stub(init_from: str = "") -> ml_collections.ConfigDict:
 
 @pytest.mark.slow
 def test_a_fresh_tower_trains_in_full_and_is_saved_while_the_decoder_base_stays_frozen():
-    """A text checkpoint (or none) into a VL config: the tower has nothing pretrained, so under LoRA it trains
-    at config.train.vision_lr_multiplier beside the adapters, its leaves and their moments in the checkpoint."""
-    cfg = build._fresh_tower_trains(_stub("/ckpt/qwen2-text"), vl_cfg("qwen2_5_vl"))
+    """A model from scratch with a tower (a text checkpoint gets none, issue 54): the tower has nothing pretrained,
+    so under LoRA it trains at config.train.vision_lr_multiplier beside the adapters, its leaves and their
+    moments in the checkpoint."""
+    cfg = build._fresh_tower_trains(_stub(), vl_cfg("qwen2_5_vl"))
     assert cfg.lora.train_vision
     layout, before, after = _steps(cfg)
     tower = [p for p in before if p.startswith("vision/")]
@@ -157,12 +158,12 @@ def test_a_fresh_tower_trains_in_full_and_is_saved_while_the_decoder_base_stays_
             assert changed, path
         elif not path.startswith("vision/") and not lora.is_adapter(path):
             assert not changed, path
-    # Its adapters would be redundant: refused; so is a bf16 tower (master weights), naming the checkpoint.
+    # Its adapters would be redundant: refused; so is a bf16 tower (master weights).
     with pytest.raises(ConfigError, match=r"names the vision tower, but it is fresh"):
-        build._fresh_tower_trains(_stub("/ckpt/qwen2-text"), vl_cfg("qwen2_5_vl", ("vision/qkv",)))
+        build._fresh_tower_trains(_stub(), vl_cfg("qwen2_5_vl", ("vision/qkv",)))
     with pytest.raises(ConfigError, match=r"config.model.param_dtype=bfloat16: the vision tower is fresh "
-                                          r"\(config.model.init_from='/ckpt/qwen2-text' is a text checkpoint\)"):
-        build._fresh_tower_trains(_stub("/ckpt/qwen2-text"), vl_cfg("qwen2_5_vl", param_dtype="bfloat16"))
+                                          r"\(config.model.init_from is unset\)"):
+        build._fresh_tower_trains(_stub(), vl_cfg("qwen2_5_vl", param_dtype="bfloat16"))
     # No LoRA, or no tower: unchanged.
     plain = dataclasses.replace(vl_cfg("qwen2_5_vl"), lora=None)
     assert build._fresh_tower_trains(_stub(), plain) is plain

@@ -277,18 +277,45 @@ def check_config_overrides(argv: list[str], name: str = "config") -> None:
             node, walked = node[key], f"{walked}.{key}"
 
 
+def _none_overrides(argv: list[str], name: str) -> tuple[list[str], list[list[str]]]:
+    """(argv without its `--NAME.a.b=None` overrides, the key paths those set to None).
+
+    ml_collections parses an override by the type of the value it replaces: `None` stays the string 'None'
+    for a string key and is refused for a group (`--config.model.vision=None`: "`None` is not a dict"), so
+    no key could be unset from the command line (issue 54). Here `=None` means None for every key; a file
+    named None is spelled `./None`."""
+    kept, unset = [argv[0]], []
+    for arg in argv[1:]:
+        found = re.fullmatch(rf"--?{name}\.([^=]+)=None", arg)
+        if found:
+            unset.append(found.group(1).split("."))
+        else:
+            kept.append(arg)
+    return kept, unset
+
+
 def parse_config_flags(argv: list[str], name: str = "config") -> list[str]:
     """An absl `app.run(main, flags_parser=...)` parser: the config checks of `check_config_overrides`, then
     absl's own parsing; a refusal of either is one line and USAGE_EXIT (absl's would be a page of usage,
-    or a FATAL after a traceback)."""
+    or a FATAL after a traceback). `--NAME.a.b=None` sets that key to None, a group included
+    (`_none_overrides`), after the other overrides."""
     from absl import flags
 
     try:
         check_config_overrides(argv, name)
+        kept, unset = _none_overrides(argv, name)
         try:
-            return flags.FLAGS(argv)
+            rest = flags.FLAGS(kept)
         except flags.Error as error:
             raise UsageError(str(error)) from None
+        if unset:
+            config = flags.FLAGS[name].value
+            for path in unset:
+                node = config
+                for key in path[:-1]:
+                    node = node[key]
+                node[path[-1]] = None
+        return rest
     except USER_ERRORS as error:
         print(one_line(error), file=sys.stderr, flush=True)
         sys.exit(exit_code(error))

@@ -44,9 +44,15 @@ ARCHITECTURE_KEYS = ("dim", "num_layers", "num_heads", "num_kv_heads", "head_dim
 
 def _data() -> dict[str, Any]:
     return {
+        # The run's own files (configs/common.py: the four keys of training on them). `eval` is evaluated during
+        # training (eval.every) and at its end (eval.at_end); None trains without evaluation. Own `train` data
+        # with a bundled smoke `eval` set is refused (valen_jax.training.preflight).
         "format": NO_DEFAULT, "train": NO_DEFAULT, "eval": NO_DEFAULT, "eval_format": NO_DEFAULT,
         # Converter options per set (data_pipeline.format_registry), e.g. vakforge's {"split": "train"}.
         "train_options": {}, "eval_options": {},
+        # The tokenizer (usually model.init_from's directory). template_family: the training template (chatml,
+        # llama3) installed when the tokenizer's own has no {% generation %} markers, as every hub checkpoint's
+        # inference template; every conversion the run makes uses it (valen_jax.data.shard_cache).
         "tokenizer": NO_DEFAULT, "template_family": "chatml",
         "seq_len": NO_DEFAULT,
         # Vision patches per row (before merging); 0 for text-only data.
@@ -86,7 +92,8 @@ def _drafter() -> dict[str, Any]:
 
 def _model() -> dict[str, Any]:
     return {
-        # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture.
+        # An HF checkpoint (directory or hub name) to start from; its config.json fixes the architecture. A
+        # vision-language one brings its tower; a text one has none (seed 003), so image rows are refused.
         "init_from": "",
         "dim": 128, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "mlp_dim": 384,
         "rope_theta": 10000.0, "tie_embeddings": True,
@@ -98,7 +105,7 @@ def _model() -> dict[str, Any]:
         # Attention kernel of every layer, decoder and vision (valen_jax.models.attention): auto picks
         # blockwise on CPU, cudnn on GPU, splash on TPU, and logs its choice.
         "attention": "auto",
-        # A `defaults("vision")` group, or None for a text-only model.
+        # A `defaults("vision")` group, or None for a text-only model (--config.model.vision=None).
         "vision": None,
         # How a fresh model's embedding rows of the coordinate tokens <0>..<1000> start (tied: also the
         # head's): "random" like every row, or "fourier": row <v> = Σ_k cos(πkv/1000)·c_k + sin(πkv/1000)·s_k

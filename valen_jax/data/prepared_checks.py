@@ -64,6 +64,8 @@ def check_prepared_run(config) -> None:
         log.warning("%s is a local folder outside the Hugging Face cache: its repository and commit are unknown, "
                     "so prepared rows are checked against its tokenizer digests only", base)
     for key in ("train", "eval"):
+        if config.data[key] is None:  # data.eval=None: a run without evaluation
+            continue
         descriptor = descriptor_of(config.data[key])
         try:
             check_against_tokenizer(descriptor, shipped, *(identity or (None, None)))

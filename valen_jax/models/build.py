@@ -1,7 +1,7 @@
 """The run's model: its ModelConfig from the config (or the HF checkpoint it starts from) and first parameters.
 
-`config.model.init_from` names a text checkpoint (Qwen2, Qwen3, Llama: the decoder is imported, a
-vision tower, if the config has one, starts fresh from `config.model.vision`) or a vision-language
+`config.model.init_from` names a text checkpoint (Qwen2, Qwen3, Llama: the decoder is imported and the
+model has no vision tower, seed 003: a base trained on images must accept them) or a vision-language
 checkpoint (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: the whole model is imported, decoder, vision tower,
 M-RoPE and media-slot ids, so `config.model.vision` must leave every key unset). Either way the run's
 dtype, remat, scan_layers and score head come from the config, and the vocabulary grows to hold the
@@ -71,9 +71,9 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         if hf_vl.is_vl(hf_config):
             base = _vl_model_config(config, hf_config, tokenizer, common)
         else:
-            base = _fresh_tower_trains(config, hf.config_from_hf(
-                hf_config, image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=_fresh_vision(m.vision),
-                **common))
+            _no_tower_on_text(config, hf_config)
+            base = hf.config_from_hf(hf_config, image_pad_id=token_id(tokenizer, vocabulary.IMAGE_PAD), vision=None,
+                                     **common)
         # Added primitive tokens may outgrow the checkpoint's table; never shrink it.
         return dataclasses.replace(base, vocab_size=max(base.vocab_size, padded_vocab(len(tokenizer))))
     unset = [key for key in ARCHITECTURE_KEYS if m[key] is None]
@@ -88,6 +88,21 @@ def model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
         vision=_fresh_vision(m.vision), **common))
 
 
+def _no_tower_on_text(config: ml_collections.ConfigDict, hf_config: dict) -> None:
+    """A text checkpoint gets no vision tower (seed 003: "Training on images uses a vision model's processor and
+    adapts its language backbone. The base model must therefore accept images."): a tower bolted on fresh
+    would be trained from nothing beside a pretrained decoder and could not be exported in any HF form.
+    The :hf variants leave `config.model.vision`'s keys unset; one set here would be silently ignored, so
+    it is refused (image rows are refused before this, by `training.preflight`)."""
+    group = config.model.vision
+    clashing = sorted(key for key in group if group[key] is not None) if group is not None else []
+    if clashing:
+        raise ConfigError(f"config.model.init_from={config.model.init_from!r} is a "
+                          f"{hf_config.get('model_type', 'text')} text checkpoint, which gets no vision tower, so "
+                          f"config.model.vision.{{{', '.join(clashing)}}} would be ignored: unset them (or "
+                          "--config.model.vision=None), or start from a vision-language checkpoint")
+
+
 def _fresh_tower_trains(config: ml_collections.ConfigDict, cfg: ModelConfig) -> ModelConfig:
     """`cfg` (whose vision tower, if any, starts fresh: no checkpoint holds it) with that tower training in full
     under LoRA. Frozen at its random init it would map every image to noise the adapters must learn around;
@@ -97,9 +112,8 @@ def _fresh_tower_trains(config: ml_collections.ConfigDict, cfg: ModelConfig) -> 
     if cfg.lora is None or cfg.vision is None:
         return cfg
     if cfg.param_dtype != "float32":
-        source = f"config.model.init_from={config.model.init_from!r} is a text checkpoint" if config.model.init_from \
-            else "config.model.init_from is unset"
-        raise ConfigError(f"config.model.param_dtype={cfg.param_dtype}: the vision tower is fresh ({source}), so it "
+        raise ConfigError(f"config.model.param_dtype={cfg.param_dtype}: the vision tower is fresh (config.model."
+                          "init_from is unset), so it "
                           "trains in full beside the LoRA adapters and needs float32 master weights")
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, train_vision=True))
 
@@ -216,8 +230,8 @@ def initial_params(config: ml_collections.ConfigDict, model_cfg: ModelConfig, to
     whole = is_vl(model_cfg)
     log.info("initialising from %s (%s); %d added token rows set from their pieces", directory,
              f"{model_cfg.vision.family}: decoder and vision tower" if whole else "decoder", len(pieces))
-    # What the checkpoint has no counterpart for starts fresh: the score head, and a text checkpoint's tower.
-    fresh = fresh_subtrees(model_cfg, config.train.seed, shardings, ("score_head",) if whole else ("vision", "score_head"))
+    # What the checkpoint has no counterpart for starts fresh: the score head (a text checkpoint has no tower).
+    fresh = fresh_subtrees(model_cfg, config.train.seed, shardings, ("score_head",))
     load = hf_vl.load_params if whole else hf.load_params
     return load(directory, model_cfg, shardings, pieces, fresh=fresh)
 

@@ -30,15 +30,16 @@ from valen_jax.data.pipeline import build_dataset
 from valen_jax.data.prepared_checks import check_prepared_run
 from valen_jax.data.references import resolve_config_data
 from valen_jax.data.separation import check_separation
-from valen_jax.data.shard_cache import ensure_shards, summary
+from valen_jax.data.shard_cache import config_shards, summary
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig, dtype_of
 from valen_jax.training import checkpoint, workdir_lock
 from valen_jax.training.metrics import MetricsLog, peak_flops_per_device
+from valen_jax.training.preflight import check_run_data
 from valen_jax.training.progress import FinishedSteps
 from valen_jax.training.startup import StartUp, start_up
-from valen_jax.training.task import Setup, Task
+from valen_jax.training.task import Evaluation, Setup, Task
 
 log = logging.getLogger("valen_jax.train")
 
@@ -125,6 +126,8 @@ def run(config, workdir: str | Path, open_task: OpenTask, preflight: Preflight |
     # Seed 003: registry references resolved (a resumed run: to the versions its checkpoint recorded)
     # before any device is claimed; an unknown one is refused here.
     references = resolve_config_data(config, workdir)
+    # Issue 54: the eval set is the user's (or off), and image rows meet a model that accepts images.
+    check_run_data(config)
     if preflight is not None:  # the mode's own refusals first (a reinforcement run refuses prepared rows whole)
         preflight(config)
     check_prepared_run(config)  # seed 003: before any device is claimed (ensure_shards asks JAX for processes)
@@ -163,15 +166,17 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     fingerprint = checkpoint.fingerprint_of(tokenizer)
     mesh = sharding.make_mesh(config.mesh)
     _check_latest_task(workdir, config)  # before the shards are written there
-    train_set = ensure_shards(config.data.format, config.data.train, workdir / "shards",
-                              config.data.tokenizer, fingerprint, config.data.train_options.to_dict())
+    # Both sets convert with the config's converter options, template family included (shard_cache).
+    train_set = config_shards(config, "train", workdir / "shards", fingerprint)
     log.info("train shards: %s", summary(train_set))
     # Seed 003: train and eval kept apart, checked on the shards before the step compiles. The eval
     # shards land where evaluation during and after training reads them (WORKDIR/eval_shards).
-    eval_set = ensure_shards(config.data.eval_format, config.data.eval, workdir / "eval_shards",
-                             config.data.tokenizer, fingerprint, config.data.eval_options.to_dict())
-    overlap = check_separation(train_set, eval_set, allow_overlap=bool(config.data.allow_overlap),
-                               train_name=str(config.data.train), eval_name=str(config.data.eval))
+    # data.eval=None: a run without evaluation (valen_jax.data.run_checks.check_eval_data).
+    overlap = {}
+    if config.data.eval is not None:
+        eval_set = config_shards(config, "eval", workdir / "eval_shards", fingerprint)
+        overlap = check_separation(train_set, eval_set, allow_overlap=bool(config.data.allow_overlap),
+                                   train_name=str(config.data.train), eval_name=str(config.data.eval))
     task = open_task(Setup(config, workdir, tokenizer, fingerprint, mesh), train_set)
     model_cfg = task.model_cfg
     task.check_trainable()  # counted on the shards, before anything is compiled or checkpointed
@@ -232,8 +237,9 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     flops_per_step = task.flops_per_step()
     log.info("MFU against %.3g FLOP/s per device × %d devices, from %s; %.3g model FLOPs per step",
              peak, jax.device_count(), peak_source, flops_per_step)
-    # Built (eval data converted and checked) at start-up, when an evaluation falls within the run.
-    evaluation = task.evaluation(layout, spec)
+    # Built (eval data converted and checked) at start-up, when an evaluation falls within the run; a run
+    # without eval data (data.eval=None) evaluates nothing, whatever its mode.
+    evaluation = task.evaluation(layout, spec) if config.data.eval is not None else Evaluation()
 
     step = int(state["step"])
     note.started()  # from here the workdir holds this run's results: metrics, checkpoints, reports
@@ -291,7 +297,24 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
     if evaluation.at_end is not None and not preempted.requested:
         result["report"] = str(evaluation.at_end(state["params"], step))
     mgr.close()
+    _log_evaluated(config, result)
     return result
+
+
+def _log_evaluated(config, result: dict) -> None:
+    """The log's last line says what the run evaluated (issue 54: no silent default eval set)."""
+    data = config.data
+    if data.eval is None:
+        log.info("evaluated: nothing (config.data.eval=None)")
+    elif "report" in result:
+        log.info("evaluated: config.data.eval=%s (config.data.eval_format=%s) at step %d; report %s", data.eval,
+                 data.eval_format, result["step"], result["report"])
+    else:
+        every = int(config.eval.every)
+        log.info("evaluated: config.data.eval=%s (config.data.eval_format=%s) %s; no end-of-run report "
+                 "(config.eval.at_end=%s)", data.eval, data.eval_format,
+                 f"every {every} steps (eval_* in metrics.jsonl)" if every > 0 else "never (config.eval.every=0)",
+                 config.eval.at_end)
 
 
 def _print_memory(compiled) -> None:
