@@ -3,6 +3,10 @@
 Fingerprints follow seed 003 ("The descriptor"): `tokenizerSha256` is the SHA-256 of
 `tokenizer.backend_tokenizer.to_str()`, `chatTemplateSha256` the SHA-256 of the chat
 template text. Shards and checkpoints record both; a mismatch is an error downstream.
+
+When the training template replaces the checkpoint's own (an inference template without generation
+markers, as every hub checkpoint ships), the replaced one stays readable (`checkpoint_chat_template`): an
+export gives it back as the default template HF and vLLM serve with. It is no part of the fingerprint.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from data_pipeline.chat_templates import template_family as family_of_template
 log = logging.getLogger(__name__)
 
 GENERATION_MARKER = "{% generation %}"
+# Where `ensure_training_template` keeps the template(s) it replaced on the tokenizer object (not saved with it).
+_REPLACED = "_valen_checkpoint_chat_template"
 
 
 class TokenizerError(ValueError):
@@ -55,8 +61,9 @@ def fingerprint(tokenizer: PreTrainedTokenizerBase) -> TokenizerFingerprint:
     )
 
 
-def has_generation_markers(template: str | None) -> bool:
-    return bool(template) and "generation" in template and "endgeneration" in template
+def has_generation_markers(template: str | dict | None) -> bool:
+    # A dict holds a checkpoint's named templates (transformers' additional_chat_templates): none is chosen.
+    return isinstance(template, str) and "generation" in template and "endgeneration" in template
 
 
 def add_primitive_tokens(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -102,7 +109,14 @@ def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | N
     if missing:
         raise TokenizerError(f"the {family} template writes {', '.join(missing)}, which this tokenizer lacks; "
                              "pick the family the model was trained with")
+    setattr(tokenizer, _REPLACED, tokenizer.chat_template)
     tokenizer.chat_template = TRAINING_TEMPLATES[family]
+
+
+def checkpoint_chat_template(tokenizer: PreTrainedTokenizerBase) -> str | dict | None:
+    """The chat template(s) the tokenizer was loaded with, where `ensure_training_template` replaced them
+    (a text, a dict of named templates, or None when it had none); None too when nothing was replaced."""
+    return getattr(tokenizer, _REPLACED, None)
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -8,17 +8,34 @@ The parameters are restored as `evaluate` restores them (verified against their 
 the latest step unless `--step`) and written by `hf.save_pretrained`: a Qwen2-VL / Qwen2.5-VL /
 Qwen3-VL model (one trained from such a checkpoint) as its family's checkpoint, vision tower
 included; a text-only model as Qwen2, Qwen3 or Llama. Next to them: the training tokenizer the
-workdir saved (primitive tokens and training chat template included), and, for a VLM,
+workdir saved (primitive tokens included), and, for a VLM,
 `preprocessor_config.json` / `video_preprocessor_config.json` stating the run's `media_kwargs`
 (pixel bounds, mean/std, patch/merge/temporal sizes, fps and frame bounds), so the directory is a
 complete checkpoint: transformers loads it, and `config.model.init_from` starts another run from it
 with the same processor settings.
 
+What a serving stack reads of the checkpoint the run started from is written back (`models/hf_source.py`,
+from the copy `train` kept in `WORKDIR/source/`): config.json is the source's with only what the run
+changed (the architecture it states, `vocab_size` grown by added tokens, the weights' dtype), so
+`bos_token_id`/`eos_token_id`/`pad_token_id`, `max_position_embeddings`, rope scaling and the rest stay;
+`generation_config.json` is the source's (written from the token ids when it had none); the tokenizer's
+default chat template is the checkpoint's own (what transformers' `apply_chat_template` and vLLM format
+requests with), and the training template (with `{% generation %}` markers) sits beside it as the named
+template "training" (`additional_chat_templates/training.jinja`; `apply_chat_template(...,
+chat_template="training")`).
+
 A LoRA workdir (`config.model.lora`) exports merged by default (`--merge`: W + (alpha/r)·A·B, an NF4 base
 dequantised: a plain checkpoint of the base's family), or with `--adapter` as a PEFT adapter folder
-(`adapter_config.json`, `adapter_model.safetensors`, `models/peft_adapter.py`) that
-`peft.PeftModel.from_pretrained(<the base in transformers>, folder)` loads; its `base_model_name_or_path`
-is the run's `config.model.init_from`.
+(`adapter_config.json`, `adapter_model.safetensors`, `models/peft_adapter.py`, and the tokenizer) whose
+`base_model_name_or_path` is the run's `config.model.init_from`. The embedding rows the run holds that the
+base resized by transformers does not (the added tokens' rows: VFlash's `<0>`…`<1000>` and tags, and any
+trained row) travel in it as PEFT's `trainable_token_indices`, so it gives the merged export's logits when
+loaded as transformers resizes a base for a grown tokenizer:
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained("/tmp/adapter")
+    model = transformers.AutoModelForCausalLM.from_pretrained(BASE)   # AutoModelForImageTextToText for a VLM
+    model.resize_token_embeddings(len(tokenizer))
+    model = peft.PeftModel.from_pretrained(model, "/tmp/adapter")
 
 Refused, naming why: a model whose vision tower is our own from-scratch ViT (family "valen": no
 Hugging Face class holds it; exporting its decoder alone would drop what it learned from images).
@@ -39,7 +56,8 @@ import numpy as np
 from flax import nnx
 
 from data_pipeline import vocabulary
-from data_pipeline.tokenizer import token_id
+from data_pipeline.tokenizer import from_pretrained as load_hf_tokenizer
+from data_pipeline.tokenizer import has_generation_markers, token_id
 from valen_jax.cli import log_setup as cli_logging
 from valen_jax.cli.boundary import error_boundary
 from valen_jax.data.vision_processor import (
@@ -49,7 +67,7 @@ from valen_jax.data.vision_processor import (
     VIDEO_PROCESSOR_FILE,
 )
 from valen_jax.errors import UserError
-from valen_jax.models import hf, hf_vl, peft_adapter
+from valen_jax.models import hf, hf_source, hf_vl, peft_adapter
 from valen_jax.models.config import ModelConfig
 from valen_jax.run import restore_model
 from valen_jax.training import checkpoint
@@ -117,13 +135,38 @@ def special_token_ids(tokenizer, model_cfg: ModelConfig) -> dict[str, int]:
     return {key: int(value) for key, value in ids.items()}
 
 
-def _state_token_ids(config_path: Path, tokenizer, model_cfg: ModelConfig) -> None:
-    config = json.loads(config_path.read_text())
-    ids = special_token_ids(tokenizer, model_cfg)
-    config.update(ids)
-    if "text_config" in config:  # the decoder's own config reads them there (generation, padding)
-        config["text_config"].update({k: v for k, v in ids.items() if not k.startswith("vision_")})
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+def _source(restored) -> tuple[Path | None, str | dict | None]:
+    """(the folder holding the source checkpoint's config.json / generation_config.json, the chat template(s)
+    the training template replaced): the copy `train` kept in WORKDIR/source, or for a workdir trained
+    before it kept one, the source itself where it still is (`config.model.init_from`,
+    `config.data.tokenizer`), named in the log."""
+    kept = checkpoint.source_dir(restored.workdir)
+    if kept.is_dir():
+        return kept, hf_source.read_template_files(kept)
+    init_from, tokenizer = str(restored.config.model.init_from or ""), str(restored.config.data.tokenizer)
+    log.warning("%s has no source/ (trained before train kept the source checkpoint's files): reading "
+                "config.model.init_from=%r and config.data.tokenizer=%r as they are now", restored.workdir,
+                init_from, tokenizer)
+    folder = None
+    if init_from:
+        try:
+            folder = hf.resolve(init_from)
+        except (OSError, hf.HFImportError) as error:
+            log.warning("config.model.init_from=%r: %s; config.json states only what the model does", init_from,
+                        error)
+    try:
+        template = load_hf_tokenizer(tokenizer).chat_template
+    except (OSError, ValueError) as error:
+        log.warning("config.data.tokenizer=%r: %s; the export's chat template is the training one", tokenizer, error)
+        template = None
+    return folder, None if has_generation_markers(template) else template
+
+
+def _write_tokenizer(restored, output: Path, templates: str | dict | None) -> None:
+    """The tokenizer exactly as the run used it (restore checked its fingerprint against the checkpoint's),
+    with the checkpoint's own chat template as the default and the training one named beside it."""
+    shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
+    hf_source.write_templates(output, restored.tokenizer.chat_template, templates)
 
 
 def export(workdir: str | Path, output: str | Path, step: int | None = None, adapter: bool = False) -> Path:
@@ -145,9 +188,14 @@ def export(workdir: str | Path, output: str | Path, step: int | None = None, ada
                     "exported model gives the decoder's token logits only")
     model = nnx.merge(restored.graphdef, restored.params)
     hf.save_pretrained(model, output)
-    _state_token_ids(output / "config.json", restored.tokenizer, model_cfg)
-    # The tokenizer exactly as the run used it (restore checked its fingerprint against the checkpoint's).
-    shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
+    source, templates = _source(restored)
+    config = hf_source.exported_config(json.loads((output / hf_source.CONFIG).read_text()),
+                                       hf_source.read_json(source, hf_source.CONFIG),
+                                       special_token_ids(restored.tokenizer, model_cfg))
+    generation = hf_source.exported_generation_config(config, hf_source.read_json(source, hf_source.GENERATION_CONFIG))
+    for name, content in ((hf_source.CONFIG, config), (hf_source.GENERATION_CONFIG, generation)):
+        (output / name).write_text(json.dumps(content, indent=2) + "\n")
+    _write_tokenizer(restored, output, templates)
     if model_cfg.vision is not None:
         for name, settings in processor_files(model_cfg, meta["media_kwargs"]).items():
             (output / name).write_text(json.dumps(settings, indent=2) + "\n")
@@ -166,11 +214,12 @@ def _export_adapter(restored, output: Path) -> Path:
         raise ExportError(f"--adapter: {restored.workdir} trained on an NF4 base (QLoRA); its adapters fit that "
                           "base, not the float one PEFT would load them on: export it merged (--merge)")
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), restored.params)
-    base = str(restored.config.model.init_from)
-    peft_adapter.save_adapter(cfg, params, output, base=base)
-    shutil.copytree(checkpoint.tokenizer_dir(restored.workdir), output, dirs_exist_ok=True)
-    log.info("exported the LoRA adapters (rank %d, %s) of step %d of %s to %s (base: %s)", cfg.lora.rank,
-             ", ".join(cfg.lora.targets), restored.step, restored.workdir, output, base or "fresh")
+    base = str(restored.config.model.init_from or "")
+    tokens = peft_adapter.save_adapter(cfg, params, output, base=base, vocabulary=len(restored.tokenizer))
+    _write_tokenizer(restored, output, _source(restored)[1])
+    log.info("exported the LoRA adapters (rank %d, %s) and %d embedding rows of step %d of %s to %s (base: %s)",
+             cfg.lora.rank, ", ".join(cfg.lora.targets), tokens, restored.step, restored.workdir, output,
+             base or "fresh")
     return output
 
 

@@ -6,11 +6,19 @@ PEFT names each adapter after the base module it wraps (`base_model.model.` + th
 path + `.lora_A.weight` [r, in] / `.lora_B.weight` [out, r]) and scales B·A by lora_alpha / r; our A and B
 (`models/lora.py`) are the same matrices transposed, with our weights' multi-axis in/out flattened the
 way the HF importer flattens them (`hf_text._layer_tensors`).
+
+The embedding rows our model holds that the base does not (`token_rows`): the rows of tokens the training
+tokenizer added (set by rule from their pieces, `hf_common.extend_rows`, where transformers'
+`resize_token_embeddings` draws them at random) and any row training changed. They travel as PEFT's
+`trainable_token_indices` (`embed_tokens.token_adapter.trainable_tokens_delta` [n, D]: the rows' values,
+which replace the base's; `lm_head`'s too when the head is not tied to the embedding), so the base resized
+to the tokenizer's length plus the folder is our model on every token the tokenizer can produce.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -19,13 +27,17 @@ import numpy as np
 
 from valen_jax.models import hf_vl, lora
 from valen_jax.models.config import ModelConfig
-from valen_jax.models.hf_common import HFImportError, get_path
+from valen_jax.models.hf_common import HFImportError, get_path, resolve
 from valen_jax.models.safetensors_io import SafetensorsFile, save_file
+
+log = logging.getLogger(__name__)
 
 _MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _GROUP = {**dict.fromkeys(lora.ATTENTION, "attn"), **dict.fromkeys(lora.MLP, "mlp")}
 _OPTIONAL_KEYS = ("use_rslora", "use_dora", "modules_to_save")  # adapter_config.json keys PEFT may omit
+TOKEN_DELTA = ".token_adapter.trainable_tokens_delta"  # PEFT's tensor of the rows trainable_token_indices name
+_ROWS_AT_ONCE = 8192  # rows compared per slice: a 150k × 3584 table is never copied whole
 
 
 def _decoder_prefix(cfg: ModelConfig) -> str:
@@ -85,19 +97,68 @@ def _target_modules(cfg: ModelConfig) -> list[str] | str:
     return "|".join(sorted({re.sub(r"\\.\d+\\.", r"\\.\\d+\\.", re.escape(stem)) for stem in stems}))
 
 
-def adapter_config(cfg: ModelConfig, base: str) -> dict:
+def _embedding_prefix(cfg: ModelConfig) -> str:
+    return "base_model.model.model.language_model." if cfg.mrope_section is not None else "base_model.model.model."
+
+
+def _changed_rows(ours: np.ndarray, base: np.ndarray, vocabulary: int) -> list[int]:
+    """Ids below `vocabulary` whose row of `ours` [V, D] is not the base's [V_base, D] (compared in our dtype,
+    where the import cast them): every row the base lacks, which transformers' resize draws at random."""
+    common = min(len(base), vocabulary)
+    changed = []
+    for start in range(0, common, _ROWS_AT_ONCE):
+        stop = min(start + _ROWS_AT_ONCE, common)
+        theirs = np.asarray(base[start:stop]).astype(ours.dtype).astype(np.float32)
+        differs = np.any(np.asarray(ours[start:stop], np.float32) != theirs, axis=1)
+        changed.extend(int(i) + start for i in np.flatnonzero(differs))
+    return changed + list(range(common, vocabulary))
+
+
+def token_rows(cfg: ModelConfig, params: dict, base: str | Path, vocabulary: int) -> dict[str, tuple[list[int], np.ndarray]]:
+    """{PEFT's embedding module name: (token ids, their rows [n, D] in float32)} of the rows in host `params`
+    that the HF checkpoint `base`, resized to `vocabulary` rows as transformers resizes it, does not hold:
+    `embed_tokens`, and `lm_head` for an untied head (ours [D, V], HF's [V, D]). Empty when none differ."""
+    tensors = hf_vl._Tensors(resolve(base))  # either layout's names (a VLM's may be model.language_model.*)
+    ours = {"embed_tokens": (np.asarray(params["embed"]), tensors.get("model.embed_tokens.weight"))}
+    if not cfg.tie_embeddings:
+        ours["lm_head"] = (np.asarray(params["lm_head"]).T, tensors.get("lm_head.weight"))
+    rows = {}
+    for name, (table, base_table) in ours.items():
+        if vocabulary > len(table):
+            raise HFImportError(f"a vocabulary of {vocabulary} tokens is larger than the model's {len(table)} rows")
+        ids = _changed_rows(table, base_table, vocabulary)
+        if ids:
+            rows[name] = (ids, np.ascontiguousarray(table[ids], np.float32))
+    return rows
+
+
+def _token_indices(cfg: ModelConfig, rows: dict) -> list[int] | dict[str, list[int]] | None:
+    """adapter_config.json's `trainable_token_indices`: a list (the input embedding's, which PEFT ties to a
+    tied head), or by module for an untied head."""
+    if not rows:
+        return None
+    if cfg.tie_embeddings:
+        return rows["embed_tokens"][0]
+    return {name: ids for name, (ids, _) in rows.items()}  # a module none of whose rows changed is not named
+
+
+def adapter_config(cfg: ModelConfig, base: str, token_indices=None) -> dict:
     """adapter_config.json: the keys PEFT's LoraConfig reads to rebuild the same adapters."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha, "lora_dropout": cfg.lora.dropout, "bias": "none",
         "target_modules": _target_modules(cfg),
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-        "modules_to_save": None, "inference_mode": True,
+        "modules_to_save": None, "trainable_token_indices": token_indices, "inference_mode": True,
     }
 
 
-def save_adapter(cfg: ModelConfig, params: dict, path: str | Path, base: str = "") -> Path:
-    """Write the PEFT adapter folder of a LoRA model's host `params`; `base`: the base model's path or name."""
+def save_adapter(cfg: ModelConfig, params: dict, path: str | Path, base: str = "", vocabulary: int | None = None
+                 ) -> int:
+    """Write the PEFT adapter folder of a LoRA model's host `params`; `base`: the base model's path or name
+    ("" for a fresh base: no HF checkpoint to load onto); `vocabulary`: the training tokenizer's length, to
+    which the user resizes the base (default: the base's own vocabulary). Returns how many embedding rows
+    it carries (`token_rows`)."""
     if cfg.lora is None:
         raise ValueError("the model has no LoRA adapters (config.model.lora is unset)")
     if cfg.lora.quantize_base != "none":
@@ -106,9 +167,19 @@ def save_adapter(cfg: ModelConfig, params: dict, path: str | Path, base: str = "
         raise ValueError(f"a QLoRA model (quantize_base={cfg.lora.quantize_base}) exports merged only")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_tensors(cfg, params), path / "adapter_model.safetensors")
-    (path / "adapter_config.json").write_text(json.dumps(adapter_config(cfg, base), indent=2) + "\n")
-    return path
+    tensors = adapter_tensors(cfg, params)
+    rows = {}
+    if base:
+        size = vocabulary if vocabulary is not None else len(hf_vl._Tensors(resolve(base)).get(
+            "model.embed_tokens.weight"))
+        rows = token_rows(cfg, params, base, size)
+    for name, (_, values) in rows.items():
+        module = _embedding_prefix(cfg) + "embed_tokens" if name == "embed_tokens" else "base_model.model.lm_head"
+        tensors[module + TOKEN_DELTA] = values
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = adapter_config(cfg, base, _token_indices(cfg, rows))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return max((len(ids) for ids, _ in rows.values()), default=0)
 
 
 def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
@@ -135,7 +206,13 @@ def load_adapter(cfg: ModelConfig, folder: str | Path, template: dict) -> dict:
                                 f"{expected[key]!r}")
     stored = SafetensorsFile(tensors_path)
     wanted = adapter_tensors(cfg, jax.tree.map(lambda leaf: np.zeros(leaf.shape, np.float32), template))
-    extra = sorted(set(stored.keys()) - set(wanted))
+    rows = [name for name in stored.keys() if name.endswith(TOKEN_DELTA)]
+    if rows:
+        # The run's base holds its added tokens' rows by the same rule as the run that exported them
+        # (`hf_common.extend_rows`); rows that run trained are not read back (the base stays frozen).
+        log.warning("%s: the embedding rows of trainable_token_indices (%s) are not read: the base's added-token "
+                    "rows are set by rule, as in the run that wrote them", tensors_path, ", ".join(rows))
+    extra = sorted(set(stored.keys()) - set(wanted) - set(rows))
     if extra:
         raise HFImportError(f"{tensors_path}: {extra[0]!r} is an adapter config.model.lora.targets="
                             f"{tuple(cfg.lora.targets)} does not have ({len(extra)} such tensors)")

@@ -6,7 +6,9 @@ Each step directory holds three items: `state` (params, optimizer state, step), 
 Grain iterator state of this process) and `meta` (JSON: model config, `media_kwargs`,
 tokenizer fingerprint, shard manifest, full config, project version, and the digests below).
 The tokenizer files live once in `WORKDIR/tokenizer/`, checked against the fingerprint in
-`meta` on every load.
+`meta` on every load. Beside them `WORKDIR/source/` keeps what an export writes back of the checkpoint the
+run started from (`models/hf_source.py`): its config.json, generation_config.json and the chat template the
+training template replaced.
 
 Only Orbax's public API is used (`tests/test_checkpoint.py` pins what we rely on, and fails on
 an Orbax upgrade that changes it): `state` is a `PyTreeCheckpointHandler` item (its public
@@ -44,7 +46,8 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from data_pipeline.tokenizer import TokenizerFingerprint, fingerprint
+from data_pipeline.tokenizer import TokenizerFingerprint, checkpoint_chat_template, fingerprint
+from valen_jax.models import hf_source
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ def corrupt_dir(workdir: str | Path) -> Path:
 
 def tokenizer_dir(workdir: str | Path) -> Path:
     return Path(workdir).resolve() / "tokenizer"
+
+
+def source_dir(workdir: str | Path) -> Path:
+    return Path(workdir).resolve() / "source"
 
 
 class _PendingDigests:
@@ -453,6 +460,19 @@ def save_tokenizer(workdir: str | Path, tokenizer: PreTrainedTokenizerBase) -> N
     staging.rename(target)
 
 
+def save_source(workdir: str | Path, init_from: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Keep what the export writes back of the run's source checkpoint (`init_from`, "" for none) and of
+    the tokenizer's own chat template, read now: by export time the source may be gone or changed."""
+    if jax.process_index() != 0:
+        return
+    target = source_dir(workdir)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    hf_source.keep(staging, str(init_from or ""), checkpoint_chat_template(tokenizer))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
 def load_tokenizer(workdir: str | Path, expected: dict[str, str]) -> PreTrainedTokenizerBase:
     path = tokenizer_dir(workdir)
     if not path.is_dir():
@@ -523,5 +543,5 @@ def fingerprint_of(tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
 __all__ = ["TokenizerFingerprint", "CheckpointError", "CorruptCheckpoint", "manager", "save", "restore_meta",
            "restore_state", "restore_intact", "restore_params", "restore_params_verified",
            "verify", "verify_params", "state_digest", "state_layout", "abstract_with",
-           "save_tokenizer", "load_tokenizer", "fingerprint_of", "checkpoint_dir", "params_sha256",
+           "save_tokenizer", "save_source", "source_dir", "load_tokenizer", "fingerprint_of", "checkpoint_dir", "params_sha256",
            "params_identity", "params_identity_of", "same_weights", "META_SCHEMA", "migrate_meta"]

@@ -210,6 +210,7 @@ def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, 
         log.info("resumed from step %d", restored[0])
     else:
         checkpoint.save_tokenizer(workdir, tokenizer)
+        checkpoint.save_source(workdir, config.model.init_from, tokenizer)  # what the export writes back
         params = task.initial_params(layout)
         opt_state = jax.jit(layout.tx.init, out_shardings=layout.state_shardings["opt_state"])(params)
         state = {"params": params, "opt_state": opt_state,
