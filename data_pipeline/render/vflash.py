@@ -97,7 +97,7 @@ class VFlashRenderer:
         return examples.build(examples.TOKENS, arrays, format="vflash", source=record.source, line=record.line,
                               entry=entry, media=[blob.header() for blob in media],
                               answers=[t.text for t in record.turns if t.role == "gpt"],
-                              dense_scale=record.dense_scale)
+                              dense_scale=record.dense_scale, record_id=record.record_id)
 
     @staticmethod
     def _media(ref, record) -> MediaBlob:
