@@ -179,3 +179,25 @@ def test_the_loader_and_the_server_decode_with_the_same_decoder():
 
     assert media.decode_image is media_decode.decode_image
     assert images.decode_image is media_decode.decode_image
+
+
+@pytest.mark.slow
+def test_train_refuses_a_bad_image_before_anything_is_compiled(folder):
+    # The case: training converts the user's JSONL itself; it stopped at the first batch, after compiling.
+    import importlib.util
+
+    from data_pipeline.formats.errors import FormatError
+    from valen_jax.train import run
+
+    spec = importlib.util.spec_from_file_location("chat_config", REPO / "configs" / "chat.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("tiny")
+    data = write_jsonl(folder / "chat.jsonl", chat("good.png"), chat("bad.png"))
+    config.data.train = str(data)
+    workdir = folder / "run"
+    with pytest.raises(FormatError) as refused:
+        run(config, workdir)
+    assert [str(p) for p in refused.value.problems] == [refusal(data, 2, "messages[0].content[0].path",
+                                                                folder / "bad.png")]
+    assert not workdir.exists()  # a refused start-up leaves no workdir behind
