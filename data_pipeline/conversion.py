@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +90,13 @@ def _server_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])  # no effect once this process's server is running
     return context
+
+
+def _with_progress(rendered: Iterable[bytes], total: int, progress: bool) -> list[bytes]:
+    """`rendered` as a list, counted on a progress bar that is closed (its line ended) before a refusal
+    propagates: the refusal is then a line of its own, not the tail of the bar's (issue 54)."""
+    with tqdm(rendered, total=total, desc="convert", disable=not progress) as bar:
+        return list(bar)
 
 
 def _chunksize(jobs: int, workers: int) -> int:
@@ -170,8 +177,8 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
     if workers <= 1:
         conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
         renderer = registry.get(fmt).make_renderer(conv.tok, **conv.render_options)  # the tokenizer prepare loaded
-        rendered = [renderer.render(record, entry).to_bytes()
-                    for record, entry in tqdm(conv.jobs, desc="convert", disable=not progress)]
+        rendered = _with_progress((renderer.render(record, entry).to_bytes() for record, entry in conv.jobs),
+                                  len(conv.jobs), progress)
         return write_output(conv, rendered)
     if _can_fork():
         return _convert_forked(fmt, input_path, output, tokenizer, workers, overwrite, progress, options,
@@ -182,8 +189,8 @@ def convert(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
     with _server_context().Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         conv = prepare(fmt, input_path, output, tokenizer, overwrite, options, template_family)
         jobs = conv.jobs
-        rendered = list(tqdm(pool.imap(_render_one, jobs, chunksize=_chunksize(len(jobs), workers)),
-                             total=len(jobs), desc="convert", disable=not progress))
+        rendered = _with_progress(pool.imap(_render_one, jobs, chunksize=_chunksize(len(jobs), workers)),
+                                  len(jobs), progress)
     return write_output(conv, rendered)
 
 
@@ -199,8 +206,8 @@ def _convert_forked(fmt: str, input_path: str | Path, output: str | Path, tokeni
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             indices = range(len(conv.jobs))
-            rendered = list(tqdm(pool.imap(_render_index, indices, chunksize=_chunksize(len(indices), workers)),
-                                 total=len(indices), desc="convert", disable=not progress))
+            rendered = _with_progress(pool.imap(_render_index, indices,
+                                                chunksize=_chunksize(len(indices), workers)), len(indices), progress)
     finally:
         _worker_renderer, _worker_jobs = None, ()
     return write_output(conv, rendered)

@@ -109,6 +109,9 @@ META: dict[str, tuple[MetaField, ...]] = {
         MetaField("trained_turns", int, "chat, vakforge: assistant messages carrying weight", False),
         MetaField("tool_calls", list, "chat, vakforge: per assistant message, its [{name, arguments}]", False),
         MetaField("id", str, "vakforge: conversation id", False),
+        # Not `id`: VFlash ids are the user's own labels (0, 1, … in train and eval alike), not the conversation
+        # identities the train/eval separation compares.
+        MetaField("record_id", (str, int), "vflash: the record's `id`, carried to generated answers", False),
         MetaField("locale", str, "vakforge: locale, an evaluation breakdown", False),
         MetaField("language", str, "vakforge: primary language", False),
         MetaField("data_source", str, "vakforge: meta.source (real | synthetic | public), a breakdown", False),

@@ -11,7 +11,10 @@ Example:
 Exit 0 with one summary line per file on stdout; exit 1 with one `PATH:LINE: FIELD: message`
 line per problem on stderr (with `--json`, stdout holds only a JSON list of the problems, empty on
 success); exit 2 for a usage error.
-A recipe is validated together with every annotation file it names.
+A recipe is validated together with every annotation file it names. Every image a record names is
+decoded as the training loader decodes it (`data_pipeline.formats.media_decode`, once per distinct
+content), so a file that is not an image is a problem of its line, not a crash at training's first
+batch; videos are checked to exist, and decoded by the loader.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-check-media",
         dest="check_media",
         action="store_false",
-        help="do not require referenced media files to exist (checks everything else)",
+        help="do not read referenced media files (neither existence nor image decoding; checks everything else)",
     )
     add_flag(
         parser,

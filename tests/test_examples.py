@@ -24,7 +24,7 @@ _SAMPLES = {
     examples.TOKENS: ({"input_ids": _i32(1, 2, 3), "target_weights": np.asarray([0, 1, 1], np.float32),
                        "primitive_spans": _i32(0, 1, 3).reshape(1, 3), "primitive_blocks": _i32(-1, 0, 0).reshape(1, 3)},
                       {"answers": ["<point>…</point>"], "dense_scale": 2.0, "turns": 2, "trained_turns": 1,
-                       "tool_calls": [[]], "id": "c1", "locale": "en-US", "language": "en", "data_source": "synthetic",
+                       "tool_calls": [[]], "id": "c1", "record_id": 7, "locale": "en-US", "language": "en", "data_source": "synthetic",
                        "domain": "d", "scenario": None, "split": "train", "entities": [], "skipped": {},
                        "overlaps": {"turns": 0, "merged": 0, "dropped": 0}}),
     # One labeled choice question with two candidates.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from data_pipeline.formats.errors import PROBLEM_CAP, FormatError, Problem
 from data_pipeline.formats.valen import (
@@ -55,7 +57,14 @@ SEED = {
     "assets": [],
     "meta": {"domain": "traffic", "modality": "text", "language_bucket": "en"},
 }
-PNG = b"\x89PNG\r\n\x1a\n not decoded by the reader"
+def png(colour: tuple[int, int, int]) -> bytes:
+    # A real image: image parts are decoded as the training loader decodes them (issue 54).
+    buffer = io.BytesIO()
+    Image.new("RGB", (2, 2), colour).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+PNG = png((0, 160, 0))
 
 
 def seed(**changes: object) -> dict:
@@ -448,7 +457,7 @@ def test_media_paths_relative_to_the_jsonl_or_absolute(tmp_path, media, monkeypa
     sub = tmp_path / "data"
     sub.mkdir()
     (sub / "assets").mkdir()
-    (sub / "assets" / "light.png").write_bytes(b"another file")
+    (sub / "assets" / "light.png").write_bytes(png((160, 0, 0)))
     path = write(
         sub / "train.jsonl",
         with_request(state=messages({"role": "user", "content": [image("assets/light.png")]})),

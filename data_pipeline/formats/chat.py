@@ -14,7 +14,8 @@ Decisions where the seed leaves room:
   order as written; the string form also keeps its exact text, so rendering can reproduce it.
 - Image paths are relative to the JSONL file (seed 003, "Images"): absolute paths, URLs, and paths
   that leave the JSONL's folder by `..` or a symlink are refused (`allow_absolute_media` admits
-  local ones, `media_paths`).
+  local ones, `media_paths`). With `check_media`, each image is decoded as the training loader
+  decodes it (`media_decode`), so a file that is not an image is a problem of its line (issue 54).
 - Checks beyond the nine that would make rendering ambiguous: call ids unique within a message, a
   call answered once, a tool message's `name` equal to the function it answers, and when a row
   declares `tools`, every call names a declared function (a row without `tools` may still call).
@@ -34,6 +35,7 @@ from jsonschema.validators import validator_for
 
 from data_pipeline.formats.errors import RECORD_FIELD, LineProblems, ProblemLog, describe, member
 from data_pipeline.formats.jsonl import iter_jsonl_objects, loads_strict
+from data_pipeline.formats.media_decode import image_problem
 from data_pipeline.formats.media_paths import DatasetFolder, is_absolute
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -287,6 +289,12 @@ class _Line(LineProblems):
         if self.check_media and not path.is_file():
             self.problem(field, f"file not found: {path}" if not path.exists() else f"not a file: {path}")
             return None
+        if self.check_media:
+            # Decoded as the loader will (issue 54): a bad image stops here, not at the first batch.
+            why = image_problem(path)
+            if why is not None:
+                self.problem(field, why)
+                return None
         return ImagePart(path, value)
 
     def tool_calls(self, field: str, calls: object) -> tuple[ToolCall, ...] | None:

@@ -27,7 +27,9 @@ Decisions where the seed leaves room:
   (`./a.png` matches `a.png`). Digests are lowercase hex; upper case is accepted and lowered.
 - With `check_media`, every referenced media file must exist and is hashed (once per read, even
   when many records share it; up to 4096 distinct files remembered), for labeled and unlabeled
-  records alike. Without it, paths are still resolved and URLs refused; `sha256` is None.
+  records alike; each image is also decoded as the training loader decodes it (`media_decode`), so a
+  file that is not an image is a problem of its line (issue 54; videos are decoded by the loader).
+  Without it, paths are still resolved and URLs refused; `sha256` is None.
 - `{"messages": [...]}` needs at least one message, and a list `content` at least one part; a
   string `content` or text part may be empty. Media may sit in any role's message.
 - A JSON object with a repeated key is refused (`jsonl.loads_strict`): json would keep the last.

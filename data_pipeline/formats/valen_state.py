@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_pipeline.formats.errors import LineProblems, describe, member, quote
+from data_pipeline.formats.media_decode import image_problem
 from data_pipeline.formats.media_paths import DatasetFolder
 
 ROLES = ("user", "assistant", "system")
@@ -270,6 +271,9 @@ def resolve_media(
                 line.problem(field, why)
             elif path in listed and listed[path] != digest:
                 line.problem(field, f"the file's sha256 is {digest}, but assets lists {listed[path]}")
+            elif MEDIA_PARTS[kind] == "image" and (why := image_problem(path, digest)) is not None:
+                # Decoded as the training loader will (issue 54; once per distinct content).
+                line.problem(field, why)
         media.append(ResolvedMedia(MEDIA_PARTS[kind], url, Path(path), digest))
     return tuple(media)
 
@@ -281,7 +285,7 @@ def plain_media(state: object, assets: object, files: MediaFiles) -> bool:
     The fast path of `valen_check.plain_counts` for records with messages or assets; False leaves
     the decision to the explaining functions above (a strict subset of what they accept).
     """
-    urls: list[str] = []
+    urls: list[tuple[str, bool]] = []  # (url as written, whether it is an image)
     if type(state) is not str:
         if type(state) is not dict or state.keys() != _STATE_KEYS:
             return False
@@ -312,7 +316,7 @@ def plain_media(state: object, assets: object, files: MediaFiles) -> bool:
                 url = holder["url"]
                 if type(url) is not str or not url or url.isspace() or "://" in url:
                     return False
-                urls.append(url)
+                urls.append((url, kind == "image_url"))
     if type(assets) is not list:
         return False
     listed: dict[str, str] = {}  # resolved path -> sha256
@@ -327,12 +331,14 @@ def plain_media(state: object, assets: object, files: MediaFiles) -> bool:
         digest = digest.lower()
         if listed.setdefault(files.resolve(path), digest) != digest:
             return False
-    for url in urls:
+    for url, image in urls:
         path = files.resolve(url)
         if files.refusal(url, path) is not None:
             return False
         if files.check:
             digest, why = files.sha256(path)
             if why is not None or listed.get(path, digest) != digest:
+                return False
+            if image and image_problem(path, digest) is not None:
                 return False
     return True

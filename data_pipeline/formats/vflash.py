@@ -15,6 +15,8 @@ Decisions where the seed leaves room:
 - Relative media paths resolve against `media_root` (a recipe entry's `root`) or else the JSONL's folder,
   and must stay inside it: absolute paths and `..` or symlinks leaving it are refused unless
   `allow_absolute_media` (`media_paths`).
+- With `check_media`, every image file is decoded as the training loader decodes it (`media_decode`):
+  a file that is not an image is a problem of its line, not a crash at the first batch (issue 54).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from data_pipeline import vocabulary
 from data_pipeline.formats.errors import RECORD_FIELD, Problem, ProblemLog
 from data_pipeline.formats.jsonl import iter_jsonl_objects
+from data_pipeline.formats.media_decode import image_problem
 from data_pipeline.formats.media_paths import DatasetFolder
 from data_pipeline.primitives import AtomicCall, Primitive, PrimitiveError, coordinate_count, parse_answer
 
@@ -38,6 +41,10 @@ MEDIA_SOURCES: dict[str, tuple[str, frozenset[str]]] = {
     "file": ("file", frozenset({"file", "resize"})),
     "lmdb_file": ("lmdb", frozenset({"lmdb_file", "lmdb_key", "resize"})),
 }
+
+# Kinds whose file is one image (decoded at validation); a video frame is decoded by the loader's PyAV
+# reader, and an LMDB value is checked when conversion reads it (render/vflash.py).
+IMAGE_KINDS = ("path", "file")
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,12 @@ class _Line:
             if kind != "lmdb" and not path.is_file():
                 self.problem(field, f"not a file: {path}")
                 return None
+            if kind in IMAGE_KINDS:
+                # Decoded as the loader will (issue 54): a bad image stops here, not at the first batch.
+                why = image_problem(path)
+                if why is not None:
+                    self.problem(field, why)
+                    return None
         return path
 
     # -- atom_loss_masks -------------------------------------------------------------------------

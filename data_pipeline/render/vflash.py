@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import examples, vocabulary
 from data_pipeline.examples import PRIMITIVE_KINDS
+from data_pipeline.formats.media_decode import bytes_problem
 from data_pipeline.formats.vflash import VFlashRecord
 from data_pipeline.render.common import (
     ChatTemplater,
@@ -96,7 +97,7 @@ class VFlashRenderer:
         return examples.build(examples.TOKENS, arrays, format="vflash", source=record.source, line=record.line,
                               entry=entry, media=[blob.header() for blob in media],
                               answers=[t.text for t in record.turns if t.role == "gpt"],
-                              dense_scale=record.dense_scale)
+                              dense_scale=record.dense_scale, record_id=record.record_id)
 
     @staticmethod
     def _media(ref, record) -> MediaBlob:
@@ -107,8 +108,15 @@ class VFlashRenderer:
             data = read_lmdb_value(ref.path, ref.lmdb_key)
         except LmdbMediaError as err:
             raise RenderError(record.source, record.line, "image", str(err)) from err
-        return MediaBlob(data, hashlib.sha256(data).hexdigest(), "lmdb", f"{ref.written}#{ref.lmdb_key}", None,
-                         ref.resize, lmdb_key=ref.lmdb_key)
+        digest = hashlib.sha256(data).hexdigest()
+        # The value is the image the loader decodes; validation checks image files, the values only here.
+        why = bytes_problem(data, digest)
+        if why is not None:
+            raise RenderError(record.source, record.line, "image",
+                              f"{ref.path}: the value of LMDB key {ref.lmdb_key!r} is not an image Pillow can "
+                              f"decode ({why}); the training loader would stop on it")
+        return MediaBlob(data, digest, "lmdb", f"{ref.written}#{ref.lmdb_key}", None, ref.resize,
+                         lmdb_key=ref.lmdb_key)
 
     def _primitive_spans(self, ids, assistant_mask, record) -> list[tuple[str, int, int, np.ndarray]]:
         """Find every primitive in the assistant tokens; they must match the parsed answer."""

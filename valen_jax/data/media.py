@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+# The one image decoder (issue 54): validate and convert run it too, so what reaches here decodes.
+from data_pipeline.formats.media_decode import decode_image
 from valen_jax.data.augment import EntryMedia, SampleAug, augment_frames, draw_sample_aug
 from valen_jax.data.vision_processor import media_settings, to_rgb
 
@@ -71,12 +73,6 @@ class LoadedMedia:
 
 
 # --- still images --------------------------------------------------------------------------------
-
-def decode_image(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
-
 
 def decode_lmdb_value(data: bytes, where: str, key: str | None = None) -> Image.Image:
     """The image stored as an LMDB value (seed 004 `{"lmdb_file", "lmdb_key"}`), copied into the shard."""

@@ -8,8 +8,9 @@ messages gives three lines. Lines come in data order (record, then answer) and h
      "text": "<ref>box</ref><objects><box><55><734><250><938></box></objects>",
      "finish_reason": "stop", "generated_tokens": 17, ...}
 
-`index` is the record's 0-based position in the data, `source` its file and line, `id` the vakforge
-conversation id (null for other data), `answer` the k-th trained assistant answer of the record (chat
+`index` is the record's 0-based position in the data, `source` its file and line, `id` the record's own
+id (a VFlash record's `id`, a vakforge conversation's id; null where the record has none: chat rows have
+no id), `answer` the k-th trained assistant answer of the record (chat
 converted with assistant_turns=last trains only the last message: it is answer 0). `finish_reason` is
 "stop" when the end-of-turn token ended the answer (counted in `generated_tokens`, not written in
 `text`), "length" when the token budget did. Per family:
@@ -109,6 +110,12 @@ def vflash_fields(text: str, dense_scale: float | None) -> dict:
             "parse_error": None}
 
 
+def record_id(example: Example) -> str | int | None:
+    """The id the record wrote: a VFlash record's `id`, a vakforge conversation's id; None where it has none."""
+    meta = contract.meta_of(example)
+    return meta.id if meta.id is not None else meta.record_id
+
+
 def answer_line(example: Example, index: int, answer: int, ids: list[int], *, family: str, tokenizer,
                 stop_ids, chat_family: str | None) -> dict:
     """The output line of one generated answer (module docstring)."""
@@ -116,7 +123,7 @@ def answer_line(example: Example, index: int, answer: int, ids: list[int], *, fa
     text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False,
                             clean_up_tokenization_spaces=False)
     meta = contract.meta_of(example)
-    line = {"index": index, "source": contract.where(example), "id": meta.id, "answer": answer, "text": text,
+    line = {"index": index, "source": contract.where(example), "id": record_id(example), "answer": answer, "text": text,
             "finish_reason": "stop" if stopped else "length", "generated_tokens": len(ids)}
     if family == "vflash":
         line.update(vflash_fields(text, meta.dense_scale))

@@ -12,7 +12,8 @@ rollout time and kept, and config.rl.inner_steps optimizer updates follow on the
 train.steps × inner_steps updates.
 
 The policy starts from config.rl.from_workdir (an SFT workdir's latest checkpoint; its architecture and
-tokenizer are the run's), else from config.model (an HF checkpoint in model.init_from, or fresh). With
+tokenizer, WORKDIR/tokenizer, are the run's: config.data.tokenizer left at the config files' default
+becomes that, one the user set must equal it, `reinforce.start_tokenizer`), else from config.model (an HF checkpoint in model.init_from, or fresh). With
 config.rl.kl_coef > 0 that start is kept frozen as the reference. A resumed run restores its step and
 data position (the loop's), hence the same prompts and completions: kill -9 and resume gives the same
 parameters as an uninterrupted run.
@@ -38,7 +39,7 @@ from valen_jax.errors import ConfigError
 from valen_jax.models import sharding
 from valen_jax.models.build import model_config
 from valen_jax.models.transformer import PerLayer
-from valen_jax.reinforce import refusals
+from valen_jax.reinforce import refusals, start_tokenizer
 from valen_jax.reinforce import rollout as rollouts
 from valen_jax.reinforce.objective import group_advantages
 from valen_jax.reinforce.rows import PromptAssembly, PromptShape
@@ -59,8 +60,10 @@ SAMPLES_KEPT = 4  # completions of the latest rollout kept for the run's result 
 
 def preflight(config) -> None:
     """Seed 003's refusals of a reinforcement run, before any device is claimed: the config.rl values,
-    prepared rows, and every chat row of the train data (an image, no assistant message), naming the row."""
+    prepared rows, and every chat row of the train data (an image, no assistant message), naming the row.
+    With config.rl.from_workdir, the run's tokenizer becomes the start's (`reinforce.start_tokenizer`)."""
     check_run(config)
+    start_tokenizer.resolve(config)  # before the loop loads config.data.tokenizer
     refusals.check_not_prepared(config)
     if config.data.format == "chat":  # vakforge rows hold no images; a row with no agent turn has no answer
         train = Path(str(config.data.train))  # registry references are resolved before the preflight
