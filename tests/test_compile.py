@@ -115,7 +115,7 @@ def test_oversize_model_is_refused_naming_the_hbm_and_the_mesh_keys():
                          "shard them over the 4 devices with --config.mesh.data=1 --config.mesh.fsdp=-1")
 
 
-@pytest.mark.slow  # a subprocess that compiles one train step for TPU: ~30 CPU seconds
+@pytest.mark.heavy  # a subprocess that compiles one 1.6B-parameter train step for TPU: minutes of CPU
 def test_a_model_too_big_to_replicate_gets_fsdp_by_default_and_fits(tmp_path):
     """The mesh keys left unset: the replicated state does not fit half of a v5e chip, so the default mesh is
     FSDP over the slice, said in the log, and the step fits (data parallel it does not: the test above)."""
@@ -144,11 +144,11 @@ def test_the_default_mesh_is_chosen_by_the_targets_memory_and_recorded_in_the_co
         return module.get_config("tiny")
 
     devices = aot.topology_devices(aot.parse_slice("v5e:2x2"))
+    tokenizer = load_tokenizer(chat_tiny().data.tokenizer, chat_tiny().data.template_family)
     for device_bytes, expected, recorded in ((16 * aot.GIB, {"data": 4, "fsdp": 1, "tensor": 1}, (-1, 1, 1)),
                                              (2 ** 20, {"data": 1, "fsdp": 4, "tensor": 1}, (1, -1, 1))):
         config = chat_tiny()
         assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (None, None, None)
-        tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
         state = mesh_choice.train_state_bytes(config, mesh_choice.trained_model(config, tokenizer))
         assert state > 2 ** 20  # a few MiB: more than half of the 1 MiB device
         with caplog.at_level(logging.INFO, logger="valen_jax.training.mesh_choice"):

@@ -306,7 +306,7 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
             compiled = thunk()
         except jax.errors.JaxRuntimeError as error:
             # The TPU compiler itself refuses a program whose buffers exceed the chip's HBM.
-            if "RESOURCE_EXHAUSTED" not in str(error):
+            if not mesh_choice.is_out_of_memory(error):
                 raise
             detail = str(error).strip().splitlines()[0]
             raise DoesNotFit(f"{name} does not fit {target.name} ({devices[0].device_kind}, "
