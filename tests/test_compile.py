@@ -3,6 +3,7 @@ from this CPU host, through compile-only devices. Needs `libtpu` (the `tpu` extr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -98,13 +99,71 @@ def test_loop_aware_flops_count_every_layer():
     assert gathered["inside_loops"]["count"] == 1 and gathered["bytes"] == pytest.approx(8 * 512 * 512 * 2)
 
 
+# Issue 54: a model whose replicated train state (f32 weights, gradients and two moments: 26 GiB for these
+# 1.6B parameters) exceeds a v5e chip's 16 GiB.
+OVERSIZE = ("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--config.model.dim=8192",
+            "--config.model.mlp_dim=32768", "--programs=train_step")
+
+
 @pytest.mark.heavy  # a subprocess that compiles for TPU: tens of CPU seconds
-def test_oversize_model_is_refused_naming_the_hbm():
-    done = _command("--config=configs/vflash.py:tiny", "--topology=v5e:2x2", "--config.model.dim=8192",
-                    "--config.model.mlp_dim=32768")
+def test_oversize_model_is_refused_naming_the_hbm_and_the_mesh_keys():
+    done = _command(*OVERSIZE, "--config.mesh.data=-1")  # data parallel, asked for by name
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("DoesNotFit: train_step does not fit v5e:2x2") and "16 GiB HBM per chip" in last
+    assert last.endswith("the mesh (data=4 fsdp=1 tensor=1) keeps 4 copies of the params and optimizer state; "
+                         "shard them over the 4 devices with --config.mesh.data=1 --config.mesh.fsdp=-1")
+
+
+@pytest.mark.heavy  # a subprocess that compiles one 1.6B-parameter train step for TPU: minutes of CPU
+def test_a_model_too_big_to_replicate_gets_fsdp_by_default_and_fits(tmp_path):
+    """The mesh keys left unset: the replicated state does not fit half of a v5e chip, so the default mesh is
+    FSDP over the slice, said in the log, and the step fits (data parallel it does not: the test above)."""
+    output = tmp_path / "report.json"
+    done = _command(*OVERSIZE, f"--output={output}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and report["programs"][0]["fits"] is True
+    chosen = next(line for line in done.stderr.splitlines() if "mesh_choice.py" in line)
+    assert "mesh data=1 fsdp=4 tensor=1 over 4 x TPU v5 lite: config.mesh unset: FSDP over the 4 devices" in chosen
+    assert "--config.mesh.data=1 --config.mesh.fsdp=-1 sets this" in chosen
+
+
+def test_the_default_mesh_is_chosen_by_the_targets_memory_and_recorded_in_the_config(caplog):
+    """`train` and the compile build their mesh in `training.mesh_choice.training_mesh`: unset keys are chosen
+    from the model's train state against the target devices' memory, not the host's."""
+    import logging
+
+    from data_pipeline.tokenizer import load_tokenizer
+    from valen_jax.training import mesh_choice
+
+    def chat_tiny():
+        spec = importlib.util.spec_from_file_location("chat_mesh_cfg", ROOT / "configs/chat.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config("tiny")
+
+    devices = aot.topology_devices(aot.parse_slice("v5e:2x2"))
+    tokenizer = load_tokenizer(chat_tiny().data.tokenizer, chat_tiny().data.template_family)
+    for device_bytes, expected, recorded in ((16 * aot.GIB, {"data": 4, "fsdp": 1, "tensor": 1}, (-1, 1, 1)),
+                                             (2 ** 20, {"data": 1, "fsdp": 4, "tensor": 1}, (1, -1, 1))):
+        config = chat_tiny()
+        assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (None, None, None)
+        state = mesh_choice.train_state_bytes(config, mesh_choice.trained_model(config, tokenizer))
+        assert state > 2 ** 20  # a few MiB: more than half of the 1 MiB device
+        with caplog.at_level(logging.INFO, logger="valen_jax.training.mesh_choice"):
+            mesh = mesh_choice.training_mesh(config, lambda c=config, t=tokenizer: mesh_choice.trained_model(c, t),
+                                             devices, device_bytes=device_bytes)
+        assert dict(mesh.shape) == expected
+        # written back, so the checkpoint's config records the mesh evaluation lays the model out on
+        assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == recorded
+        assert "TPU v5 lite" in caplog.records[-1].getMessage()
+    # A key the user set is kept, whatever the memory: the model is not looked at.
+    config = chat_tiny()
+    config.mesh.tensor = 2
+    mesh = mesh_choice.training_mesh(config, lambda: pytest.fail("a set mesh needs no model"), devices,
+                                     device_bytes=2 ** 20)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 
 
 @pytest.mark.heavy  # a subprocess that compiles for TPU: tens of CPU seconds

@@ -2,8 +2,13 @@
 
     python -m valen_jax.compile --config=configs/vflash.py:tiny --topology=v5e:2x2
     python -m valen_jax.compile --config=configs/prepared.py:hf --config.model.init_from=benchmarks/shapes/qwen2.5-7b \
-        --topology=v5p-64 --config.mesh.data=1 --config.mesh.fsdp=-1 --config.data.seq_len=8192 \
-        --config.data.global_batch=32 --programs=train_step --output=report.json
+        --topology=v5p-64 --config.data.seq_len=8192 --config.data.global_batch=32 --programs=train_step \
+        --output=report.json
+
+The mesh is the one `train` would build on the slice (`valen_jax/training/mesh_choice.py`): the
+`config.mesh` keys as set, or with none set, data parallel when the replicated params, gradients and
+optimizer state fit half of one chip's HBM, else FSDP over the slice (the 7B full fine-tune above:
+`mesh data=1 fsdp=32`), logged in one line with why.
 
 Needs `libtpu` (`pip install 'valen-jax[tpu]'`): its compile-only devices stand in for the slice. Every
 program is traced under a mesh of those devices, so `attention=auto` picks splash as it would on the slice
@@ -16,7 +21,8 @@ config or from `model.init_from`'s config.json alone (no weights are read). Prin
 per chip (argument, output, temp, alias GiB), XLA's and the loop-aware FLOPs and bytes, the roofline and
 MFU bound, the collectives census and whether Pallas (Mosaic) kernels are in it; `--output` writes the
 same as JSON. The last line: `fits=… mfu_bound=… temp_gib_per_chip=…`. Exits 1 with one line when a
-program does not fit the chip's HBM, naming the shortfall and the largest buffers. Slice names (`v5e-8`,
+program does not fit the chip's HBM, naming the shortfall, the largest buffers and the mesh keys to
+change (`--config.mesh.data=1 --config.mesh.fsdp=-1` where the mesh replicates the state). Slice names (`v5e-8`,
 `v5p-64`, `v6e-16`, `v4-8`, or libtpu's `v5e:2x2`) and the chip table: `valen_jax/tasks/aot.py`.
 """
 

@@ -219,7 +219,10 @@ def _loss() -> dict[str, Any]:
 
 
 def _mesh() -> dict[str, Any]:
-    return {"data": -1, "fsdp": 1, "tensor": 1}  # -1 means "the rest of the devices"
+    # -1 means "the rest of the devices". All unset: chosen at start-up from the model's size and the target
+    # devices' memory, data parallel or FSDP (valen_jax.training.mesh_choice); some set: the others are 1,
+    # `data` the rest.
+    return {axis: config_dict.placeholder(int) for axis in ("data", "fsdp", "tensor")}
 
 
 def _eval() -> dict[str, Any]:

@@ -50,8 +50,11 @@ class ShardingError(ValueError):
     """A mesh or rule that does not fit the devices or the parameter shapes."""
 
 
-def mesh_shape(requested: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Resolve one `-1` entry as "the rest of the devices"."""
+def mesh_shape(requested: Mapping[str, int | None], num_devices: int) -> dict[str, int]:
+    """Resolve one `-1` entry as "the rest of the devices". Unset (None) entries: as `choose_mesh` fills
+    them without a memory size (data parallel); `training.mesh_choice` is what chooses by memory."""
+    if any(requested[axis] is None for axis in MESH_AXES):
+        requested = choose_mesh(requested, num_devices)[0]
     shape = {axis: int(requested[axis]) for axis in MESH_AXES}
     unknown = [axis for axis, size in shape.items() if size == -1]
     if len(unknown) > 1:
@@ -64,6 +67,58 @@ def mesh_shape(requested: Mapping[str, int], num_devices: int) -> dict[str, int]
     if math.prod(shape.values()) != num_devices:
         raise ShardingError(f"mesh {shape} needs {math.prod(shape.values())} devices, {num_devices} present")
     return shape
+
+
+# The default mesh's choice (`choose_mesh`): the replicated train state (params, gradients, optimizer state)
+# may take at most this share of a device's memory; the rest is for activations and the compiler's
+# temporaries (a 0.5B full fine-tune on a 16 GiB v5e chip: 7.9 GiB of state, fits data parallel).
+STATE_SHARE = 0.5
+DATA_PARALLEL = {"data": -1, "fsdp": 1, "tensor": 1}
+FULLY_SHARDED = {"data": 1, "fsdp": -1, "tensor": 1}
+FSDP_FLAGS = "--config.mesh.data=1 --config.mesh.fsdp=-1"
+GIB = 1024 ** 3
+
+
+def choose_mesh(requested: Mapping[str, int | None], num_devices: int, state_bytes: float | None = None,
+                device_bytes: float | None = None, device_kind: str = "device") -> tuple[dict[str, int], str]:
+    """The mesh to build (a `-1` axis takes the rest) and why, in words for the log.
+
+    Keys the user set (`config.mesh`) are kept; with some set, the unset ones are 1, but `data` takes the
+    rest of the devices unless a set key already does. With none set, the choice is by memory: data
+    parallel when the replicated train state (`state_bytes`: params, gradients, optimizer state) fits in
+    STATE_SHARE of one device's memory (`device_bytes`, the target's), else FSDP over every device (a 7B
+    full fine-tune holds 16 bytes a parameter, more than a 95 GiB v5p chip). Unknown memory (a CPU) or
+    one device: data parallel."""
+    given = {axis: requested[axis] for axis in MESH_AXES if requested[axis] is not None}
+    if given:
+        shape = {"data": 1 if -1 in given.values() else -1, "fsdp": 1, "tensor": 1, **given}
+        return {axis: int(shape[axis]) for axis in MESH_AXES}, "as config.mesh sets it"
+    if num_devices == 1:
+        return dict(DATA_PARALLEL), "config.mesh unset: one device"
+    if state_bytes is None or device_bytes is None:
+        return dict(DATA_PARALLEL), (f"config.mesh unset: data parallel, since {device_kind} devices report no "
+                                     "memory size to choose by")
+    state = (f"the replicated train state (params, gradients, optimizer state: {state_bytes / GIB:.1f} GiB) "
+             f"{{}} {STATE_SHARE:.0%} of a {device_kind}'s {device_bytes / GIB:.1f} GiB")
+    if state_bytes <= STATE_SHARE * device_bytes:
+        return dict(DATA_PARALLEL), f"config.mesh unset: data parallel, since {state.format('fits in')}"
+    return dict(FULLY_SHARDED), (f"config.mesh unset: FSDP over the {num_devices} devices "
+                                 f"({state_bytes / num_devices / GIB:.2f} GiB of state each), since "
+                                 f"{state.format('exceeds')}; {FSDP_FLAGS} sets this, --config.mesh.* another")
+
+
+def memory_advice(shape: Mapping[str, int], num_devices: int) -> str:
+    """What to change when a program does not fit the devices' memory on the mesh `shape` (resolved)."""
+    split = int(shape["fsdp"]) * int(shape["tensor"])
+    if split < num_devices:
+        return (f"the mesh (data={shape['data']} fsdp={shape['fsdp']} tensor={shape['tensor']}) keeps "
+                f"{num_devices // split} copies of the params and optimizer state; shard them over the "
+                f"{num_devices} devices with {FSDP_FLAGS}")
+    held = ("one device holds the params and optimizer state" if num_devices == 1 else
+            f"the mesh (fsdp={shape['fsdp']} tensor={shape['tensor']}) already shards the params over all "
+            f"{num_devices} devices")
+    return (f"{held}: fewer rows per device (config.data.global_batch, config.train.grad_accum_steps), shorter "
+            "rows (config.data.seq_len), config.model.remat=full or more devices")
 
 
 def make_mesh(requested: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

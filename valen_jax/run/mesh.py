@@ -23,7 +23,9 @@ def fitted_mesh_shape(saved: Mapping[str, int], num_devices: int) -> dict[str, i
     to the largest divisor that fits (tensor first, then fsdp), which `evaluation_mesh` logs. A
     `-1` axis means "the rest of the devices", here as in training.
     """
-    requested = {axis: int(saved[axis]) for axis in sharding.MESH_AXES}
+    # A run records the mesh it chose (training.mesh_choice); unset keys are filled as a mesh without a
+    # memory size to choose by (data parallel).
+    requested = sharding.choose_mesh(saved, num_devices)[0]
     rest = [axis for axis, size in requested.items() if size == -1]
     if len(rest) > 1:
         raise sharding.ShardingError(f"saved mesh {requested}: at most one axis may be -1")
@@ -44,7 +46,7 @@ def evaluation_mesh(saved: Mapping[str, int], devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     shape = fitted_mesh_shape(saved, len(devices))
     for axis in ("fsdp", "tensor"):
-        if int(saved[axis]) not in (-1, shape[axis]):
+        if saved[axis] is not None and int(saved[axis]) not in (-1, shape[axis]):
             log.warning("the model was trained with mesh.%s=%s; %d devices here allow %d, so each device "
                         "holds a larger part of the parameters", axis, saved[axis], len(devices), shape[axis])
     return sharding.make_mesh(shape, devices)

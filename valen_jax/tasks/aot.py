@@ -54,7 +54,7 @@ from valen_jax.tasks.reinforce import MODE as MODE_REINFORCE
 from valen_jax.tasks.reinforce import ReinforceTask
 from valen_jax.tasks.token_lm import TokenLMTask
 from valen_jax.tasks.valen import ValenTask
-from valen_jax.training import checkpoint
+from valen_jax.training import checkpoint, mesh_choice
 from valen_jax.training.metrics import attention_flops_per_step, model_flops_per_step
 from valen_jax.training.step import TrainLayout
 from valen_jax.training.task import Setup
@@ -200,13 +200,7 @@ def open_compile_task(config, mesh):
 def target_model(config) -> ModelConfig:
     """A `vflash` run's target architecture: its `model.target_from` workdir's latest checkpoint meta (JSON,
     as `vflash.task.restore_target` reads it; no weights)."""
-    workdir = Path(config.model.target_from).resolve()
-    mgr = checkpoint.manager(workdir, read_only=True)
-    try:
-        meta = checkpoint.restore_meta(mgr, checkpoint.select_step(mgr, workdir))
-    finally:
-        mgr.close()
-    return ModelConfig.from_json(meta["model"])
+    return mesh_choice.checkpoint_model(config.model.target_from)
 
 
 def _buffers_of(error: str, count: int = 6) -> str:
@@ -281,7 +275,11 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
     memory, cost, roofline and collectives (see `program_report`)."""
     validate_config(config)
     devices = topology_devices(target)
-    mesh = sharding.make_mesh(config.mesh, devices=devices)
+    # The mesh `train` would build on the slice: the unset mesh keys chosen by the slice's HBM, not the host's.
+    mesh = mesh_choice.training_mesh(
+        config, lambda: mesh_choice.trained_model(config, load_tokenizer(config.data.tokenizer,
+                                                                         config.data.template_family)),
+        devices, device_bytes=target.hbm_bytes)
     check_batch_split(config, mesh)
     task, batch_shapes, model_layout, assembly, eval_spec = open_compile_task(config, mesh)
     layout = task.layout()
@@ -308,12 +306,13 @@ def compile_for(config, target: Slice, only: tuple[str, ...] | None = None) -> d
             compiled = thunk()
         except jax.errors.JaxRuntimeError as error:
             # The TPU compiler itself refuses a program whose buffers exceed the chip's HBM.
-            if "RESOURCE_EXHAUSTED" not in str(error):
+            if not mesh_choice.is_out_of_memory(error):
                 raise
             detail = str(error).strip().splitlines()[0]
             raise DoesNotFit(f"{name} does not fit {target.name} ({devices[0].device_kind}, "
                              f"{target.hbm_bytes / GIB:.0f} GiB HBM per chip): {detail}; largest allocations: "
-                             f"{_buffers_of(str(error)) or 'none listed by the compiler'}") from None
+                             f"{_buffers_of(str(error)) or 'none listed by the compiler'}; "
+                             f"{sharding.memory_advice(dict(mesh.shape), mesh.size)}") from None
         programs.append(program_report(name, compiled, time.perf_counter() - start, target, flops, len(devices),
                                        kernel_flops))
     return {
@@ -344,7 +343,8 @@ def check_fits(report: dict) -> None:
             raise DoesNotFit(f"{program['program']} needs {g['total']:.2f} GiB per chip on {report['topology']['name']} "
                              f"({report['topology']['device_kind']}), which has {have:.0f} GiB HBM per chip: "
                              f"{g['total'] - have:.2f} GiB short (temp {g['temp']:.2f} GiB, arguments "
-                             f"{g['argument']:.2f} GiB); largest values: {largest}")
+                             f"{g['argument']:.2f} GiB); largest values: {largest}; "
+                             f"{sharding.memory_advice(report['mesh'], report['topology']['chips'])}")
 
 
 def census_summary(program: dict) -> str:

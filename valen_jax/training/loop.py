@@ -34,7 +34,7 @@ from valen_jax.data.shard_cache import config_shards, summary
 from valen_jax.data.vision_processor import media_kwargs_of
 from valen_jax.models import sharding
 from valen_jax.models.config import ModelConfig, dtype_of
-from valen_jax.training import checkpoint, workdir_lock
+from valen_jax.training import checkpoint, mesh_choice, workdir_lock
 from valen_jax.training.metrics import MetricsLog, peak_flops_per_device
 from valen_jax.training.preflight import check_run_data
 from valen_jax.training.progress import FinishedSteps
@@ -136,7 +136,7 @@ def run(config, workdir: str | Path, open_task: OpenTask, preflight: Preflight |
     with start_up(workdir) as note:
         workdir.mkdir(parents=True, exist_ok=True)
         # Before anything is written there: a second trainer on this workdir is refused (issue 19).
-        with workdir_lock.exclusive(workdir), note.undone_on_error():
+        with workdir_lock.exclusive(workdir), note.undone_on_error(), mesh_choice.refused_for_memory(config):
             return _train(config, workdir, references, open_task, note)
 
 
@@ -164,7 +164,7 @@ def compatibility_check(workdir: Path, fingerprint: dict, model_cfg: ModelConfig
 def _train(config, workdir: Path, references: dict | None, open_task: OpenTask, note: StartUp) -> dict:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.template_family)
     fingerprint = checkpoint.fingerprint_of(tokenizer)
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = mesh_choice.training_mesh(config, lambda: mesh_choice.trained_model(config, tokenizer))
     _check_latest_task(workdir, config)  # before the shards are written there
     # Both sets convert with the config's converter options, template family included (shard_cache).
     train_set = config_shards(config, "train", workdir / "shards", fingerprint)
