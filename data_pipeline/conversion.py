@@ -30,7 +30,7 @@ from tqdm import tqdm
 from data_pipeline import examples, shards
 from data_pipeline import format_registry as registry
 from data_pipeline.format_registry import SourceEntry
-from data_pipeline.tokenizer import fingerprint, load_tokenizer
+from data_pipeline.tokenizer import fingerprint, installed_template_family, load_tokenizer
 
 log = logging.getLogger(__name__)
 _RECORDS_PER_SHARD = 512
@@ -157,6 +157,9 @@ def prepare(fmt: str, input_path: str | Path, output: str | Path, tokenizer: str
         raise ValueError(f"--format={fmt}: conversion supports {', '.join(sorted(registry.FORMATS))}")
     load_options, render_options = _split_options(fmt, options)
     tok = load_tokenizer(tokenizer, template_family)
+    # What the manifest records and the workers install: the family itself ("auto" resolved), or none where
+    # the tokenizer's own template marks assistant spans.
+    template_family = installed_template_family(tok)
     # Built once here, so a bad option fails before any worker starts (a failing Pool initializer
     # would be restarted forever).
     registry.FORMATS[fmt].make_renderer(tok, **render_options)

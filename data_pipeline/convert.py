@@ -11,7 +11,8 @@ every entry in recipe order; `--format=chat` one chat JSONL file (`--assistant-t
 `--format=prepared` a prepared zip or directory (`--max-seq-length=N`); `--format=vakforge` a
 vakforge.jsonl beside its splits.json (`--split=NAME`, `--overlap=merge|drop`,
 `--assistant-turns`). An option a format does not take is refused, never ignored.
-`--template-family=chatml|llama3` installs a training template for a tokenizer without one.
+`--template-family=auto|chatml|llama3` installs a training template for a tokenizer without one (auto:
+the family its own chat template writes, e.g. a hub Qwen or Llama 3.x checkpoint's).
 
     python -m data_pipeline.convert --format=vakforge --input=data/smoke/vakforge/vakforge.jsonl \
         --output=/tmp/vakforge_train --tokenizer=data/tokenizer --split=train --overlap=drop
@@ -41,6 +42,7 @@ from data_pipeline.conversion import BEAM_RUNNERS, convert
 from data_pipeline.format_registry import CONVERT_OPTIONS, FORMATS, takers
 from data_pipeline.formats.errors import FormatError
 from data_pipeline.render.common import RenderError
+from data_pipeline.tokenizer import AUTO_FAMILY
 
 
 def _convert_beam(args: argparse.Namespace, options: Mapping[str, object]) -> shards.Manifest:
@@ -72,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--beam-option", action="append", metavar="KEY=VALUE",
              help="--runner=beam: a pipeline option, e.g. temp_location=gs://b/tmp (repeatable)")
     parser.add_argument("--overwrite", action="store_true")
-    add_flag(parser, "--template-family", choices=sorted(TRAINING_TEMPLATES),
-             help="install this training chat template when the tokenizer's has no generation markers")
+    add_flag(parser, "--template-family", choices=[AUTO_FAMILY, *sorted(TRAINING_TEMPLATES)],
+             help="install this training chat template when the tokenizer's has no generation markers "
+                  "(auto: the family the tokenizer's own template writes)")
     # Format options (format_registry.CONVERT_OPTIONS): left unset (None) they take the format's
     # default; set for a format that does not take them, they are refused.
     for name, option in CONVERT_OPTIONS.items():

@@ -88,22 +88,49 @@ def add_primitive_tokens(tokenizer: PreTrainedTokenizerBase) -> int:
     return added
 
 
+# `template_family="auto"` (config.data.template_family's default): the family the tokenizer's own template
+# writes, so a Llama 3.x checkpoint trains with the llama3 template and a Qwen one with ChatML, without a key.
+AUTO_FAMILY = "auto"
+
+
+def infer_template_family(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The training template family of a hub tokenizer: the one whose end-of-turn token its own chat template
+    writes, else the one whose control tokens its vocabulary alone holds; refused when neither tells."""
+    vocab = tokenizer.get_vocab()
+    usable = [family for family, tokens in FAMILY_TOKENS.items() if all(t in vocab for t in tokens)]
+    written = family_of_template(tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None)
+    if written in usable:
+        return written
+    if written is None and len(usable) == 1:
+        return usable[0]
+    raise TokenizerError(
+        "cannot tell which training template fits this tokenizer (its chat template writes "
+        f"{'no known end-of-turn token' if written is None else repr(END_OF_TURN[written]) + ', which its vocabulary lacks'}"
+        f"; families whose control tokens it holds: {', '.join(usable) or 'none'}): set the template family "
+        f"({', '.join(TRAINING_TEMPLATES)}; config.data.template_family, convert's --template-family)")
+
+
 def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | None = None) -> None:
-    """Keep a template that marks assistant spans, or install the shipped one for `family`.
+    """Keep a template that marks assistant spans, or install the shipped one for `family` ("auto": the
+    family `infer_template_family` reads from the tokenizer).
 
     An unknown family is refused even when the template has markers, so a typo never passes
     unnoticed; installing a family's template needs that family's control tokens as single tokens
     (otherwise they would be tokenised as text and no end-of-turn token would be trained).
     """
-    if family is not None and family not in TRAINING_TEMPLATES:
-        raise TokenizerError(f"unknown chat template family {family!r}; known: {', '.join(TRAINING_TEMPLATES)}")
+    if family is not None and family != AUTO_FAMILY and family not in TRAINING_TEMPLATES:
+        raise TokenizerError(f"unknown chat template family {family!r}; known: "
+                             f"{', '.join([AUTO_FAMILY, *TRAINING_TEMPLATES])}")
     if has_generation_markers(tokenizer.chat_template):
         return
     if family is None:
         raise TokenizerError(
             "the tokenizer's chat template has no {% generation %} markers, so assistant masks would be "
-            f"all zero; pass a template family ({', '.join(TRAINING_TEMPLATES)}) to use a shipped one"
+            f"all zero; pass a template family ({', '.join([AUTO_FAMILY, *TRAINING_TEMPLATES])}) to use a "
+            "shipped one"
         )
+    if family == AUTO_FAMILY:
+        family = infer_template_family(tokenizer)
     vocab = tokenizer.get_vocab()
     missing = [t for t in FAMILY_TOKENS[family] if t not in vocab]
     if missing:
@@ -111,6 +138,12 @@ def ensure_training_template(tokenizer: PreTrainedTokenizerBase, family: str | N
                              "pick the family the model was trained with")
     setattr(tokenizer, _REPLACED, tokenizer.chat_template)
     tokenizer.chat_template = TRAINING_TEMPLATES[family]
+
+
+def installed_template_family(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The family whose training template `ensure_training_template` installed; None where it kept the
+    tokenizer's own (a marked template)."""
+    return family_of_template(tokenizer.chat_template) if hasattr(tokenizer, _REPLACED) else None
 
 
 def checkpoint_chat_template(tokenizer: PreTrainedTokenizerBase) -> str | dict | None:

@@ -52,8 +52,9 @@ def _data() -> dict[str, Any]:
         "train_options": {}, "eval_options": {},
         # The tokenizer (usually model.init_from's directory). template_family: the training template (chatml,
         # llama3) installed when the tokenizer's own has no {% generation %} markers, as every hub checkpoint's
-        # inference template; every conversion the run makes uses it (valen_jax.data.shard_cache).
-        "tokenizer": NO_DEFAULT, "template_family": "chatml",
+        # inference template; "auto": the family that template writes (Qwen: chatml, Llama 3.x: llama3). Every
+        # conversion the run makes uses it (valen_jax.data.shard_cache).
+        "tokenizer": NO_DEFAULT, "template_family": "auto",
         "seq_len": NO_DEFAULT,
         # Vision patches per row (before merging); 0 for text-only data.
         "max_patches": NO_DEFAULT,
