@@ -20,6 +20,7 @@ from valen_jax.serving.detokenize import IncrementalText, StopCut
 from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, ScoreRequest
 from valen_jax.serving.service import Service
+from valen_jax.serving.tool_calls import ToolCallSplit
 
 
 def build_app(service: Service) -> FastAPI:
@@ -101,6 +102,7 @@ class _Choice:
         # A non-streamed answer without stop strings needs its text once, at the end.
         self.live = live or bool(stops)
         self.sent, self.finish = "", None
+        self.split = ToolCallSplit(service.family)  # a streamed chat answer's content and tool calls
 
     def advance(self, token) -> str:
         """The new text to send after an event (token None: the choice ended)."""
@@ -178,36 +180,37 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
 
     chunk_head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
 
-    def chunk(index: int, text: str, finish=None, extra=None, tail=None) -> str:
+    def chunk(index: int, delta, finish=None, tail=None) -> str:
+        """One choice's chunk: chat, its `delta` (a dict: content or tool_calls); completions, its text."""
         if chat:
-            delta = dict({"content": text} if text or finish is None else {}, **(extra or {}))
             choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
         choice.update(tail or {})  # the last chunk of a choice: its `valen` extension
         return f"data: {json.dumps(dict(chunk_head, choices=[choice]))}\n\n"
 
     def sse(index: int, text: str, done: set) -> list[str]:
         """The chunks one event makes (none while its text is held back)."""
         choice = choices[index]
-        if choice.finish is None:
-            return [chunk(index, text)] if text else []
+        ended = choice.finish is not None
         if index in done:
             return []
+        if chat:  # content and tool calls apart, no markup in content (`serving.tool_calls`)
+            out = [chunk(index, delta) for delta in choice.split.feed(text, final=ended)]
+        else:
+            out = [chunk(index, text)] if text else []
+        if not ended:
+            return out
         done.add(index)
-        finish, extra = choice.finish, None
-        if chat:
-            message, finish = service.message(choice.sent, choice.finish)
-            if "tool_calls" in message:
-                extra = {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]}
-        return [*([chunk(index, text)] if text else []), chunk(index, "", finish, extra, valen(choice))]
+        finish = "tool_calls" if chat and choice.split.calls else choice.finish
+        return [*out, chunk(index, {} if chat else "", finish, valen(choice))]
 
     async def stream():
         # Every event already waiting is sent in one write (the role chunks go with the first, the usage and
         # [DONE] with the last): each write is a send on the socket, and under load they were most of the
         # event loop's time; the chunks themselves, one per event, are unchanged.
         try:
-            out = [chunk(i, "", extra={"role": "assistant"}) for i in range(len(choices))] if chat else []
+            out = [chunk(i, {"role": "assistant", "content": ""}) for i in range(len(choices))] if chat else []
             done: set[int] = set()
             while len(done) < len(choices):
                 pending = [await events.get()]

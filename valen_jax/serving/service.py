@@ -1,8 +1,8 @@
 """One served workdir: the restored model, its tokenizer and chat template, and its slot engine.
 
 Turns a validated request into prompt ids and engine `Request`s, and generated ids back into text,
-tool calls (`evaluation.chat.parse_tool_calls`, the parser `generate` writes answers with) and a
-finish reason. Every refusal is an `APIError` naming the request's field."""
+tool calls (`serving.tool_calls`, over `evaluation.chat.parse_tool_calls`, the parser `generate` writes
+answers with) and a finish reason. Every refusal is an `APIError` naming the request's field."""
 
 from __future__ import annotations
 
@@ -25,15 +25,31 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.speculative import CachedDrafter
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation.answers import vflash_fields
-from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.valen import predict_valen_data
 from valen_jax.serving import collector, images
 from valen_jax.serving.errors import APIError
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 from valen_jax.serving.speculative_slots import SpeculativeSlotEngine
+from valen_jax.serving.tool_calls import split_message
 
 log = logging.getLogger(__name__)
+
+
+def _arguments_as_objects(message: dict) -> None:
+    """An assistant turn sent back carries its calls as OpenAI returns them, `function.arguments` a JSON
+    string; hub templates render arguments with `| tojson` (Qwen2.5, Llama 3.1), which would quote that
+    string, so a string holding a JSON object is given to the template as the object (the text the model
+    wrote, and was trained on). Any other string is left as the client sent it."""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                parsed = json.loads(function["arguments"])
+            except ValueError:
+                continue
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
 
 
 class Service:
@@ -101,6 +117,8 @@ class Service:
         {"ids", "positions", "vision"} of one with image parts (`images.vision_prompt`, `generate`'s path:
         blocking, the route runs it in a worker thread)."""
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        for message in messages:
+            _arguments_as_objects(message)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         if self.has_images(body):
             if self.restored.model_cfg.vision is None:
@@ -204,12 +222,10 @@ class Service:
         return vflash_fields(text, None) if self.vflash else None
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The assistant message of a finished choice: tool calls as seed 003 writes them, and the reason."""
-        calls = [c for c in parse_tool_calls(text, self.family) if isinstance(c, dict) and "name" in c]
+        """The assistant message of a finished choice and its finish reason, in OpenAI's shape: its tool calls
+        (arguments as JSON strings) and the text outside their markup (`serving.tool_calls`, the split the
+        stream makes), "tool_calls" when it makes any."""
+        content, calls = split_message(text, self.family)
         if not calls:
             return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": None,
-                "tool_calls": [{"id": f"call_{k + 1}", "type": "function",
-                                "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-                               for k, c in enumerate(calls)]}, "tool_calls"
-
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
