@@ -6,17 +6,21 @@ which answers with the markup a model trained on tool calls writes (a 4-step tin
 Non-streamed, `function.arguments` must be a JSON string (`json.loads` in client code), `content` null,
 `finish_reason` "tool_calls"; streamed, the client's stream helper must assemble the same calls, and no
 chunk's `content` may hold markup. The loop sends the tool's result back with the assistant turn as the
-client returned it, and the template must render that turn's arguments as the object the model wrote."""
+client returned it, and the template must render that turn's arguments as the object the model wrote.
+Chat log-probabilities (`logprobs`, `top_logprobs`) are checked here too, on a scripted text answer:
+scored by the real model (an offline forward agrees within 1e-4), streamed and not alike."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import openai
 import pytest
 
 from tests.serve_server import ScriptedEngine, Served
 from tests.smoke_workdirs import smoke_workdir
+from tests.test_serve_logprobs import offline
 
 CALLS = ('<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>\n'
          '<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}\n</tool_call>')
@@ -34,9 +38,9 @@ def served(tmp_path_factory):
     service = served.service
     service.engine.stop()
     tokenizer = service.tokenizer
-    # A trained model calls the tools, then answers from their results.
-    service.engine = ScriptedEngine(
-        service, lambda request: ANSWER if "<tool_response>" in tokenizer.decode(request.ids) else CALLS)
+    # A trained model calls the tools, then answers from their results (a question about Wellington at once).
+    service.engine = ScriptedEngine(service, lambda request: ANSWER if any(
+        cue in tokenizer.decode(request.ids) for cue in ("<tool_response>", "Wellington?")) else CALLS)
     yield served
     served.close()
 
@@ -96,3 +100,25 @@ def test_tool_calling_loop(served, client, stream):
     prompt = served.service.tokenizer.decode(engine.prompts[seen])
     assert CALLS + "<|im_end|>" in prompt, prompt
     assert "<tool_response>\n2C in Oslo\n</tool_response>" in prompt
+
+
+def test_chat_logprobs_stream_and_not(served, client):
+    ask = dict(model=served.service.name, messages=[{"role": "user", "content": "Wellington?"}], max_tokens=BUDGET,
+               logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**ask).choices[0]
+    entries = plain.logprobs.content
+    assert plain.message.content == ANSWER == "".join(e.token for e in entries)  # the end of turn is not content
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == ANSWER
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
+    tokenizer = served.service.tokenizer
+    prompt, answer = served.service.engine.prompts[-1], tokenizer.encode(ANSWER, add_special_tokens=False)
+    want = offline(served, prompt + answer)[len(prompt) - 1:]
+    np.testing.assert_allclose([e.logprob for e in entries], want[np.arange(len(answer)), answer], atol=1e-4)
+    np.testing.assert_allclose([[t.logprob for t in e.top_logprobs] for e in entries],
+                               -np.sort(-want, axis=-1)[:, :2], atol=1e-4)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    streamed = [e for c in chunks if c.logprobs is not None for e in c.logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    refused = client.chat.completions.with_raw_response
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        refused.create(**dict(ask, logprobs=False))
