@@ -50,3 +50,43 @@ def serve_together(engine, requests) -> None:
         request.emit = emit
     engine.submit(*requests)  # queued together: admitted in one round where slots allow
     assert done.wait(timeout=300) and engine.failure is None
+
+
+class ScriptedEngine:
+    """A stand-in for the decode engine whose answers are given, not decoded: `answer(request)` → the text
+    the model "generates" for that request, tokenised with the served tokenizer and delivered `per_sync`
+    tokens per event, then the end-of-turn token, as `SlotEngine` delivers tokens. A tiny model does not
+    write tool calls by itself; this drives everything after decoding (detokenising, stop strings, the
+    tool-call split, the HTTP route, the client) with the markup a trained model writes."""
+
+    def __init__(self, service, answer, per_sync: int = 3):
+        self.tokenizer, self.answer, self.per_sync = service.tokenizer, answer, per_sync
+        self.stop_ids, self.slots, self.failure, self._stopping = frozenset({service.eot}), 1, None, False
+        self.eot = service.eot
+        self.prompts: list[list[int]] = []  # every request's prompt ids, in arrival order
+
+    def submit(self, *requests) -> None:
+        self.prompts += [list(map(int, r.ids)) for r in requests]
+        threading.Thread(target=self._run, args=(requests,), daemon=True).start()
+
+    def _run(self, requests) -> None:
+        for request in requests:
+            ids = [*self.tokenizer.encode(self.answer(request), add_special_tokens=False), self.eot]
+            ids = ids[:request.max_new]
+            for start in range(0, len(ids), self.per_sync):
+                if request.cancelled:
+                    break
+                request.tokens.extend(ids[start:start + self.per_sync])
+                if len(request.tokens) < len(ids):
+                    request.emit(request.tokens[-1])
+            request.finish_reason = "stop" if request.tokens and request.tokens[-1] == self.eot else "length"
+            request.emit(None)
+
+    def cancel(self, request) -> None:
+        request.cancelled = True
+
+    def busy(self) -> int:
+        return 0
+
+    def stop(self, drain: bool = True) -> None:
+        self._stopping = True

@@ -103,13 +103,16 @@ def test_tools_rendered_by_the_template(served, client):
     assert "get_weather" in tokenizer.decode(prompt)
 
 
-def test_tool_calls_parsed_in_the_seed_003_shape(served):
-    """The reply side on a known text: generate's parser (`evaluation.chat.parse_tool_calls`)."""
+def test_tool_calls_parsed_in_openai_shape(served):
+    """The reply side on a known text: generate's parser (`evaluation.chat.parse_tool_calls`), in OpenAI's
+    shape (`function.arguments` a JSON string, a unique id per call; issue 54)."""
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     message, finish = served.service.message(text, "stop")
     assert finish == "tool_calls" and message["content"] is None
-    assert message["tool_calls"] == [{"id": "call_1", "type": "function",
-                                      "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    (call,) = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["id"] != served.service.message(text, "stop")[0]["tool_calls"][0]["id"]
+    assert {k: v for k, v in call.items() if k != "id"} == {
+        "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     assert served.service.message("It is 2C.", "length") == ({"role": "assistant", "content": "It is 2C."}, "length")
 
 

@@ -1,5 +1,6 @@
 """`python -m valen_jax.serve` as a user starts it (issue 31): a subprocess on 127.0.0.1 with an API key;
-SIGTERM while an answer streams lets that answer finish, then the process exits (with SIGTERM's status, uvicorn re-raising it once drained)."""
+SIGTERM or Ctrl-C (SIGINT) while an answer streams lets that answer finish, then the process exits 143 / 130
+(128 + the signal, as `train` does; issue 54: it used to exit 0 on Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.smoke_workdirs import smoke_workdir
 from tests.train_runs import ROOT, env_with_devices
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tmp_path_factory):
     workdir = smoke_workdir(tmp_path_factory, "configs/chat.py:tiny", "--config.train.steps=4")
     with socket.socket() as probe:
@@ -43,28 +44,29 @@ def server(tmp_path_factory):
         process.wait()
 
 
+def stream_through(process, url: str, model: str, stop: signal.Signals) -> str | None:
+    """A streamed answer with `stop` sent to the server after its first chunk → its finish reason."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 24, "stream": True}
+    key = {"Authorization": "Bearer sesame"}
+    finish = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=120) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        process.send_signal(stop)  # mid-answer: it must still complete
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+    return finish
+
+
 @pytest.mark.slow  # a cold `python -m valen_jax.serve` subprocess: restore, compile, serve (~30 s)
 def test_api_key_then_sigterm_drains(server):
     process, url, model = server
-    body = {"model": model, "prompt": "Hello", "max_tokens": 24, "stream": True}
-    refused = httpx.post(url + "/v1/completions", json=dict(body, stream=False), timeout=60)
+    refused = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "Hello"}, timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["param"] == "Authorization"
-    key = {"Authorization": "Bearer sesame"}
-    texts, finish = [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, headers=key, timeout=120) as response:
-        lines = response.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        texts.append(json.loads(first[6:])["choices"][0]["text"])
-        process.send_signal(signal.SIGTERM)  # mid-answer: it must still complete
-        for line in lines:
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                texts.append(choice["text"])
-                finish = choice["finish_reason"] or finish
-    assert finish in {"stop", "length"}
-    # uvicorn, once drained, re-raises the signal it caught: the exit status is SIGTERM's, as for any
-    # process a SIGTERM ends; what matters is that the answer above finished first.
-    assert process.wait(timeout=120) in {0, -signal.SIGTERM}
+    assert stream_through(process, url, model, signal.SIGTERM) in {"stop", "length"}
+    # Drained, then 128 + SIGTERM, as `train` exits on a preemption.
+    assert process.wait(timeout=120) == 143
     with pytest.raises(httpx.TransportError):  # no longer listening
         httpx.get(url + "/health", timeout=5)
     # Its start-up lines reach the log (an import used to leave the root logger at WARNING), and SIGTERM
@@ -72,6 +74,16 @@ def test_api_key_then_sigterm_drains(server):
     log = process.stderr.read()
     assert "serve: compiled every prefill bucket and greedy decode shape" in log, log[-3000:]
     assert "objects frozen out of garbage collection" in log and "FATAL" not in log, log[-3000:]
+    assert "serve: stopped by SIGTERM after draining" in log, log[-3000:]
+
+
+@pytest.mark.slow  # a cold `python -m valen_jax.serve` subprocess (~30 s)
+def test_ctrl_c_drains_then_exits_130(server):
+    process, url, model = server
+    assert stream_through(process, url, model, signal.SIGINT) in {"stop", "length"}
+    assert process.wait(timeout=120) == 130  # `train`'s status for Ctrl-C (it was 0)
+    log = process.stderr.read()
+    assert "serve: stopped by SIGINT after draining" in log and "Traceback" not in log, log[-3000:]
 
 
 @pytest.mark.slow  # a subprocess restoring and warming the smoke workdir (~20 s)

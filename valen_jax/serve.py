@@ -14,7 +14,8 @@ requests' time to first token went in the engine: queue, other prefills, their o
 alone or beside other requests. `--max-batch` decode slots share one compiled step; up to `--max-queue`
 requests wait for a slot, beyond that the answer is 429 with `Retry-After`. It listens on 127.0.0.1
 unless `--host` says otherwise; with `--api-key` (or `VALEN_API_KEY`) every route but `/health` wants
-`Authorization: Bearer KEY`. SIGTERM stops accepting, lets in-flight requests finish, then exits.
+`Authorization: Bearer KEY`. SIGTERM or Ctrl-C stops accepting, lets in-flight requests finish, then exits
+143 / 130 (128 + the signal, as `train`), so a scheduler never reads a stop as success.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 
 from data_pipeline.cli_flags import add_flag
@@ -67,8 +69,23 @@ def main(argv=None) -> int:
         app = build_app(load_service(args.workdir, args.step, slots=args.max_batch, max_queue=args.max_queue,
                                      steps_per_sync=args.steps_per_sync, api_key=args.api_key or os.environ.get("VALEN_API_KEY"),
                                      drafter=args.drafter))
+        stopped = _stop_signals()
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    if stopped:
+        print(f"serve: stopped by {signal.Signals(stopped[0]).name} after draining", file=sys.stderr)
+        return 128 + stopped[0]
     return 0
+
+
+def _stop_signals() -> list[int]:
+    """The signals that stopped the server, filled once it has drained: uvicorn catches SIGINT and SIGTERM
+    while it serves, drains, restores the handlers it found (these) and raises each signal again, which
+    lands here instead of ending the process with SIGTERM's status or a KeyboardInterrupt traceback.
+    Installed after start-up, so Ctrl-C during the restore and warm-up still interrupts at once."""
+    stopped: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda number, _frame: stopped.append(number))
+    return stopped
 
 
 def load_service(workdir, step=None, *, slots: int = 8, max_queue: int = 64, steps_per_sync: int = 4,

@@ -18,8 +18,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from valen_jax.serving import errors
 from valen_jax.serving.detokenize import IncrementalText, StopCut
 from valen_jax.serving.errors import APIError
+from valen_jax.serving.logprobs import ChoiceLogprobs, merged
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, ScoreRequest
 from valen_jax.serving.service import Service
+from valen_jax.serving.tool_calls import ToolCallSplit
 
 
 def build_app(service: Service) -> FastAPI:
@@ -56,12 +58,12 @@ def build_app(service: Service) -> FastAPI:
             prompt = await asyncio.to_thread(service.chat_prompt, body)  # converts and processes its images
         else:
             prompt = service.chat_prompt(body)
-        return await _answer(service, body, prompt, request, chat=True)
+        return await _answer(service, body, [prompt], request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service.check_model(body)
-        return await _answer(service, body, service.completion_prompt(body), request, chat=False)
+        return await _answer(service, body, service.completion_prompts(body), request, chat=False)
 
     @app.post("/v1/valen/score")
     async def valen_score(body: ScoreRequest):
@@ -93,14 +95,17 @@ class _APIKey:
 
 class _Choice:
     """One choice's text as tokens arrive (`detokenize`: only the new tokens decoded, half characters and
-    the start of a possible stop string held back); a stop string ends it early (its slot then freed)."""
+    the start of a possible stop string held back); a stop string ends it early (its slot then freed).
+    With log-probabilities asked for, `logprobs` makes the entries of the text sent (`serving.logprobs`)."""
 
-    def __init__(self, service: Service, request, stops: list[str], live: bool):
+    def __init__(self, service: Service, request, stops: list[str], live: bool, logprobs: ChoiceLogprobs | None):
         self.service, self.request = service, request
         self.text, self.cut = IncrementalText(service.tokenizer), StopCut(stops)
         # A non-streamed answer without stop strings needs its text once, at the end.
         self.live = live or bool(stops)
         self.sent, self.finish = "", None
+        self.split = ToolCallSplit(service.family)  # a streamed chat answer's content and tool calls
+        self.logprobs, self.pending = logprobs, None  # entries not yet sent with a chunk
 
     def advance(self, token) -> str:
         """The new text to send after an event (token None: the choice ended)."""
@@ -121,19 +126,38 @@ class _Choice:
         self.sent += new
         return new
 
+    async def entries(self):
+        """The log-probability entries the text sent so far adds (with those held back), or None."""
+        if self.logprobs is None:
+            return None
+        tokens = self.request.tokens[:len(self.request.tokens)]
+        stopped_by_token = self.finish == "stop" and not self.cut.stopped
+        new = await asyncio.to_thread(self.logprobs.entries, tokens, self.sent, self.finish is not None,
+                                      stopped_by_token)
+        held, self.pending = merged(self.pending, new), None
+        return held
 
-async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: bool):
-    requests, events = service.submit(body, prompt)
-    ids = prompt["ids"]
-    choices = [_Choice(service, r, body.stops(), body.stream) for r in requests]
+
+async def _answer(service: Service, body, prompts: list[dict], http: Request, *, chat: bool):
+    top, echo = body.top(), not chat and body.echo
+    requests, events = service.submit(body, prompts)
+    per_request = [prompt for prompt in prompts for _ in range(body.n)]
+
+    def logprobs(request) -> ChoiceLogprobs | None:
+        if top is None:
+            return None
+        return ChoiceLogprobs(service.scores, service.token_text, request.ids, top, chat=chat, echo=echo,
+                              stop_ids=service.engine.stop_ids)
+
+    choices = [_Choice(service, r, body.stops(), body.stream, logprobs(r)) for r in requests]
     ident, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": service.name}
 
     def usage():
         completion = sum(len(r.tokens) for r in requests)
-        counts = {"prompt_tokens": len(ids) * len(requests), "completion_tokens": completion,
-                  "total_tokens": len(ids) * len(requests) + completion}
+        prompt = sum(len(r.ids) for r in requests)
+        counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if service.drafter is None:
             return counts
         # OpenAI's predicted-output counts, and ours: verify passes and the tokens they committed in blocks,
@@ -150,12 +174,17 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
         extension = service.extension(choice.sent)
         return {} if extension is None else {"valen": extension}
 
-    def final(choice: _Choice, index: int) -> dict:
+    async def final(choice: _Choice, index: int) -> dict:
+        entries = await choice.entries()
+        if entries is None and choice.logprobs is not None:  # asked for, but no token to show
+            entries = [] if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if not chat:
-            return {"index": index, "text": choice.sent, "finish_reason": choice.finish, "logprobs": None,
+            text = (per_request[index]["text"] if echo else "") + choice.sent
+            return {"index": index, "text": text, "finish_reason": choice.finish, "logprobs": entries,
                     **valen(choice)}
         message, finish = service.message(choice.sent, choice.finish)
-        return {"index": index, "message": message, "finish_reason": finish, "logprobs": None, **valen(choice)}
+        return {"index": index, "message": message, "finish_reason": finish,
+                "logprobs": None if entries is None else {"content": entries}, **valen(choice)}
 
     async def next_event():
         index, token = await events.get()
@@ -174,47 +203,61 @@ async def _answer(service: Service, body, prompt: dict, http: Request, *, chat: 
         if any(c.finish == "error" for c in choices):
             raise APIError(500, f"the decode engine failed: {service.engine.failure}", None, "engine_failed",
                            "server_error")
-        return JSONResponse(dict(head, choices=[final(c, i) for i, c in enumerate(choices)], usage=usage()))
+        return JSONResponse(dict(head, choices=[await final(c, i) for i, c in enumerate(choices)], usage=usage()))
 
     chunk_head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
 
-    def chunk(index: int, text: str, finish=None, extra=None, tail=None) -> str:
+    def chunk(index: int, delta, finish=None, tail=None, entries=None) -> str:
+        """One choice's chunk: chat, its `delta` (a dict: content or tool_calls); completions, its text."""
         if chat:
-            delta = dict({"content": text} if text or finish is None else {}, **(extra or {}))
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            shown = None if entries is None else {"content": entries}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": shown}
         else:
-            choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": entries}
         choice.update(tail or {})  # the last chunk of a choice: its `valen` extension
         return f"data: {json.dumps(dict(chunk_head, choices=[choice]))}\n\n"
 
-    def sse(index: int, text: str, done: set) -> list[str]:
-        """The chunks one event makes (none while its text is held back)."""
+    async def sse(index: int, text: str, done: set) -> list[str]:
+        """The chunks one event makes (none while its text is held back); log-probability entries go with
+        the choice's next chunk."""
         choice = choices[index]
-        if choice.finish is None:
-            return [chunk(index, text)] if text else []
+        ended = choice.finish is not None
         if index in done:
             return []
+        if chat:  # content and tool calls apart, no markup in content (`serving.tool_calls`)
+            deltas = choice.split.feed(text, final=ended)
+        else:
+            deltas = [text] if text else []
+        entries = await choice.entries()
+        if not ended:
+            if not deltas:
+                choice.pending = entries
+                return []
+            return [chunk(index, delta, entries=entries if k == 0 else None) for k, delta in enumerate(deltas)]
         done.add(index)
-        finish, extra = choice.finish, None
+        out = [chunk(index, delta, entries=entries if k == 0 else None) for k, delta in enumerate(deltas)]
+        finish = "tool_calls" if chat and choice.split.calls else choice.finish
+        return [*out, chunk(index, {} if chat else "", finish, valen(choice), None if out else entries)]
+
+    async def opening(index: int) -> str:
+        """A choice's first chunk: chat, the role; completions with echo, the prompt (and its entries)."""
         if chat:
-            message, finish = service.message(choice.sent, choice.finish)
-            if "tool_calls" in message:
-                extra = {"tool_calls": [dict(call, index=k) for k, call in enumerate(message["tool_calls"])]}
-        return [*([chunk(index, text)] if text else []), chunk(index, "", finish, extra, valen(choice))]
+            return chunk(index, {"role": "assistant", "content": ""})
+        return chunk(index, per_request[index]["text"], entries=await choices[index].entries())
 
     async def stream():
         # Every event already waiting is sent in one write (the role chunks go with the first, the usage and
         # [DONE] with the last): each write is a send on the socket, and under load they were most of the
         # event loop's time; the chunks themselves, one per event, are unchanged.
         try:
-            out = [chunk(i, "", extra={"role": "assistant"}) for i in range(len(choices))] if chat else []
+            out = [await opening(i) for i in range(len(choices))] if chat or echo else []
             done: set[int] = set()
             while len(done) < len(choices):
                 pending = [await events.get()]
                 while not events.empty():
                     pending.append(events.get_nowait())
                 for index, token in pending:
-                    out += sse(index, choices[index].advance(token), done)
+                    out += await sse(index, choices[index].advance(token), done)
                 if out and len(done) < len(choices):
                     yield "".join(out)
                     out = []

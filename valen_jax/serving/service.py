@@ -1,8 +1,8 @@
 """One served workdir: the restored model, its tokenizer and chat template, and its slot engine.
 
 Turns a validated request into prompt ids and engine `Request`s, and generated ids back into text,
-tool calls (`evaluation.chat.parse_tool_calls`, the parser `generate` writes answers with) and a
-finish reason. Every refusal is an `APIError` naming the request's field."""
+tool calls (`serving.tool_calls`, over `evaluation.chat.parse_tool_calls`, the parser `generate` writes
+answers with) and a finish reason. Every refusal is an `APIError` naming the request's field."""
 
 from __future__ import annotations
 
@@ -25,15 +25,32 @@ from valen_jax.decoding.sampling import Sampling
 from valen_jax.decoding.speculative import CachedDrafter
 from valen_jax.errors import EvaluationError, UsageError
 from valen_jax.evaluation.answers import vflash_fields
-from valen_jax.evaluation.chat import parse_tool_calls
 from valen_jax.evaluation.valen import predict_valen_data
-from valen_jax.serving import collector, images
+from valen_jax.serving import collector, images, logprobs
 from valen_jax.serving.errors import APIError
+from valen_jax.serving.logprobs import Scores, TokenText
 from valen_jax.serving.protocol import ChatRequest, CompletionRequest, Sampled, ScoreRequest
 from valen_jax.serving.slots import QueueFull, Request, SlotEngine
 from valen_jax.serving.speculative_slots import SpeculativeSlotEngine
+from valen_jax.serving.tool_calls import split_message
 
 log = logging.getLogger(__name__)
+
+
+def _arguments_as_objects(message: dict) -> None:
+    """An assistant turn sent back carries its calls as OpenAI returns them, `function.arguments` a JSON
+    string; hub templates render arguments with `| tojson` (Qwen2.5, Llama 3.1), which would quote that
+    string, so a string holding a JSON object is given to the template as the object (the text the model
+    wrote, and was trained on). Any other string is left as the client sent it."""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                parsed = json.loads(function["arguments"])
+            except ValueError:
+                continue
+            if isinstance(parsed, dict):
+                function["arguments"] = parsed
 
 
 class Service:
@@ -45,6 +62,7 @@ class Service:
         self.name = Path(restored.workdir).name
         self.context = int(restored.spec.seq_len)
         self.eot = end_of_turn_id(self.tokenizer)
+        self.token_text = TokenText(self.tokenizer)  # tokens as log-probability entries show them
         self.family = template_family(self.tokenizer.chat_template)
         self.default_max = int(restored.config.eval.max_new_tokens)
         # A VFlash workdir's answers carry their parsed primitives (`extension`), as `generate` writes them.
@@ -101,8 +119,13 @@ class Service:
         {"ids", "positions", "vision"} of one with image parts (`images.vision_prompt`, `generate`'s path:
         blocking, the route runs it in a worker thread)."""
         messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        for message in messages:
+            _arguments_as_objects(message)
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         if self.has_images(body):
+            if body.logprobs:
+                raise APIError(400, "logprobs: not computed for a conversation with image parts (the scoring "
+                               "forward reads text positions)", "logprobs")
             if self.restored.model_cfg.vision is None:
                 i, j = next((i, j) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
                             for j, part in enumerate(m["content"]) if part["type"] == "image_url")
@@ -121,21 +144,39 @@ class Service:
             ids = ids["input_ids"]
         return {"ids": np.asarray(ids, np.int32)}
 
-    def completion_prompt(self, body: CompletionRequest) -> dict:
-        if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=False)
-        else:
-            ids = body.prompt
-            if any(not 0 <= t < len(self.tokenizer) for t in ids):
-                raise APIError(400, f"prompt: token ids must be in [0, {len(self.tokenizer)})", "prompt")
-        if not ids:
+    def completion_prompts(self, body: CompletionRequest) -> list[dict]:
+        """{"ids", "text"} of each prompt of the request (`text`: what `echo` writes before the answer)."""
+        one = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+        prompts = [body.prompt] if one else body.prompt
+        if not prompts:
             raise APIError(400, "prompt: empty", "prompt")
-        return {"ids": np.asarray(ids, np.int32)}
+        out = []
+        for k, prompt in enumerate(prompts):
+            where = "prompt" if one else f"prompt[{k}]"
+            if isinstance(prompt, str):
+                ids, text = self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+            else:
+                ids = prompt
+                if any(not 0 <= t < len(self.tokenizer) for t in ids):
+                    raise APIError(400, f"{where}: token ids must be in [0, {len(self.tokenizer)})", where)
+                text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            if not ids:
+                raise APIError(400, f"{where}: empty", where)
+            out.append({"ids": np.asarray(ids, np.int32), "text": text})
+        return out
+
+    def scores(self, ids) -> Scores:
+        """The model's log-probabilities of `ids`, each given those before it (`serving.logprobs`; blocking)."""
+        return logprobs.score(self.restored, len(self.tokenizer), ids)
 
     # -- generation --
     def budget(self, body: Sampled, ids: np.ndarray) -> int:
+        """The request's new-token budget for a prompt of `ids`; 0: the prompt is only echoed (and scored)."""
         asked = getattr(body, "max_completion_tokens", None) or body.max_tokens
         field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        if asked == 0 and not getattr(body, "echo", False):
+            raise APIError(400, "max_tokens: 0 generates nothing; it is for a completion with echo (the prompt "
+                           "scored)", "max_tokens")
         if len(ids) >= self.context:
             raise APIError(400, f"{field}: {len(ids)} prompt tokens; the model's context is {self.context}",
                            field, "context_length_exceeded")
@@ -157,22 +198,30 @@ class Service:
             param = "top_k" if body.top_k else "top_p"
             raise APIError(400, f"{param}: {error}", param) from None
 
-    def submit(self, body: Sampled, prompt: dict) -> tuple[list[Request], asyncio.Queue]:
-        """The request's `n` choices in the engine; their events (choice, token | None) on one queue."""
-        ids = prompt["ids"]
-        budget, sampling = self.budget(body, ids), self.sampling(body)
+    def submit(self, body: Sampled, prompts: list[dict]) -> tuple[list[Request], asyncio.Queue]:
+        """Each prompt's `n` choices in the engine (choice index: prompt * n + choice), all or none; their events
+        (choice index, token | None) on one queue. A budget of 0 (an echo) submits nothing: its choices end
+        at once."""
+        budgets, sampling = [self.budget(body, prompt["ids"]) for prompt in prompts], self.sampling(body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         requests = []
-        for choice in range(body.n):
-            def emit(token, choice=choice):
-                loop.call_soon_threadsafe(events.put_nowait, (choice, token))
-            requests.append(Request(ids, budget, sampling, int(body.seed), choice, emit,
-                                    positions=prompt.get("positions"), vision=prompt.get("vision")))
+        for prompt, budget in zip(prompts, budgets, strict=True):
+            for choice in range(body.n):
+                index = len(requests)
+
+                def emit(token, index=index):
+                    loop.call_soon_threadsafe(events.put_nowait, (index, token))
+                requests.append(Request(prompt["ids"], budget, sampling, int(body.seed), choice, emit,
+                                        positions=prompt.get("positions"), vision=prompt.get("vision")))
+        echoed = [r for r in requests if r.max_new == 0]
         try:
-            self.engine.submit(*requests)  # all choices or none
+            self.engine.submit(*(r for r in requests if r.max_new > 0))  # all choices or none
         except QueueFull as error:
             status = 503 if self.engine._stopping else 429
             raise APIError(status, str(error), None, "overloaded", "server_error", {"Retry-After": "1"}) from None
+        for request in echoed:
+            request.finish_reason = "length"
+            request.emit(None)
         return requests, events
 
     # -- Valen scoring --
@@ -204,12 +253,10 @@ class Service:
         return vflash_fields(text, None) if self.vflash else None
 
     def message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The assistant message of a finished choice: tool calls as seed 003 writes them, and the reason."""
-        calls = [c for c in parse_tool_calls(text, self.family) if isinstance(c, dict) and "name" in c]
+        """The assistant message of a finished choice and its finish reason, in OpenAI's shape: its tool calls
+        (arguments as JSON strings) and the text outside their markup (`serving.tool_calls`, the split the
+        stream makes), "tool_calls" when it makes any."""
+        content, calls = split_message(text, self.family)
         if not calls:
             return {"role": "assistant", "content": text}, finish
-        return {"role": "assistant", "content": None,
-                "tool_calls": [{"id": f"call_{k + 1}", "type": "function",
-                                "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-                               for k, c in enumerate(calls)]}, "tool_calls"
-
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
