@@ -79,3 +79,38 @@ def test_the_training_tokenizer_keeps_the_replaced_template_and_its_fingerprint(
     chat = [{"role": "user", "content": "2+2="}]
     assert "You are a helpful assistant." in exported.apply_chat_template(chat, tokenize=False)
     assert "You are a helpful" not in exported.apply_chat_template(chat, tokenize=False, chat_template="training")
+
+
+# Qwen2.5-VL-3B-Instruct's config.json as the hub serves it (the flat form of transformers 4.49), shrunk.
+HUB_VL_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 128000,
+    "max_window_layers": 70, "model_type": "qwen2_5_vl", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.49.0", "use_cache": True,
+    "use_sliding_window": False, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "vision_config": {"depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+                      "in_chans": 3, "out_hidden_size": 64, "patch_size": 8, "spatial_merge_size": 2,
+                      "spatial_patch_size": 8, "window_size": 32, "fullatt_block_indexes": [1],
+                      "tokens_per_second": 2, "temporal_patch_size": 2},
+    "vocab_size": 151936}
+
+
+def test_a_flat_hub_vl_config_keeps_its_fields_and_states_the_grown_vocabulary(tmp_path):
+    from valen_jax.models import hf_vl
+
+    cfg = hf_vl.config_from_hf(HUB_VL_CONFIG, param_dtype="bfloat16")
+    ours = hf_vl.config_to_hf(dataclasses.replace(cfg, vocab_size=152704))
+    config = hf_source.exported_config(ours, HUB_VL_CONFIG, {"eos_token_id": 151645, "vision_start_token_id": 151652,
+                                                             "vision_end_token_id": 151653})
+    changed = {key for key in HUB_VL_CONFIG if config[key] != HUB_VL_CONFIG[key]}
+    assert changed == {"vocab_size", "vision_config"}, changed
+    vision = HUB_VL_CONFIG["vision_config"]  # ours adds keys there (in_channels...), and changes none
+    assert {key for key in vision if config["vision_config"][key] != vision[key]} == set()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    read = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (read.text_config.vocab_size, read.text_config.max_position_embeddings) == (152704, 128000)
+    assert read.text_config.rope_parameters["mrope_section"] == [2, 3, 3] and read.bos_token_id == 151643
+    assert hf_vl.config_from_hf(config, param_dtype="bfloat16") == dataclasses.replace(cfg, vocab_size=152704)
