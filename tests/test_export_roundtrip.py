@@ -13,6 +13,7 @@ source's files as they are by then.
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -131,3 +132,57 @@ def test_the_adapter_on_the_resized_base_gives_the_merged_exports_logits(exporte
         got = peft.PeftModel.from_pretrained(model, adapter).eval()(ids).logits
     assert np.abs(got.numpy() - want[..., :len(tokenizer)].numpy()).max() <= 1e-4
     assert tokenizer.chat_template["default"] == HUB_TEMPLATE  # the adapter's tokenizer, as the merged one
+
+
+@pytest.fixture(scope="module")
+def exported_vl(vl_checkpoint, tmp_path_factory):
+    """The same for a LoRA VFlash run on a tiny Qwen2.5-VL saved with a hub template and generation config
+    (VFlash adds the coordinate tokens <0>…<1000> and tags): (source config, base, merged, adapter)."""
+    root = tmp_path_factory.mktemp("roundtrip-vl")
+    base = root / "base"
+    shutil.copytree(vl_checkpoint("qwen2_5_vl")[0], base)
+    (base / "chat_template.jinja").write_text(HUB_TEMPLATE)
+    source = json.loads((base / "config.json").read_text())
+    text = source["text_config"]
+    (base / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": text["bos_token_id"], "eos_token_id": [text["eos_token_id"], text["pad_token_id"]],
+        "pad_token_id": text["pad_token_id"], **GENERATION}))
+    shards = root / "shards"
+    run_module("data_pipeline.convert", "--format=vflash", f"--input={ROOT / 'data/smoke/vflash/eval.jsonl'}",
+               f"--output={shards}", f"--tokenizer={base}", "--template-family=chatml")
+    workdir = root / "run"
+    run_train("configs/vflash.py:hf,lora", workdir, f"--config.model.init_from={base}", f"--config.data.tokenizer={base}",
+              "--config.data.format=vflash", f"--config.data.train={shards}", f"--config.data.eval={shards}",
+              "--config.data.allow_overlap=True", "--config.train.steps=2", "--config.train.checkpoint_every=2",
+              "--config.train.log_every=1", "--config.train.warmup_steps=1", "--config.train.learning_rate=2e-2",
+              "--config.model.dtype=float32", "--config.eval.at_end=False", "--config.eval.every=0",
+              "--config.data.global_batch=4", "--config.data.seq_len=256", "--config.model.lora.rank=4", timeout=900)
+    merged, adapter = root / "merged", root / "adapter"
+    run_module("valen_jax.export", f"--workdir={workdir}", f"--output={merged}", timeout=600)
+    run_module("valen_jax.export", f"--workdir={workdir}", f"--output={adapter}", "--adapter", timeout=600)
+    return source, base, merged, adapter
+
+
+def test_a_qwen2_5_vl_export_keeps_the_source_and_its_adapter_gives_the_merged_logits(exported_vl):
+    from data_pipeline.chat_templates import TRAINING_TEMPLATES
+
+    source, base, merged, adapter = exported_vl
+    config = json.loads((merged / "config.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter)
+    assert len(tokenizer) > source["text_config"]["vocab_size"] + 1000  # the coordinate tokens were added
+    changed = {key for key in source if config.get(key) != source[key]}
+    assert changed == {"text_config"}, changed
+    text_changed = {key for key in source["text_config"] if config["text_config"].get(key) != source["text_config"][key]}
+    assert text_changed == {"vocab_size"}, text_changed
+    assert json.loads((merged / "generation_config.json").read_text())["temperature"] == GENERATION["temperature"]
+    # (AutoProcessor reads the same files; it needs torchvision for Qwen's video processor, not installed here.)
+    exported_tokenizer = transformers.AutoTokenizer.from_pretrained(merged)
+    assert exported_tokenizer.chat_template == {"default": HUB_TEMPLATE, "training": TRAINING_TEMPLATES["chatml"]}
+
+    ids = tokenizer("<12> <1000> the point <point> <0>", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = transformers.AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32)(ids).logits
+        model = transformers.AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+        model.resize_token_embeddings(len(tokenizer))
+        got = peft.PeftModel.from_pretrained(model, adapter).eval()(ids).logits
+    assert np.abs(got.numpy() - want[..., :len(tokenizer)].numpy()).max() <= 1e-4

@@ -117,11 +117,18 @@ def exported_config(ours: dict, source: dict | None, token_ids: dict[str, int]) 
     the source's), nested configs (`text_config`, `vision_config`) merged key by key; then `token_ids`
     (the tokenizer's bos/eos/pad ids, and a VLM's vision ids) where the source states none. Without a
     source (a model trained from scratch): ours with `token_ids`."""
-    config = _merged(source or {}, ours, _PLACEHOLDERS)
-    text = (source or {}).get("text_config") or {}
-    for key in _PLACEHOLDERS:  # a VLM's config in the older flat form states them at the top only
-        if "text_config" in config and key in (source or {}) and key not in text:
-            config["text_config"][key] = source[key]
+    source = source or {}
+    config = _merged(source, ours, _PLACEHOLDERS)
+    if "text_config" in ours and "text_config" not in source:
+        # A VLM's config in the older flat form (Qwen2-VL, Qwen2.5-VL on the hub) states the decoder's keys at
+        # the top: those we state are ours there too (a stale vocab_size would contradict text_config's), and
+        # its max_position_embeddings is the decoder's.
+        for key, value in ours["text_config"].items():
+            if key in source and key != "model_type":
+                config[key] = source[key] if key in _PLACEHOLDERS else value
+        for key in _PLACEHOLDERS:
+            if key in source:
+                config["text_config"][key] = source[key]
     if "torch_dtype" in config:  # transformers 4's name of `dtype`: both name the dtype of the weights written
         config["torch_dtype"] = ours["dtype"]
     for key, value in token_ids.items():
