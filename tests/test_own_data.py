@@ -143,7 +143,8 @@ def test_own_training_data_beside_the_bundled_eval_set_is_refused(tmp_path):
     assert line == (f"ConfigError: config.data.train={str(own)!r} is your own data, but config.data.eval is still "
                     f"the bundled smoke set {str(ROOT / 'data/smoke/chat/eval.jsonl')!r}: set "
                     "--config.data.eval=PATH to your held-out file (read as config.data.eval_format='chat'), or "
-                    "--config.data.eval=None to train without evaluation"), line
+                    "--config.data.eval=None to train without evaluation (or --config.eval.at_end=False with "
+                    "--config.eval.every=0)"), line
     assert not workdir.exists()
 
 
