@@ -131,7 +131,7 @@ def _first_image(path: Path, fmt: str, options: dict) -> str | None:
     spec = format_registry.get(fmt)
     try:
         entries = spec.load(path, **{key: options.get(key, default) for key, default in spec.load_options.items()})
-    except (FormatError, OSError, ValueError):
+    except (FormatError, OSError, ValueError):  # unreadable data: conversion reports it, PATH:LINE each
         return None
     for entry in entries:
         for record in entry.records:
