@@ -25,8 +25,8 @@ Training on your own files takes four keys (python -m valen_jax.train --config=c
 - `data.train`: your training file in `data.format` (or a shard directory from `python -m data_pipeline.convert`);
 - `data.eval`: your held-out file in `data.eval_format`, which the run evaluates during training
   (`eval.every`) and at its end (`eval.at_end`, the report names it); `--config.data.eval=None` trains
-  without evaluation. Your own `data.train` beside a bundled smoke `data.eval` is refused, so a report
-  never scores your model on the smoke set by default.
+  without evaluation. Your own `data.train` beside a bundled smoke `data.eval` that the run would evaluate
+  is refused, so a report never scores your model on the smoke set by default.
 `--config.KEY=None` unsets any key, a group included (`--config.model.vision=None`: a text model from scratch).
 """
 

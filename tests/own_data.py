@@ -2,7 +2,8 @@
 
 `make_text_checkpoint(directory)` writes a tiny random Qwen2 (transformers `Qwen2Config`,
 `save_pretrained`) and a fast BPE tokenizer whose `chat_template` is Qwen2.5-Instruct's inference template
-(`QWEN2_5_TEMPLATE`: no `{% generation %}` markers, as on every hub checkpoint). `write_chat(path, rows)`
+(`QWEN2_5_TEMPLATE`: no `{% generation %}` markers, as on every hub checkpoint); `with_hub_template` gives
+another tokenizer (a Qwen2.5-VL one: `QWEN2_5_VL_TEMPLATE`) its hub template. `write_chat(path, rows)`
 writes chat rows; `OWN_TRAIN` / `OWN_EVAL` are a user's conversations, one with a tool call.
 """
 
@@ -48,6 +49,21 @@ QWEN2_5_TEMPLATE = (
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
 )
 
+# The `chat_template` of Qwen/Qwen2.5-VL-3B-Instruct (chat_template.json; Qwen2-VL's is the same), as
+# published on the Hugging Face hub; written here verbatim.
+QWEN2_5_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+
 _WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                               "parameters": {"type": "object",
                                                              "properties": {"city": {"type": "string"}},
@@ -85,6 +101,16 @@ def image_row(image: str) -> dict:
     return {"messages": [{"role": "user", "content": [{"type": "text", "text": "What color is the shape?"},
                                                       {"type": "image", "path": image}]},
                          {"role": "assistant", "content": "A blue square."}]}
+
+
+def with_hub_template(tokenizer_dir: Path, directory: Path, template: str) -> Path:
+    """A copy of the tokenizer in `tokenizer_dir` whose chat template is `template` (a hub checkpoint's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    return Path(directory)
 
 
 def make_text_checkpoint(directory: Path) -> Path:

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.own_data import OWN_EVAL, OWN_TRAIN, image_row, make_text_checkpoint, write_chat
+from tests.own_data import (
+    OWN_EVAL,
+    OWN_TRAIN,
+    QWEN2_5_VL_TEMPLATE,
+    image_row,
+    make_text_checkpoint,
+    with_hub_template,
+    write_chat,
+)
 from tests.train_runs import ROOT, run_module, run_train
 
 torch = pytest.importorskip("torch")
@@ -55,6 +63,20 @@ def test_every_conversion_of_a_run_installs_the_template_family(text_base, tmp_p
     shard_set = config_shards(config, which, tmp_path / "cache", _fingerprint(str(text_base)))
     manifest = shard_set.manifest.data
     assert manifest["options"]["template_family"] == "chatml" and manifest["counts"]["supervised_tokens"] > 0
+
+
+def test_a_qwen2_5_vl_tokenizer_with_its_hub_template_converts_vflash_records(vl_checkpoint, tmp_path):
+    """Failure 1 with configs/vflash.py:hf,lora on a Qwen2.5-VL checkpoint: its recipe converts too."""
+    from valen_jax.data.shard_cache import config_shards
+
+    directory, _ = vl_checkpoint("qwen2_5_vl")
+    tokenizer = with_hub_template(directory, tmp_path / "tokenizer", QWEN2_5_VL_TEMPLATE)
+    config = _config("configs/vflash.py:hf,lora")
+    config.data.tokenizer = str(tokenizer)
+    shard_set = config_shards(config, "train", tmp_path / "cache", _fingerprint(str(tokenizer)))
+    manifest = shard_set.manifest.data
+    assert manifest["format"] == "recipe" and manifest["options"]["template_family"] == "chatml"
+    assert manifest["counts"]["supervised_tokens"] > 0
 
 
 @pytest.mark.parametrize("which", ["train", "eval"])
@@ -143,7 +165,8 @@ def test_own_training_data_beside_the_bundled_eval_set_is_refused(tmp_path):
     assert line == (f"ConfigError: config.data.train={str(own)!r} is your own data, but config.data.eval is still "
                     f"the bundled smoke set {str(ROOT / 'data/smoke/chat/eval.jsonl')!r}: set "
                     "--config.data.eval=PATH to your held-out file (read as config.data.eval_format='chat'), or "
-                    "--config.data.eval=None to train without evaluation"), line
+                    "--config.data.eval=None to train without evaluation (or --config.eval.at_end=False with "
+                    "--config.eval.every=0)"), line
     assert not workdir.exists()
 
 

@@ -105,7 +105,8 @@ def test_a_vision_key_next_to_a_vl_checkpoint_is_refused(vl_checkpoint):
         build.model_config(config, load_tokenizer(directory, "chatml"))
 
 
-def test_a_text_checkpoint_run_builds_a_fresh_tower_from_the_set_keys_and_the_schema_defaults():
+def test_a_fresh_tower_takes_the_set_keys_and_the_schema_defaults_for_the_unset_ones():
+    # The tower of a model trained from scratch (a text checkpoint gets none: tests/test_own_data.py).
     config = _config("unused")
     config.model.vision.dim = 32
     vision = build._fresh_vision(config.model.vision)

@@ -74,7 +74,7 @@ def formats_that_read(path: Path, exclude: str, options: Mapping[str, Any]) -> l
         given = {key: options[key] for key in spec.validate_options if key in options}
         try:
             spec.validate(path, False, **given)
-        except (FormatError, OSError, ValueError):
+        except Exception:  # noqa: BLE001 - whatever stops a validator, that format does not read the file
             continue
         fitting.append(name)
     return fitting

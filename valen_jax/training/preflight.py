@@ -8,9 +8,10 @@ Two rules, each one line through the commands' error boundary:
 - **No silent default eval set.** `config.data.eval` is what the run evaluates, during training
   (`eval.every`) and at its end (`eval.at_end`); `--config.data.eval=None` trains without evaluating.
   The bundled smoke eval sets (`data/smoke/` of the checkout, the configs' defaults) are evaluated
-  only beside bundled training data: a run on the user's own `data.train` whose `data.eval` is still a
-  bundled set is refused, naming `config.data.eval`, since its report would score the model on data
-  that has nothing to do with the user's.
+  only beside bundled training data: a run on the user's own `data.train` that would evaluate a
+  bundled `data.eval` is refused, naming `config.data.eval`, since its report would score the model on
+  data that has nothing to do with the user's. (A run that evaluates nothing, `eval.at_end=False` and
+  `eval.every=0`, only checks the bundled set's separation from the training data.)
 - **Images need a base that accepts them** (seed 003: "Training on images uses a vision model's
   processor and adapts its language backbone. The base model must therefore accept images."). A text
   checkpoint in `config.model.init_from` gets no vision tower, nor does a model trained from scratch
@@ -62,12 +63,18 @@ def is_bundled(value) -> bool:
 def check_eval_data(config) -> None:
     """Own training data with a bundled eval set is refused (see the module docstring)."""
     data = config.data
-    if data.eval is None or not is_bundled(data.eval) or is_bundled(data.train):
+    if data.eval is None or not is_bundled(data.eval) or is_bundled(data.train) or not _evaluates(config):
         return
     raise ConfigError(f"config.data.train={_shown(data.train)} is your own data, but config.data.eval is still the "
                       f"bundled smoke set {_shown(data.eval)}: set --config.data.eval=PATH to your held-out file "
                       f"(read as config.data.eval_format={data.eval_format!r}), or --config.data.eval=None to "
-                      "train without evaluation")
+                      "train without evaluation (or --config.eval.at_end=False with --config.eval.every=0)")
+
+
+def _evaluates(config) -> bool:
+    """Whether the run evaluates data.eval: at its end, or every eval.every steps within train.steps."""
+    every = int(config.eval.every)
+    return bool(config.eval.at_end) or 0 < every <= int(config.train.steps)
 
 
 def _shown(value) -> str:
@@ -124,7 +131,7 @@ def _first_image(path: Path, fmt: str, options: dict) -> str | None:
     spec = format_registry.get(fmt)
     try:
         entries = spec.load(path, **{key: options.get(key, default) for key, default in spec.load_options.items()})
-    except (FormatError, OSError, ValueError):
+    except (FormatError, OSError, ValueError):  # unreadable data: conversion reports it, PATH:LINE each
         return None
     for entry in entries:
         for record in entry.records:
