@@ -2,7 +2,7 @@
 # Train on a Cloud TPU VM slice (every host of a pod runs the same command; JAX finds the pod).
 #
 #   launch/tpu_vm.sh TPU_NAME ZONE WORKDIR [--config.a.b=value ...]
-#   launch/tpu_vm.sh valen-v5p-32 us-east5-a /mnt/valen/runs/vflash-v5p --config.data.train=/mnt/valen/shards/vflash
+#   launch/tpu_vm.sh valen-v5p-32 us-east5-a /mnt/valen/runs/vflash-v5p --config.data.train=/mnt/valen/shards/vflash --config.data.eval=/mnt/valen/shards/vflash_eval
 #
 # Expects: the slice exists (gcloud compute tpus tpu-vm create ... --version=<a TPU VM base image>),
 # this repository is checked out at ~/valen-jax on every host (REPO to change that), and WORKDIR
