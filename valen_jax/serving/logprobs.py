@@ -1,7 +1,8 @@
 """Log-probabilities of a choice's tokens, in OpenAI's two shapes.
 
 Computed after the tokens are chosen, by one teacher-forced forward of the model over the sequence
-(prompt and generated tokens) with float32 `log_softmax` over the tokenizer's vocabulary (padding rows of
+(prompt and generated tokens; logits made only for the rows to report) with float32 `log_softmax` over
+the tokenizer's vocabulary (padding rows of
 the embedding are never sampled, so never counted), whatever engine chose the tokens (plain or
 speculative): the log-probability of token t is read from the logits at t - 1, as decoding read them. A
 sequence's program is compiled per length bucket (`engine.bucket`), as prefills are.
@@ -26,43 +27,49 @@ from valen_jax.serving.protocol import TOP_LOGPROBS
 
 
 @functools.cache
-def _scorer(graphdef, vocab: int, length: int):
-    def score(params, tokens, count):
-        """tokens [1, length] (the first `count` real) → for t in 1..length-1: log p(tokens[t]), and the
-        `TOP_LOGPROBS` most likely tokens at t with their log-probabilities."""
+def _scorer(graphdef, vocab: int, length: int, window: int):
+    def score(params, tokens, count, start):
+        """tokens [1, length] (the first `count` real) → for t in start + 1 .. start + window: log p(tokens[t])
+        and the `TOP_LOGPROBS` most likely tokens at t with their log-probabilities. Only those `window`
+        rows of logits are made: a long sequence's [length, vocab] logits would not fit a device's memory."""
         model = nnx.merge(graphdef, params)
         positions = jnp.arange(length, dtype=jnp.int32)[None]
         segments = (positions < count).astype(jnp.int32)  # padding is segment 0: real tokens never see it
-        logits = model(tokens, positions, segments)[0, :-1, :vocab]
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
+        hidden = jax.lax.dynamic_slice_in_dim(model.hidden(tokens, positions, segments), start, window, axis=1)
+        logp = jax.nn.log_softmax(model.logits(hidden)[0, :, :vocab].astype(jnp.float32), axis=-1)
+        following = jax.lax.dynamic_slice_in_dim(tokens[0], start + 1, window)
+        chosen = jnp.take_along_axis(logp, following[:, None], axis=-1)[:, 0]
         top_values, top_ids = jax.lax.top_k(logp, TOP_LOGPROBS)
         return chosen, top_values, top_ids
     return jax.jit(score)
 
 
 class Scores:
-    """log p of each token of a sequence given those before it, and the most likely alternatives."""
+    """log p of tokens `first ..` of a sequence given those before them, and the most likely alternatives."""
 
-    def __init__(self, chosen: np.ndarray, top_values: np.ndarray, top_ids: np.ndarray):
-        self.chosen, self.top_values, self.top_ids = chosen, top_values, top_ids
+    def __init__(self, first: int, chosen: np.ndarray, top_values: np.ndarray, top_ids: np.ndarray):
+        self.first, self.chosen, self.top_values, self.top_ids = first, chosen, top_values, top_ids
 
     def of(self, t: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-        """Token t's (t >= 1) log-probability and its `top` alternatives (id, log-probability)."""
-        ids, values = self.top_ids[t - 1, :top], self.top_values[t - 1, :top]
-        return float(self.chosen[t - 1]), [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
+        """Token t's (t >= max(first, 1)) log-probability and its `top` alternatives (id, log-probability)."""
+        row = t - self.first
+        ids, values = self.top_ids[row, :top], self.top_values[row, :top]
+        return float(self.chosen[row]), [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
 
 
-def score(restored, vocab: int, ids) -> Scores:
-    """The teacher-forced scores of token ids `ids` (blocking: the routes run it in a worker thread)."""
-    ids = np.asarray(ids, np.int32)
-    length = bucket(len(ids))
+def score(restored, vocab: int, ids, first: int = 1) -> Scores:
+    """The teacher-forced scores of tokens `first ..` of token ids `ids` (the first token has none: `first`
+    at least 1). Blocking: the routes run it in a worker thread. Compiled per (sequence bucket, scored
+    rows bucket), both `engine.bucket`s."""
+    ids, first = np.asarray(ids, np.int32), max(int(first), 1)
+    window = bucket(len(ids) - first)
+    length = bucket(max(len(ids), first - 1 + window + 1))  # the window never runs past the tokens
     tokens = np.zeros((1, length), np.int32)
     tokens[0, :len(ids)] = ids
-    chosen, top_values, top_ids = _scorer(restored.graphdef, int(vocab), length)(
-        restored.params, tokens, np.int32(len(ids)))
-    n = len(ids) - 1
-    return Scores(np.asarray(chosen)[:n], np.asarray(top_values)[:n], np.asarray(top_ids)[:n])
+    chosen, top_values, top_ids = _scorer(restored.graphdef, int(vocab), length, window)(
+        restored.params, tokens, np.int32(len(ids)), np.int32(first - 1))
+    n = len(ids) - first
+    return Scores(first, np.asarray(chosen)[:n], np.asarray(top_values)[:n], np.asarray(top_ids)[:n])
 
 
 @functools.cache
@@ -182,7 +189,7 @@ class ChoiceLogprobs:
         if last <= first:
             return None
         sequence = self.prompt + [int(t) for t in tokens[:upto]]
-        scores = self.score(sequence)
+        scores = self.score(sequence, first)
         self.reported, self.echo_due = upto, False
         if self.chat:
             return chat_entries(self.text, scores, sequence[first:last], first, self.top)

@@ -165,9 +165,10 @@ class Service:
             out.append({"ids": np.asarray(ids, np.int32), "text": text})
         return out
 
-    def scores(self, ids) -> Scores:
-        """The model's log-probabilities of `ids`, each given those before it (`serving.logprobs`; blocking)."""
-        return logprobs.score(self.restored, len(self.tokenizer), ids)
+    def scores(self, ids, first: int = 1) -> Scores:
+        """The model's log-probabilities of `ids[first:]`, each given those before it (`serving.logprobs`;
+        blocking)."""
+        return logprobs.score(self.restored, len(self.tokenizer), ids, first)
 
     # -- generation --
     def budget(self, body: Sampled, ids: np.ndarray) -> int:
