@@ -198,6 +198,16 @@ def load_tokenizer(path_or_name: str | Path, template_family: str | None = None)
     return tokenizer
 
 
+def filler_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that fills a row's positions past its examples: the pad token, else the eos token (Llama 3.x
+    tokenizers ship no pad token). Which id it is does not reach a result: every loss reads an explicit weight
+    array and attention masks by segment id (DESIGN, "Contracts"), so filler positions are never seen."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise TokenizerError("the tokenizer has neither a pad nor an eos token: rows cannot be filled")
+
+
 def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     ids = tokenizer.convert_tokens_to_ids([token])
     if ids[0] is None or ids[0] == tokenizer.unk_token_id:

@@ -40,3 +40,14 @@ def test_a_marked_template_is_kept_under_auto():
 
     tokenizer = load_tokenizer(common.ROOT / "data/tokenizer", "auto")
     assert checkpoint_chat_template(tokenizer) is None  # nothing replaced: the smoke tokenizer's marks its spans
+
+
+def test_a_tokenizer_without_a_pad_token_fills_rows_with_its_eos(tmp_path):
+    """Llama 3.x ships no pad token: rows are filled with the eos id (no loss or attention reads filler), where
+    RowSpec used to stop the run with a TypeError on `int(None)`."""
+    from data_pipeline.tokenizer import filler_id
+
+    build_tokenizer(tmp_path, "llama3_1")
+    tokenizer = load_tokenizer(tmp_path, "auto")
+    assert tokenizer.pad_token_id is None
+    assert filler_id(tokenizer) == tokenizer.convert_tokens_to_ids("<|eot_id|>")

@@ -28,7 +28,7 @@ from data_pipeline import examples as contract  # the Example fields (one declar
 from data_pipeline import vocabulary
 from data_pipeline.primitives import BlockError, rendered_blocks
 from data_pipeline.shards import Example
-from data_pipeline.tokenizer import token_id
+from data_pipeline.tokenizer import filler_id, token_id
 from valen_jax.data.augment import EntryMedia, draw_sample_aug
 from valen_jax.data.media import MediaInfo, load_frames
 from valen_jax.data.positions import PositionScheme, SlotRun, piece_positions, slot_runs
@@ -138,7 +138,7 @@ class RowSpec:
         """The row layout of a model (`ModelConfig`) and tokenizer; unknown media_kwargs fail here, at start-up."""
         media_settings(media_kwargs)  # an unknown key is an error now, not mid-epoch
         return cls(seq_len=int(seq_len), max_patches=int(max_patches), image_pad_id=model_cfg.image_pad_id,
-                   pad_id=int(tokenizer.pad_token_id), vision=model_cfg.vision, media_kwargs=dict(media_kwargs),
+                   pad_id=filler_id(tokenizer), vision=model_cfg.vision, media_kwargs=dict(media_kwargs),
                    positions=PositionScheme.of(model_cfg), video=VideoSlots.of(tokenizer, model_cfg))
 
     @classmethod
