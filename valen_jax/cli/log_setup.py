@@ -1,7 +1,7 @@
 """What every command sets up first (train, evaluate, predict, generate, regenerate, export, compile,
 serve): logging, INFO from this project and WARNING and above from the libraries whose INFO lines would
-drown ours; and no TPU runtime started on a host without TPU chips (`tpu_runtime`), whose libtpu errors
-would come before the command's own first line."""
+drown ours; and, on a host without TPU chips, no TPU runtime started and libtpu loaded quietly for
+compile-only devices (`tpu_runtime`), whose errors came before the command's own first line."""
 
 from __future__ import annotations
 
@@ -18,4 +18,4 @@ def configure(timestamps: bool = False, force: bool = False) -> None:
     logging.basicConfig(level=logging.INFO, format=prefix + "%(levelname)s %(name)s: %(message)s", force=force)
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.WARNING)
-    tpu_runtime.skip_without_chips()
+    tpu_runtime.quiet_without_chips()
