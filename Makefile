@@ -1,7 +1,9 @@
 # Everything runs from .venv, created from the lock files:
 #   requirements.lock       runtime only (what `make train` needs; no torch, Beam, notebooks or pytest)
 #   requirements-test.lock  runtime + the `test` and `bench` extras (what `make test` adds)
-# Both are universal locks for every Python in pyproject's requires-python (3.11 to 3.14).
+# Both are universal locks for every Python in pyproject's requires-python (3.11 to 3.14), with two JAX lines:
+# jax 0.10.2 + flax 0.12.8 on 3.11, jax 0.11.2 + flax 0.12.12 (what GPU images ship) on 3.12 and later.
+# A GPU host adds JAX's CUDA plugin (`make setup-cuda`, or `make setup` on a host with nvidia-smi).
 
 # The first Python that the pinned jaxlib/grain/array-record wheels support; `make PYTHON=...` for another.
 # Asked to run, not just looked up: a pyenv shim exists for every installed version but runs only some.
@@ -17,7 +19,13 @@ WHEELS ?= /opt/wheels
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(wildcard $(WHEELS)/torch-*.whl),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
 
-.PHONY: setup setup-test train test test-fast test-all lock lint clean
+# JAX's CUDA 12 plugin on a GPU host: jax's own `cuda12` extra, installed with the runtime lock as constraints,
+# so the plugin and its PJRT are the locked jaxlib's version and nothing locked moves; the CUDA libraries come
+# as wheels (the host needs only the NVIDIA driver). `make setup` adds it where nvidia-smi runs; CUDA=0 or
+# CUDA=1 decides instead.
+CUDA ?= $(if $(shell nvidia-smi -L 2>/dev/null),1,0)
+
+.PHONY: setup setup-cuda setup-test train test test-fast test-all lock lint clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PYTHON)" || { echo "Makefile: no python3.11, python3.12, python3.13 or python3.14 on PATH;" \
@@ -32,7 +40,13 @@ $(VENV)/.installed-test: $(VENV)/.installed requirements-test.lock
 	$(VENV)/bin/pip install --quiet $(TORCH_SOURCE) -r requirements-test.lock
 	touch $@
 
-setup: $(VENV)/.installed
+$(VENV)/.installed-cuda: $(VENV)/.installed requirements.lock
+	$(VENV)/bin/pip install --quiet -c requirements.lock "jax[cuda12]"
+	touch $@
+
+setup: $(VENV)/.installed $(if $(filter 1,$(CUDA)),$(VENV)/.installed-cuda)
+
+setup-cuda: $(VENV)/.installed-cuda
 
 setup-test: $(VENV)/.installed-test
 

@@ -263,4 +263,6 @@ def test_nf4_dequantise_needs_no_padded_temporaries():
     absmax = jax.ShapeDtypeStruct((size // nf4.BLOCK,), jnp.float32, sharding=replicated)
     compiled = jax.jit(lambda c, a: nf4.dequantise(c, a, shape, jnp.bfloat16)).lower(codes, absmax).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp <= 4 * size * 2, f"{temp / 2 ** 30:.2f} GiB of temporaries for a {size * 2 / 2 ** 30:.2f} GiB weight"
+    # 3.0 weights of temporaries with libtpu 0.0.42 (jax 0.10.2), 4.0 with 0.0.48 and 0.0.50 (jax 0.11.2,
+    # 0.12.0.1); the padded layout asked 128.
+    assert temp <= 5 * size * 2, f"{temp / 2 ** 30:.2f} GiB of temporaries for a {size * 2 / 2 ** 30:.2f} GiB weight"

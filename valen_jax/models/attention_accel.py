@@ -27,7 +27,6 @@ and return what `attention.reference` returns, without a dense [T, T] mask:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -77,18 +76,15 @@ def _splash_kernel(length: int, groups: int, causal: bool, block: int, interpret
                                                  save_residuals=residuals, interpret=interpret)
 
 
-@contextlib.contextmanager
 def _no_concrete_mesh():
     """The concrete mesh of `jax.set_mesh` out of context for a moment (the abstract mesh, which the
-    trace reads, stays). `jax.set_mesh(None)` would do it but is refused inside `jit`, so this swaps the
-    same thread-local it sets (pinned JAX, like `_splash_attention_bwd` below)."""
-    from jax._src import config as jax_config  # noqa: PLC2701 — see the docstring
+    trace reads, stays). `jax.set_mesh(None)` would do it but is refused inside `jit`, so this enters the
+    empty concrete mesh, what `set_mesh(None)` sets, through JAX's own internal context manager: one
+    spelling for jax 0.10 to 0.12, where the thread-local behind it moved from `config` to `mesh`."""
+    from jax._src import mesh as jax_mesh  # noqa: PLC2701 — see the docstring
+    from jax._src import sharding_impls  # noqa: PLC2701
 
-    previous = jax_config.device_context.swap_local(None)
-    try:
-        yield
-    finally:
-        jax_config.device_context.set_local(previous)
+    return sharding_impls._internal_use_concrete_mesh(jax_mesh.empty_concrete_mesh)  # noqa: SLF001
 
 
 def _splash_ids(segment_ids, branch_ids, padded: int):
