@@ -145,7 +145,7 @@ def topology_devices(target: Slice) -> list:
     """Compile-only devices of the slice (no chip is claimed; nothing can run on them)."""
     if importlib.util.find_spec("libtpu") is None:
         raise LibtpuMissing("libtpu is not installed, so TPU programs cannot be compiled on this host: "
-                            "pip install 'valen-jax[tpu]' (libtpu==0.0.42.*, the pin of jax[tpu]==0.10.2)")
+                            "pip install 'valen-jax[tpu]' (the libtpu that jax[tpu] pins for the installed jax)")
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name=target.topology_name,
