@@ -12,57 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.hub_checkpoints import chat_template
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# The `chat_template` of Qwen/Qwen2.5-0.5B-Instruct's tokenizer_config.json (the same in every Qwen2.5
-# Instruct size), as published on the Hugging Face hub; written here verbatim (nothing is fetched).
-QWEN2_5_TEMPLATE = (
-    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- messages[0]['content'] }}\n    {%- else %}\n"
-    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n    {%- endif %}\n"
-    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
-    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
-    "    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
-    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n{%- else %}\n"
-    "    {%- if messages[0]['role'] == 'system' %}\n"
-    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
-    "assistant.<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
-    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-    "(message.role == \"assistant\" and not message.tool_calls) %}\n"
-    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
-    "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
-    "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
-    "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
-    "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
-    "    {%- elif message.role == \"tool\" %}\n"
-    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
-    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
-    "        {{- message.content }}\n        {{- '\\n</tool_response>' }}\n"
-    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
-    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
-)
-
-# The `chat_template` of Qwen/Qwen2.5-VL-3B-Instruct (chat_template.json; Qwen2-VL's is the same), as
-# published on the Hugging Face hub; written here verbatim.
-QWEN2_5_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
-    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
-    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
-    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
-    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
-    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n{% endif %}"
-)
+# The hub chat templates of Qwen2.5-Instruct and Qwen2.5-VL-Instruct (tests/fixtures/hub, PROVENANCE.md there).
+QWEN2_5_TEMPLATE = chat_template("qwen2_5")
+QWEN2_5_VL_TEMPLATE = chat_template("qwen2_5_vl")
 
 _WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                               "parameters": {"type": "object",
@@ -115,15 +71,21 @@ def with_hub_template(tokenizer_dir: Path, directory: Path, template: str) -> Pa
 
 def make_text_checkpoint(directory: Path) -> Path:
     """Write a tiny random Qwen2 with a Qwen2.5-Instruct-templated tokenizer into `directory`."""
+    texts = [json.dumps(row) for row in OWN_TRAIN + OWN_EVAL]
+    tiny_qwen2(directory, texts, QWEN2_5_TEMPLATE)
+    return Path(directory)
+
+
+def tiny_qwen2(directory: Path, texts: list[str], template: str) -> int:
+    """A tiny random Qwen2 (tied head) and a byte-level BPE tokenizer learnt from `texts` plus the VFlash smoke
+    prompts, with `template` as its chat template, saved into `directory`; returns the tokenizer's length."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    directory = Path(directory)
-    texts = [json.dumps(row) for row in OWN_TRAIN + OWN_EVAL]
-    texts += [json.loads(line)["conversations"][0]["value"]
-              for line in (ROOT / "data/smoke/vflash/points.jsonl").read_text().splitlines()]
+    texts = list(texts) + [json.loads(line)["conversations"][0]["value"]
+                           for line in (ROOT / "data/smoke/vflash/points.jsonl").read_text().splitlines()]
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
@@ -131,11 +93,11 @@ def make_text_checkpoint(directory: Path) -> Path:
         vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = QWEN2_5_TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(directory)
     config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
+    return len(tokenizer)

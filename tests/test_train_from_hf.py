@@ -6,37 +6,17 @@ import json
 
 import pytest
 
-from tests.own_data import OWN_TRAIN, write_chat
-from tests.train_runs import ROOT, metrics, run_train
+from tests.own_data import OWN_TRAIN, tiny_qwen2, write_chat
+from tests.train_runs import metrics, run_train
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 
 def _base_model(directory):
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from data_pipeline.chat_templates import CHATML
 
-    texts = [json.loads(line)["conversations"][0]["value"]
-             for line in (ROOT / "data/smoke/vflash/points.jsonl").read_text().splitlines()]
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(texts * 5, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(directory)
-    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return len(tokenizer)
+    return tiny_qwen2(directory, [], CHATML)
 
 
 def test_training_starts_from_an_hf_checkpoint_with_added_tokens(tmp_path):
