@@ -90,7 +90,7 @@ def test_lm_eval_loglikelihood_equals_offline(tmp_path_factory, tmp_path):
 
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     assert len(samples) == len(DOCS)
-    correct, pairs = [], set()
+    correct, pairs, worst = [], set(), 0.0
     for sample, doc in zip(samples, DOCS, strict=True):
         context = f"Question: {doc['question']}\nAnswer:"
         theirs = [float(r[0][0]) for r in sample["resps"]]
@@ -100,9 +100,11 @@ def test_lm_eval_loglikelihood_equals_offline(tmp_path_factory, tmp_path):
             pairs.add(tuple(context_ids + continuation_ids))
             ours.append(loglikelihood(context_ids, continuation_ids))
         np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+        worst = max(worst, float(np.max(np.abs(np.asarray(theirs) - np.asarray(ours)))))
         correct.append(int(np.argmax(ours)) == doc["answer"])
     assert pairs == {tuple(ids) for ids in received}  # the server scored exactly these sequences
     accuracy = results["results"][TASK]["acc,none"]
     assert accuracy == pytest.approx(float(np.mean(correct)))
-    print(f"lm_eval_acc={accuracy} offline_acc={np.mean(correct)} choices={sum(len(d['choices']) for d in DOCS)} "
+    print(f"lm_eval_acc={accuracy} offline_acc={np.mean(correct)} max_abs_diff={worst:.2e} "
+          f"choices={sum(len(d['choices']) for d in DOCS)} "
           f"lm_eval={lm_eval.__version__}")
