@@ -195,6 +195,7 @@ def test_train_refuses_a_bad_image_before_anything_is_compiled(folder):
     config = module.get_config("tiny")
     data = write_jsonl(folder / "chat.jsonl", chat("good.png"), chat("bad.png"))
     config.data.train = str(data)
+    config.data.eval = None  # own training data beside the bundled eval set is refused before the media check
     workdir = folder / "run"
     with pytest.raises(FormatError) as refused:
         run(config, workdir)
