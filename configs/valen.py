@@ -8,7 +8,8 @@ soft labels train the softmax over a question's branches.
 by the attention mask) or `shared_state` (every candidate in one sequence); `loss.loss_reduction`
 picks `state_mean` (seed default) or `question_mean`. Variants as in configs/common.py; `hf` starts
 from an HF checkpoint (directory or hub name): a VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is imported
-whole, vision tower included; a text model gives the decoder and a fresh vision tower:
+whole, vision tower included; a text model gives the decoder and no vision tower (its rows must be
+text: media rows are refused, naming PATH:LINE). Own files: the four keys of configs/common.py:
     --config=configs/valen.py:hf --config.model.init_from=PATH --config.data.tokenizer=PATH
 
 Row limits (seed 000): a Valen row is one record, never packed, so `data.packing` other than

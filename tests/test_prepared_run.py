@@ -77,7 +77,7 @@ def test_train_refuses_before_shards_or_mesh(tmp_path, monkeypatch):
     def claimed(*args, **kwargs):
         raise AssertionError("a device was claimed before the prepared rows were checked")
 
-    monkeypatch.setattr(loop, "ensure_shards", claimed)
+    monkeypatch.setattr(loop, "config_shards", claimed)
     monkeypatch.setattr(loop.sharding, "make_mesh", claimed)
     with pytest.raises(ConfigError, match="longestRow"):
         train.run(_config(seq_len=256), tmp_path)

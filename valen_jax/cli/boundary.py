@@ -282,7 +282,7 @@ def _none_overrides(argv: list[str], name: str) -> tuple[list[str], list[list[st
 
     ml_collections parses an override by the type of the value it replaces: `None` stays the string 'None'
     for a string key and is refused for a group (`--config.model.vision=None`: "`None` is not a dict"), so
-    no key could be unset from the command line (issue 54). Here `=None` means None for every key; a file
+    neither could be unset from the command line (issue 54). Here `=None` means None for every key; a file
     named None is spelled `./None`."""
     kept, unset = [argv[0]], []
     for arg in argv[1:]:
