@@ -216,7 +216,8 @@ ROWS = [
         "--config.data.train=data/smoke/vflash/points.jsonl --config.data.format=vflash", 1,
         "28 records, 0 primitive blocks"),
     # A NUL in a media path; /dev/zero as a prepared zip.
-    row("train", "absent", f"{TINY} --config.data.train={{nul_vflash}} --config.data.format=vflash", 1,
+    row("train", "absent", f"{TINY} --config.data.train={{nul_vflash}} --config.data.format=vflash "
+        "--config.data.eval=None", 1,
         "holds the control character '\\x00'"),
     row("train", "absent", "--config=configs/prepared.py:tiny --config.data.train={zero_zip}", 1,
         "is a device; a data file must be a regular file"),
