@@ -18,6 +18,7 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.export_loading import merged_and_adapter_logits
 from tests.train_runs import ROOT, run_module, run_train
 
 torch = pytest.importorskip("torch")
@@ -125,12 +126,8 @@ def test_the_adapter_on_the_resized_base_gives_the_merged_exports_logits(exporte
     # Coordinate tokens and the task's text: the added rows are read.
     ids = tokenizer("<12> 3+4= <1000> 7-2+1= <0>", return_tensors="pt").input_ids
     assert (ids >= json.loads((base / "config.json").read_text())["vocab_size"]).sum() >= 3
-    with torch.no_grad():
-        want = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        model.resize_token_embeddings(len(tokenizer))
-        got = peft.PeftModel.from_pretrained(model, adapter).eval()(ids).logits
-    assert np.abs(got.numpy() - want[..., :len(tokenizer)].numpy()).max() <= 1e-4
+    want, got = merged_and_adapter_logits(transformers.AutoModelForCausalLM, base, merged, adapter, ids)
+    assert np.abs(got - want[..., :len(tokenizer)]).max() <= 1e-4
     assert tokenizer.chat_template["default"] == HUB_TEMPLATE  # the adapter's tokenizer, as the merged one
 
 
@@ -180,9 +177,5 @@ def test_a_qwen2_5_vl_export_keeps_the_source_and_its_adapter_gives_the_merged_l
     assert exported_tokenizer.chat_template == {"default": HUB_TEMPLATE, "training": TRAINING_TEMPLATES["chatml"]}
 
     ids = tokenizer("<12> <1000> the point <point> <0>", return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = transformers.AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32)(ids).logits
-        model = transformers.AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
-        model.resize_token_embeddings(len(tokenizer))
-        got = peft.PeftModel.from_pretrained(model, adapter).eval()(ids).logits
-    assert np.abs(got.numpy() - want[..., :len(tokenizer)].numpy()).max() <= 1e-4
+    want, got = merged_and_adapter_logits(transformers.AutoModelForImageTextToText, base, merged, adapter, ids)
+    assert np.abs(got - want[..., :len(tokenizer)]).max() <= 1e-4

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.export_loading import merged_and_adapter_logits
 from tests.hub_checkpoints import VL_FAMILIES, chat_template, make_hub_checkpoint
 from tests.once_per_run import build_once
 
@@ -177,20 +178,10 @@ def _auto_class(run: dict):
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
 def test_exports_reload_in_transformers_and_peft(first_hour_run, family):
-    import torch
-    from peft import PeftModel
-
     run = first_hour_run(family)
     merged_dir, adapter_dir, base_dir = Path(run["merged"]), Path(run["adapter"]), Path(run["checkpoint"])
     tokenizer, ids = _logits_inputs(run)
-    auto = _auto_class(run)
-    merged = auto.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    base = auto.from_pretrained(base_dir, dtype=torch.float32)
-    base.resize_token_embeddings(len(tokenizer))
-    adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
-    with torch.no_grad():
-        merged_logits = merged(input_ids=ids).logits.numpy()
-        adapter_logits = adapted(input_ids=ids).logits.numpy()
+    merged_logits, adapter_logits = merged_and_adapter_logits(_auto_class(run), base_dir, merged_dir, adapter_dir, ids)
     # The merged export pads its vocabulary to a multiple of 128 (as hub checkpoints do); the tokenizer's ids are
     # what both answer for.
     vocabulary = len(tokenizer)
