@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from PIL import Image, ImageDraw
 
 from data_pipeline import primitives
