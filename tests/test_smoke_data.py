@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import re
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -29,6 +30,7 @@ VFLASH_FILES = ("points.jsonl", "boxes.jsonl", "robot2d.jsonl", "robot3d.jsonl",
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"smoke_{name}", REPO / "data" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass (make_vision_tasks.Task) looks its module up while it is made
     spec.loader.exec_module(module)
     return module
 

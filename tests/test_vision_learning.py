@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.vl_checkpoints import vl_checkpoint  # noqa: F401  (the session fixtu
 
 _spec = importlib.util.spec_from_file_location("make_vision_tasks", ROOT / "data" / "make_vision_tasks.py")
 make_vision_tasks = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = make_vision_tasks  # its dataclass (Task) looks its module up while the class is made
 _spec.loader.exec_module(make_vision_tasks)
 
 pytestmark = pytest.mark.heavy
