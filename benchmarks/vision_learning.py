@@ -1,6 +1,6 @@
 """Does a VFlash target learn to see what a user's images hold? (issues 25, 55) Issue 55's task family, one run each.
 
-    .venv/bin/python benchmarks/vision_learning.py                    # every task of the family, 1500 steps each (hours)
+    .venv/bin/python benchmarks/vision_learning.py                    # the family, 1500 steps each (~3 h estimated, load ~4)
     .venv/bin/python benchmarks/vision_learning.py --smoke            # small and box, 32 scenes, 4 steps: the script works
     .venv/bin/python benchmarks/vision_learning.py --tasks=clutter --steps=300 --every=100      # one task, a check
     .venv/bin/python benchmarks/vision_learning.py --tasks=clutter --hf=PATH --config model.dtype=float32
@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps % args.every:
         parser.error(f"--steps={args.steps} must be a multiple of --every={args.every}")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="vision_learning_"))
+    if root.is_dir() and any(root.iterdir()) and args.workdir:
+        # A task's run there would resume its old checkpoints on freshly drawn data.
+        parser.error(f"--workdir={args.workdir}: not empty; give a new or empty directory")
     run = setup(args.hf, args.smoke)
     figures = {"config": run.config, "hf": args.hf, "steps": args.steps, "every": args.every, "seed": args.seed,
                "extra_config": args.config, "tasks": {}}
