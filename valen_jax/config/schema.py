@@ -162,7 +162,12 @@ def _vision() -> dict[str, Any]:
             # (valen_jax.models.vision.grid_position_embeddings); see VisionConfig.absolute_positions.
             # On for a fresh tower: without them a token on a uniform background cannot tell where it is
             # (issue 25). A checkpoint's model.json without the key restores as it was trained (off).
-            "absolute_positions": True}
+            "absolute_positions": True,
+            # Each patch is embedded beside a copy of its pixels standardised over its image, per colour channel
+            # (valen_jax.models.image_norm.standardised): on backgrounds whose colour changes from image to image a
+            # plain patch embedding leaves a 5-px object all but invisible to a fresh tower (issue 55). On for a
+            # fresh tower; a model.json without the key restores as it was trained (off).
+            "standardise_pixels": True}
 
 
 def _train() -> dict[str, Any]:

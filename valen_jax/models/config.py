@@ -48,6 +48,9 @@ class VisionConfig:
     # a vision token's features say where it is in the image, not only what it shows (the rotary
     # positions of the blocks are relative: on a uniform background no token can tell its place).
     absolute_positions: bool = False
+    # "valen" only: each patch's pixels are embedded beside a copy standardised over its whole image, per colour
+    # channel (valen_jax.models.image_norm): a small object stands out on a background of any colour.
+    standardise_pixels: bool = False
 
     @property
     def patch_dim(self) -> int:
@@ -60,6 +63,8 @@ class VisionConfig:
             raise ValueError(f"vision family {self.family!r}; choose one of {VISION_FAMILIES}")
         if self.absolute_positions and self.family != "valen":
             raise ValueError(f"absolute_positions is an option of the valen tower, not of {self.family!r}")
+        if self.standardise_pixels and self.family != "valen":
+            raise ValueError(f"standardise_pixels is an option of the valen tower, not of {self.family!r}")
         if self.absolute_positions and self.dim % 4:
             raise ValueError(f"absolute_positions: vision dim {self.dim} must be a multiple of 4 (sin, cos × row, column)")
         if self.family != "valen" and (self.dim // self.num_heads) % 4:

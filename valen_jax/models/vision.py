@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from valen_jax.models import image_norm
 from valen_jax.models import lora as adapters
 from valen_jax.models.config import VisionConfig, dtype_of
 from valen_jax.models.layers import Block, RMSNorm, adapt, linear, param
@@ -37,7 +38,9 @@ class VisionEncoder(nnx.Module):
         pdt, cdt = dtype_of(param_dtype), dtype_of(dtype)
         self.cfg = cfg
         self.dtype = cdt
-        self.patch_embed = param(rngs, (cfg.patch_dim, cfg.dim), ("patch", "embed"), pdt)
+        # standardise_pixels: the raw patch and its image-standardised copy side by side (models/image_norm.py).
+        features = cfg.patch_dim * (2 if cfg.standardise_pixels else 1)
+        self.patch_embed = param(rngs, (features, cfg.dim), ("patch", "embed"), pdt)
         self.blocks = nnx.List([
             Block(cfg.dim, cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, cfg.mlp_dim, bias=True,
                   rope_theta=cfg.rope_theta, eps=1e-6, dtype=cdt, param_dtype=pdt, rngs=rngs,
@@ -56,7 +59,10 @@ class VisionEncoder(nnx.Module):
         cfg = self.cfg
         batch, count = patches.shape[:2]
         group = cfg.merge_size * cfg.merge_size
-        x = jnp.einsum("bpc,cd->bpd", patches.astype(self.dtype), self.patch_embed[...].astype(self.dtype))
+        features = patches.astype(self.dtype)
+        if cfg.standardise_pixels:
+            features = jnp.concatenate([features, image_norm.standardised(features, segments)], axis=-1)
+        x = jnp.einsum("bpc,cd->bpd", features, self.patch_embed[...].astype(self.dtype))
         if cfg.absolute_positions:
             x = x + grid_position_embeddings(positions[..., 1], positions[..., 2], cfg.dim).astype(self.dtype)
         keys = [None] * (len(self.blocks) + 1) if lora_key is None else jax.random.split(lora_key, len(self.blocks) + 1)
