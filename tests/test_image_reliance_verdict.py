@@ -3,17 +3,22 @@
 A high changed fraction says the picture moves the answer, not that it moves it towards what the question
 asks for: issue 55's target answered most test images with one wrong point, with reliance 0.78, an
 accuracy drop of 0.0 and point accuracy 0.03, the text-only baseline, and no warning fired. The verdict
-(`image_reliance.verdict`) is checked here on report figures; `test_image_reliance_blindness.py` trains
-such a model.
+(`image_reliance.verdict`) is checked here on report figures; the last test trains such a
+model and evaluates it where it is right and where it is not.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.train_runs import ROOT, run_module, run_train
 from valen_jax.evaluation import image_reliance, vflash
 
 LOGGER = "valen_jax.evaluation.image_reliance"
@@ -106,3 +111,71 @@ def test_nothing_compared_has_no_verdict_and_an_older_report_only_the_text_ones(
     older = {key: value for key, value in _part(0.03, 0.03, 0.03).items()
              if key not in ("lower_is_better", "baseline", "margin", "verdict")}
     assert image_reliance.verdict(older) == "looks"  # written before the orientation was recorded
+
+
+# --- a model trained to move its answers with the image without improving them (slow: ~1 min) ---------
+
+# The tiny model with the from-scratch recipe of `configs/vflash.py` (`learns_to_look`) and the tower at the
+# decoder's rate: it learns the left/right task in ~220 steps (300: a margin); the default model learns it in
+# ~130, each step six times the cost. Rows fit the ~50-token records (tests/test_vision_learning.py).
+TINY_LOOKS = ("--config.train.learning_rate=1e-3", "--config.model.tie_embeddings=False",
+              "--config.model.coordinate_embeddings=fourier", "--config.loss.coordinate_sigma=25.0",
+              "--config.loss.coordinate_sigma_final=3.0", "--config.train.vision_lr_multiplier=1.0",
+              "--config.train.warmup_steps=20", "--config.data.seq_len=80")
+STEPS = 300
+WARNING = "image reliance: "
+LEFT, RIGHT = "<point><250><500></point>", "<point><750><500></point>"  # the task's two answers
+
+
+def _make_vision_tasks():
+    """data/make_vision_tasks.py loaded by path (a script, not a package); registered in sys.modules before
+    it runs, as its dataclasses need."""
+    spec = importlib.util.spec_from_file_location("make_vision_tasks_for_verdict", ROOT / "data" / "make_vision_tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _swap_sides(path: Path, output: Path) -> None:
+    """`path`'s records, each answering with the point of a record whose disc is on the other side."""
+    other = {LEFT: RIGHT, RIGHT: LEFT}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row["conversations"][-1]["value"] = other[row["conversations"][-1]["value"]]
+    output.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.mark.slow
+def test_a_model_whose_answers_follow_the_image_to_the_wrong_side_is_named_blind(tmp_path):
+    # Issue 25's left/right task (a red disc on the left or the right of a 64-px image, the same question
+    # for every record), each training image answered with the other side's point: the model learns to look
+    # at the disc and answer where it is not. On the real references its answers move with the image
+    # (reliance ~1) and are no better for it, worse than another record's image and than the text-only
+    # baseline: the old warning saw the high reliance and stayed silent.
+    data = _make_vision_tasks().make("leftright", tmp_path / "data", 200, 100, seed=0)
+    _swap_sides(data["train"], data["train"])
+    workdir = tmp_path / "run"
+    result = run_train("configs/vflash.py:tiny", workdir, "--config.data.format=vflash",
+                       "--config.data.eval_format=vflash", f"--config.data.train={data['train']}",
+                       f"--config.data.eval={data['eval']}", f"--config.train.steps={STEPS}",
+                       f"--config.train.checkpoint_every={STEPS}", "--config.train.log_every=50",
+                       "--config.eval.every=0", "--config.eval.at_end=True", "--config.eval.max_examples=100",
+                       "--config.eval.max_new_tokens=8", *TINY_LOOKS, timeout=600)
+    part = json.loads((workdir / "eval" / f"report-{STEPS}.json").read_text())["image_reliance"]
+    assert part["compared"] == 100 and part["differing"] >= image_reliance.RELIANCE_MIN_DIFFERING
+    assert part["reliance"] >= 0.9  # it looks: where the other record's disc is on the other side, it follows
+    assert part["drop"] < part["margin"] and part["baseline"] is not None
+    assert part["verdict"] == "moves_without_improving"
+    lines = [line for line in result.stderr.splitlines() if WARNING in line]
+    assert len(lines) == 1 and lines[0].endswith("the model does not see what the question asks for"), lines
+
+    # The same model on references that follow its training (the other side's point): learned, and no warning.
+    _swap_sides(data["eval"], tmp_path / "data" / "eval_as_trained.jsonl")
+    evaluated = run_module("valen_jax.evaluate", f"--workdir={workdir}",
+                           f"--data={tmp_path / 'data' / 'eval_as_trained.jsonl'}",
+                           f"--output={tmp_path / 'learned.json'}", timeout=300)
+    learned = json.loads((tmp_path / "learned.json").read_text())["image_reliance"]
+    assert learned["with_images"] >= 0.9 and learned["drop"] > learned["margin"]
+    assert learned["verdict"] == "looks" and WARNING not in evaluated.stderr
+    assert evaluated.stdout.strip().endswith("verdict: looks")
