@@ -104,7 +104,8 @@ def test_counts_add_across_processes_and_the_drop_says_whether_the_images_helped
                                     "differing": 4, "reliance": 3 / 4,
                                     "metric": "point_accuracy", "with_images": 0.75, "swapped_images": 0.25,
                                     "drop": 0.5, "lower_is_better": False, "baseline": None,
-                                    "margin": pytest.approx(2 * np.sqrt(2 * 0.75 * 0.25 / 8)), "verdict": "looks"}
+                                    "margin": pytest.approx(2 * np.sqrt(2 * 0.75 * 0.25 / 4) * 4 / 8),
+                                    "verdict": "looks"}
     ade = image_reliance.reliance(changed=2, compared=2, unswappable=0, differing=0, differing_changed=0,
                                   metric="trajectory_ade", with_images=0.1, swapped_images=0.4, lower_is_better=True)
     assert ade["drop"] == pytest.approx(0.3)  # lower is better: swapped − with images

@@ -90,6 +90,21 @@ def test_the_margin_is_two_standard_errors_where_few_answers_are_compared():
     assert _part(0.8, 0.5, compared=400, differing=400, changed=300, differing_changed=300)["verdict"] == "looks"
 
 
+def test_the_margin_is_per_differing_answer_so_few_image_questions_among_many_are_not_drowned():
+    # Valen-like: 900 questions, 60 of them with a gold answer another record's image changes. A model right
+    # on half of those with its own image and wrong with the donor's gains 30 of 900 (0.033): under a margin
+    # of 0.05 for all 900, but 0.5 per differing answer, far above its own (two standard errors over 60:
+    # 0.15). The same figures without the gain: named.
+    def valen(with_images, swapped_images):
+        return _part(with_images, swapped_images, compared=900, differing=60, changed=90, differing_changed=40)
+
+    swapped = 0.80 - 30 / 900
+    looks = valen(0.80, swapped)
+    assert looks["margin"] == pytest.approx(2 * np.sqrt(2 * swapped * (1 - swapped) / 60) * 60 / 900)
+    assert looks["verdict"] == "looks"
+    assert valen(0.80, 0.80)["verdict"] == "moves_without_improving"
+
+
 def test_a_lower_is_better_metric_is_oriented_in_the_drop_and_against_the_baseline():
     def ade(with_images, swapped_images, baseline):
         return _part(with_images, swapped_images, baseline, metric="trajectory_ade", lower_is_better=True)

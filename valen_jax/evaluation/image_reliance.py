@@ -59,13 +59,17 @@ warning line for either of the two blind ones; None where no answer was compared
   test needs at least RELIANCE_MIN_DIFFERING differing answers: where another record's image leaves the
   right answer as it is, a model that looks loses nothing by the swap either.
 - "looks": neither.
-`margin` (`margin`): for a metric where higher is better (a fraction of answers: accuracies, exact
-match), MIN_GAIN or STANDARD_ERRORS standard errors of the difference of two such fractions over the
-`compared` answers, whichever is larger (the variance p(1 − p) taken at the worst of `with_images`,
-`swapped_images` and `baseline`); for one where lower is better (trajectory ADE, in image units or metres:
-no common scale, and the report keeps no spread of it), RELATIVE_GAIN of the largest of those three
-errors. None where `with_images` or `swapped_images` is None; then, and for a report written before
-`lower_is_better` was recorded, the verdict is the first test's alone.
+`margin` (`margin`), on the figures of all compared answers: only the `differing` ones can be worse
+with another record's image for a model that looks (the others' right answer stays), so it is a margin
+per differing answer times differing / compared; a few image questions among many text ones (Valen)
+would otherwise hide a model that looks below a margin sized for all. Per differing answer: for a metric
+where higher is better (a fraction of answers: accuracies, exact match), MIN_GAIN or STANDARD_ERRORS
+standard errors of the difference of two such fractions over the differing answers, whichever is larger
+(the variance p(1 − p) taken at the worst of `with_images`, `swapped_images` and `baseline`); for one
+where lower is better (trajectory ADE, in image units or metres: no common scale, and the report keeps no
+spread of it), RELATIVE_GAIN of the largest of those three errors. None where `with_images` or
+`swapped_images` is None or no answer differs; then, and for a report written before `lower_is_better`
+was recorded, the verdict is the first test's alone.
 """
 
 from __future__ import annotations
@@ -101,10 +105,10 @@ CHANGE_FLOOR = 0.05
 # to tell that from chance.
 RELIANCE_FLOOR = 0.05
 RELIANCE_MIN_DIFFERING = 20
-# The margin by which the images must improve the headline for the answers' moving to count as looking
-# (module docstring, `margin`). A fraction of answers: at least 1 answer in 20 better, and more than two
-# standard errors of the difference on few answers, where chance alone moves a fraction by that much. An
-# error (ADE): a tenth of it, the same scale-free "barely better" whatever its unit.
+# The margin by which the images must improve the headline for the answers' moving to count as looking,
+# per differing answer (module docstring, `margin`). A fraction of answers: at least 1 in 20 better, and
+# more than two standard errors of the difference on few answers, where chance alone moves a fraction by
+# that much. An error (ADE): a tenth of it, the same scale-free "barely better" whatever its unit.
 MIN_GAIN = 0.05
 STANDARD_ERRORS = 2.0
 RELATIVE_GAIN = 0.1
@@ -279,15 +283,18 @@ def answers_from_text(part: dict | None) -> bool:
 
 def margin(part: dict) -> float | None:
     """The improvement the images must bring for the answers' moving to count as looking (module docstring)."""
-    if not part["compared"] or part["with_images"] is None or part["swapped_images"] is None:
+    differing = part.get("differing", 0)  # .get: reports written before it was recorded
+    if not differing or part["with_images"] is None or part["swapped_images"] is None:
         return None
     values = [part["with_images"], part["swapped_images"]]
     if part.get("baseline") is not None:
         values.append(part["baseline"])
     if part.get("lower_is_better"):
-        return RELATIVE_GAIN * max(values)
-    variance = max(p * (1.0 - p) for p in np.clip(values, 0.0, 1.0))
-    return max(MIN_GAIN, STANDARD_ERRORS * float(np.sqrt(2.0 * variance / part["compared"])))
+        per_differing = RELATIVE_GAIN * max(values)
+    else:
+        variance = max(p * (1.0 - p) for p in np.clip(values, 0.0, 1.0))
+        per_differing = max(MIN_GAIN, STANDARD_ERRORS * float(np.sqrt(2.0 * variance / differing)))
+    return per_differing * differing / part["compared"]
 
 
 def moves_without_improving(part: dict | None) -> bool:
