@@ -77,8 +77,14 @@ def test_the_text_verdicts_come_first_and_keep_their_lines(caplog):
     assert [line.endswith("the model answers from the text, not the image") for line in _warnings(part, caplog)] == [True]
 
 
-def test_without_a_baseline_the_drop_alone_decides():
-    assert _part(0.6, 0.6)["verdict"] == "moves_without_improving"  # chat, Valen: no text-only baseline
+def test_without_a_baseline_the_drop_alone_decides(caplog):
+    part = _part(0.6, 0.6)  # chat, Valen: no text-only baseline
+    assert part["verdict"] == "moves_without_improving"
+    assert _warnings({key: value for key, value in part.items() if key not in ("margin", "verdict")}, caplog) == [
+        "image reliance: 78 of 100 answers change when each record's images are swapped for another record's, "
+        "but they are no better than with another record's image (point_accuracy 0.6000 → 0.6000, drop 0.0000 "
+        "under the margin 0.1386) (no text-only baseline to compare with): the model does not see what the "
+        "question asks for"]  # margin and verdict computed from the figures, not read back
     assert _part(0.9, 0.4)["verdict"] == "looks"
 
 

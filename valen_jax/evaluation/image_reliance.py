@@ -338,12 +338,12 @@ def warn_if_blind(report: dict) -> None:
     part = report.get("image_reliance")
     found = verdict(part)
     if found == "moves_without_improving":
-        baseline = ("no text-only baseline to compare with" if part["baseline"] is None
+        baseline = ("(no text-only baseline to compare with)" if part["baseline"] is None
                     else f"nor than the text-only baseline ({shown(part['baseline'])})")
         log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
                     "record's, but they are no better than with another record's image (%s, drop %s under the "
                     "margin %s) %s: the model does not see what the question asks for", _changed(part),
-                    part["compared"], _figures(part), shown(part["drop"]), shown(part["margin"]), baseline)
+                    part["compared"], _figures(part), shown(part["drop"]), shown(margin(part)), baseline)
         return
     if found != "answers_from_text":
         return
