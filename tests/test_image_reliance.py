@@ -29,7 +29,7 @@ from valen_jax.training import checkpoint
 
 VFLASH = ROOT / "data/smoke/vflash"
 KEYS = {"compared", "unswappable", "changed_fraction", "differing", "reliance", "metric", "with_images",
-        "swapped_images", "drop"}
+        "swapped_images", "drop", "lower_is_better", "baseline", "margin", "verdict"}
 NEW_TOKENS = 4
 
 
@@ -103,7 +103,9 @@ def test_counts_add_across_processes_and_the_drop_says_whether_the_images_helped
     assert parts[0] == parts[1] == {"compared": 8, "unswappable": 1, "changed_fraction": 3 / 8,
                                     "differing": 4, "reliance": 3 / 4,
                                     "metric": "point_accuracy", "with_images": 0.75, "swapped_images": 0.25,
-                                    "drop": 0.5}
+                                    "drop": 0.5, "lower_is_better": False, "baseline": None,
+                                    "margin": pytest.approx(2 * np.sqrt(2 * 0.75 * 0.25 / 4) * 4 / 8),
+                                    "verdict": "looks"}
     ade = image_reliance.reliance(changed=2, compared=2, unswappable=0, differing=0, differing_changed=0,
                                   metric="trajectory_ade", with_images=0.1, swapped_images=0.4, lower_is_better=True)
     assert ade["drop"] == pytest.approx(0.3)  # lower is better: swapped − with images
@@ -111,13 +113,15 @@ def test_counts_add_across_processes_and_the_drop_says_whether_the_images_helped
     none = image_reliance.reliance(changed=0, compared=0, unswappable=4, differing=0, differing_changed=0,
                                    metric="point_accuracy", with_images=None, swapped_images=None)
     assert none == {"compared": 0, "unswappable": 4, "changed_fraction": None, "differing": 0, "reliance": None,
-                    "metric": "point_accuracy", "with_images": None, "swapped_images": None, "drop": None}
+                    "metric": "point_accuracy", "with_images": None, "swapped_images": None, "drop": None,
+                    "lower_is_better": False, "baseline": None, "margin": None, "verdict": None}
 
 
 def _part(changed: int, compared: int, differing_changed: int = 0, differing: int = 0) -> dict:
     return {"compared": compared, "unswappable": 0, "changed_fraction": changed / compared if compared else None,
             "differing": differing, "reliance": differing_changed / differing if differing else None,
-            "metric": "point_accuracy", "with_images": 0.6, "swapped_images": 0.6, "drop": 0.0}
+            "metric": "point_accuracy", "with_images": 0.6, "swapped_images": 0.6, "drop": 0.0,
+            "lower_is_better": False, "baseline": None}
 
 
 # The two-class task of issue 25: every answer is one of two points, so a record and the next one (its
@@ -158,14 +162,14 @@ def test_only_known_unequal_references_differ():
 
 def test_the_warning_is_one_line_below_the_floor_only(caplog):
     with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
-        image_reliance.warn_if_text_only({"image_reliance": _part(0, 100)})
+        image_reliance.warn_if_blind({"image_reliance": _part(0, 100)})
     assert [r.getMessage() for r in caplog.records] == [
         "image reliance: 0 of 100 answers change when each record's images are swapped for another record's "
         "(point_accuracy 0.6000 → 0.6000): the model answers from the text, not the image"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
         for report in ({"image_reliance": _part(5, 100)}, {"image_reliance": _part(0, 0)}, {}):
-            image_reliance.warn_if_text_only(report)  # 0.05 is the floor itself; nothing compared; no images
+            image_reliance.warn_if_blind(report)  # 0.05 is the floor itself; nothing compared; no images
     assert caplog.records == []
     assert image_reliance.answers_from_text(_part(4, 100)) and not image_reliance.answers_from_text(_part(5, 100))
 
@@ -174,7 +178,7 @@ def test_the_warning_fires_too_when_the_differing_answers_do_not_change(caplog):
     # 30 of 100 answers move, but only 1 of the 40 whose reference flips with the image: answers that shift
     # where the right answer stays pass the changed-fraction floor, the reliance floor catches them.
     with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
-        image_reliance.warn_if_text_only({"image_reliance": _part(30, 100, differing_changed=1, differing=40)})
+        image_reliance.warn_if_blind({"image_reliance": _part(30, 100, differing_changed=1, differing=40)})
     assert [r.getMessage() for r in caplog.records] == [
         "image reliance: 1 of the 40 answers whose reference differs with another record's images change when "
         "they are swapped in (point_accuracy 0.6000 → 0.6000): the model answers from the text, not the image"]
@@ -187,7 +191,7 @@ def test_the_warning_fires_too_when_the_differing_answers_do_not_change(caplog):
     # Both fire: one line, the changed-fraction one.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="valen_jax.evaluation.image_reliance"):
-        image_reliance.warn_if_text_only({"image_reliance": _part(0, 100, 0, 40)})
+        image_reliance.warn_if_blind({"image_reliance": _part(0, 100, 0, 40)})
     assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("image reliance: 0 of 100 answers")
 
 
@@ -195,10 +199,11 @@ def test_summary_lines_carry_the_figures_when_present():
     base = {"loss": 1.0, "accuracy": 0.5, "generation": {"primitive_parse_rate": 0.25}}
     assert vflash.summary(base) == "loss 1.0000, accuracy 0.5000, primitive parse rate 0.250"
     assert vflash.summary({**base, "image_reliance": _part(3, 16)}).endswith(
-        ", image reliance: 3 of 16 answers change with swapped images (point_accuracy 0.6000 → 0.6000)")
+        ", image reliance: 3 of 16 answers change with swapped images (point_accuracy 0.6000 → 0.6000); "
+        "verdict: looks")  # no reference differs: the drop cannot tell
     assert vflash.summary({**base, "image_reliance": _part(8, 16, 8, 8)}).endswith(
         ", image reliance: 8 of 16 answers change with swapped images, 8 of 8 whose reference differs "
-        "(reliance 1.0000) (point_accuracy 0.6000 → 0.6000)")
+        "(reliance 1.0000) (point_accuracy 0.6000 → 0.6000); verdict: looks")  # too few differ to judge the drop
     line = chat.summary({"loss": 1.5, "accuracy": None, "tool_call_exact_match": 0.25,
                          "image_reliance": {**_part(0, 0), "unswappable": 2}})
     assert line == "loss 1.5000, accuracy n/a, tool-call exact match 0.2500, image reliance: no answer compared (2 unswappable)"
@@ -233,8 +238,10 @@ def _check_shape(part: dict) -> None:
     if part["compared"]:
         assert 0.0 <= part["changed_fraction"] <= 1.0
         if part["with_images"] is not None and part["swapped_images"] is not None:
-            sign = -1.0 if part["metric"] == "trajectory_ade" else 1.0  # lower is better
+            sign = -1.0 if part["lower_is_better"] else 1.0
+            assert part["lower_is_better"] == (part["metric"] == "trajectory_ade")
             assert part["drop"] == pytest.approx(sign * (part["with_images"] - part["swapped_images"]))
+        assert part["verdict"] == image_reliance.verdict(part)
 
 
 @pytest.mark.slow

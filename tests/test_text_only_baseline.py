@@ -138,6 +138,7 @@ def test_vflash_report_holds_the_text_only_baseline_and_image_reliance(vflash_re
     # One headline chain: the baseline is scored as the real and the swapped answers are.
     reliance = report["image_reliance"]
     assert part["metric"] == reliance["metric"] == "point_accuracy"
+    assert reliance["baseline"] == part["value"]  # what the verdict compares with (issue 55)
     assert {"differing", "reliance"} <= set(reliance) and isinstance(reliance["differing"], int)
     assert "text-only baseline point_accuracy" in evaluate.summary(report)
 

@@ -30,8 +30,8 @@ format. Every example of the data is evaluated unless `--max-examples`. The repo
   greedy decoding (`valen_jax.decoding`).
 With several processes each evaluates a slice and the sums are added before any ratio is formed.
 Every evaluation of image data (valen, vflash, chat, vakforge) also answers with each record's images
-swapped for another record's and reports `image_reliance` (`valen_jax.evaluation.image_reliance`); a
-model whose answers barely change is named in one warning line.
+swapped for another record's and reports `image_reliance` (`valen_jax.evaluation.image_reliance`) with
+its `verdict`; a model whose answers barely change, or change without improving, is named in one warning line.
 """
 
 from __future__ import annotations

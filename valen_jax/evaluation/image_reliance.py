@@ -21,7 +21,8 @@ token); Valen questions are scored by the same score head. The report's `image_r
 
     {"compared": int, "unswappable": int, "changed_fraction": float | None, "differing": int,
      "reliance": float | None, "metric": str, "with_images": float | None,
-     "swapped_images": float | None, "drop": float | None}
+     "swapped_images": float | None, "drop": float | None, "lower_is_better": bool,
+     "baseline": float | None, "margin": float | None, "verdict": str | None}
 
 `compared` and `unswappable` count answers: a decoded assistant message (VFlash: each record's last
 answer; chat and vakforge: each decoded message whose prompt holds a media slot) or a Valen question.
@@ -43,6 +44,32 @@ with_images − swapped_images, or swapped_images − with_images for a metric w
 (trajectory ADE), so a positive drop always means the images helped. The figures are None where no
 answer could be compared. Data in which no evaluated prompt holds media (text-only data, a model
 without a vision tower) gets no `image_reliance` key at all: there is nothing to measure.
+
+The verdict (`verdict`; the report's `verdict`, the summary line's last clause, and `warn_if_blind`'s
+warning line for either of the two blind ones; None where no answer was compared):
+- "answers_from_text" (`answers_from_text`): under CHANGE_FLOOR of the compared answers change, or under
+  RELIANCE_FLOOR of at least RELIANCE_MIN_DIFFERING differing ones do: the image plays no part.
+- "moves_without_improving" (`moves_without_improving`, issue 55): the answers move with the image (not
+  the verdict above) but are no better for it: `drop` is under `margin`, and `with_images` is not above
+  `baseline` by `margin` either (both oriented by `lower_is_better`). `baseline` is the report's text-only
+  baseline of the same metric (`evaluation.text_only`; VFlash only, over all evaluated records, which the
+  compared ones nearly always are); where it is None (chat, Valen, training data unavailable) the drop
+  alone decides. A model whose picture moves its point everywhere but towards the object asked for (issue
+  55: reliance 0.78, drop 0.0, point accuracy 0.03 = the baseline) sees nothing the question needs. The
+  test needs at least RELIANCE_MIN_DIFFERING differing answers: where another record's image leaves the
+  right answer as it is, a model that looks loses nothing by the swap either.
+- "looks": neither.
+`margin` (`margin`), on the figures of all compared answers: only the `differing` ones can be worse
+with another record's image for a model that looks (the others' right answer stays), so it is a margin
+per differing answer times differing / compared; a few image questions among many text ones (Valen)
+would otherwise hide a model that looks below a margin sized for all. Per differing answer: for a metric
+where higher is better (a fraction of answers: accuracies, exact match), MIN_GAIN or STANDARD_ERRORS
+standard errors of the difference of two such fractions over the differing answers, whichever is larger
+(the variance p(1 − p) taken at the worst of `with_images`, `swapped_images` and `baseline`); for one
+where lower is better (trajectory ADE, in image units or metres: no common scale, and the report keeps no
+spread of it), RELATIVE_GAIN of the largest of those three errors. None where `with_images` or
+`swapped_images` is None or no answer differs; then, and for a report written before `lower_is_better`
+was recorded, the verdict is the first test's alone.
 """
 
 from __future__ import annotations
@@ -78,6 +105,14 @@ CHANGE_FLOOR = 0.05
 # to tell that from chance.
 RELIANCE_FLOOR = 0.05
 RELIANCE_MIN_DIFFERING = 20
+# The margin by which the images must improve the headline for the answers' moving to count as looking,
+# per differing answer (module docstring, `margin`). A fraction of answers: at least 1 in 20 better, and
+# more than two standard errors of the difference on few answers, where chance alone moves a fraction by
+# that much. An error (ADE): a tenth of it, the same scale-free "barely better" whatever its unit.
+MIN_GAIN = 0.05
+STANDARD_ERRORS = 2.0
+RELATIVE_GAIN = 0.1
+VERDICTS = ("looks", "answers_from_text", "moves_without_improving")
 
 
 @dataclass(frozen=True)
@@ -203,19 +238,28 @@ def differing_changes(references: Sequence, donor_references: Sequence, real: Se
 
 def reliance(*, changed: int, compared: int, unswappable: int, differing: int, differing_changed: int,
              metric: str, with_images: float | None, swapped_images: float | None, lower_is_better: bool = False,
-             gather: hosts.Gather = hosts.process_gather) -> dict:
+             baseline: float | None = None, gather: hosts.Gather = hosts.process_gather) -> dict:
     """The report's `image_reliance` from this process's counts (added across processes here; `differing`
     and `differing_changed` from `differing_changes`) and the metric of all processes' compared answers
-    (already summed: `hosts.sum_stats`)."""
+    (already summed: `hosts.sum_stats`); `baseline`: the text-only baseline of `metric`, where known."""
     changed, compared, unswappable, differing, differing_changed = (int(x) for x in hosts.sum_array(
         np.asarray([changed, compared, unswappable, differing, differing_changed]), gather))
     drop = None
     if with_images is not None and swapped_images is not None:
-        drop = swapped_images - with_images if lower_is_better else with_images - swapped_images
-    return {"compared": compared, "unswappable": unswappable,
+        drop = _oriented(with_images, swapped_images, lower_is_better)
+    part = {"compared": compared, "unswappable": unswappable,
             "changed_fraction": changed / compared if compared else None, "differing": differing,
             "reliance": differing_changed / differing if differing else None, "metric": metric,
-            "with_images": with_images, "swapped_images": swapped_images, "drop": drop}
+            "with_images": with_images, "swapped_images": swapped_images, "drop": drop,
+            "lower_is_better": lower_is_better, "baseline": baseline}
+    part["margin"] = margin(part)
+    part["verdict"] = verdict(part)
+    return part
+
+
+def _oriented(value: float, other: float, lower_is_better: bool) -> float:
+    """How much better `value` is than `other` (positive: better), whichever way the metric points."""
+    return other - value if lower_is_better else value - other
 
 
 def _few_change(part: dict) -> bool:
@@ -237,6 +281,45 @@ def answers_from_text(part: dict | None) -> bool:
     return bool(part) and (_few_change(part) or _differing_kept(part))
 
 
+def margin(part: dict) -> float | None:
+    """The improvement the images must bring for the answers' moving to count as looking (module docstring)."""
+    differing = part.get("differing", 0)  # .get: reports written before it was recorded
+    if not differing or part["with_images"] is None or part["swapped_images"] is None:
+        return None
+    values = [part["with_images"], part["swapped_images"]]
+    if part.get("baseline") is not None:
+        values.append(part["baseline"])
+    if part.get("lower_is_better"):
+        per_differing = RELATIVE_GAIN * max(values)
+    else:
+        variance = max(p * (1.0 - p) for p in np.clip(values, 0.0, 1.0))
+        per_differing = max(MIN_GAIN, STANDARD_ERRORS * float(np.sqrt(2.0 * variance / differing)))
+    return per_differing * differing / part["compared"]
+
+
+def moves_without_improving(part: dict | None) -> bool:
+    """The answers move with the image (`answers_from_text` does not hold) but are no better with the
+    record's own image than with another's, nor than the text-only baseline where it is known, by
+    `margin`; on at least RELIANCE_MIN_DIFFERING differing answers (module docstring). False for a report
+    written before `lower_is_better` was recorded (its baseline's orientation unknown)."""
+    if not part or "lower_is_better" not in part or answers_from_text(part):
+        return False
+    needed = margin(part)
+    if needed is None or part["differing"] < RELIANCE_MIN_DIFFERING or part["drop"] >= needed:
+        return False
+    baseline = part["baseline"]
+    return baseline is None or _oriented(part["with_images"], baseline, part["lower_is_better"]) < needed
+
+
+def verdict(part: dict | None) -> str | None:
+    """One of VERDICTS for a report's `image_reliance` (module docstring); None where no answer was compared."""
+    if not part or not part["compared"]:
+        return None
+    if answers_from_text(part):
+        return "answers_from_text"
+    return "moves_without_improving" if moves_without_improving(part) else "looks"
+
+
 def _changed(part: dict) -> int:
     return round(part["changed_fraction"] * part["compared"])
 
@@ -249,10 +332,20 @@ def _figures(part: dict) -> str:
     return f"{part['metric']} {shown(part['with_images'])} → {shown(part['swapped_images'])}"
 
 
-def warn_if_text_only(report: dict) -> None:
-    """One warning line when the report's `image_reliance` says the answers ignore the images."""
+def warn_if_blind(report: dict) -> None:
+    """One warning line when the report's `image_reliance` says the answers ignore the images, or move with
+    them without improving (`verdict`)."""
     part = report.get("image_reliance")
-    if not answers_from_text(part):
+    found = verdict(part)
+    if found == "moves_without_improving":
+        baseline = ("(no text-only baseline to compare with)" if part["baseline"] is None
+                    else f"nor than the text-only baseline ({shown(part['baseline'])})")
+        log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
+                    "record's, but they are no better than with another record's image (%s, drop %s under the "
+                    "margin %s) %s: the model does not see what the question asks for", _changed(part),
+                    part["compared"], _figures(part), shown(part["drop"]), shown(margin(part)), baseline)
+        return
+    if found != "answers_from_text":
         return
     if _few_change(part):
         log.warning("image reliance: %d of %d answers change when each record's images are swapped for another "
@@ -274,4 +367,4 @@ def summary(report: dict) -> str:
     line = f", image reliance: {_changed(part)} of {part['compared']} answers change with swapped images"
     if part.get("reliance") is not None:  # .get: reports written before it was recorded
         line += f", {_differing_changed(part)} of {part['differing']} whose reference differs (reliance {shown(part['reliance'])})"
-    return line + f" ({_figures(part)})"
+    return line + f" ({_figures(part)}); verdict: {verdict(part)}"

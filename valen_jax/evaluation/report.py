@@ -39,7 +39,7 @@ def run(restored: ModelRun, data, fmt: str, options: dict | None, *, mode: str |
     report = {"data": str(data), "format": example_format, "task": restored.config.task, "step": restored.step,
               "examples": len(examples), "examples_in_data": available}
     report.update(evaluator.evaluate(restored, examples, chosen))
-    image_reliance.warn_if_text_only(report)  # here, so the end-of-training report warns too
+    image_reliance.warn_if_blind(report)  # here, so the end-of-training report warns too
     return report
 
 

@@ -9,7 +9,8 @@ the mask removed has target weight 0. So the reference's masks are rebuilt from 
 masked-out waypoint (e.g. an occluded dense point) is excluded from the metrics as in training.
 
 Image reliance (`evaluation.image_reliance`): the last answers are decoded again with each record's
-images swapped for another's and scored by the same `answer_stats`; the headline is `headline`'s.
+images swapped for another's and scored by the same `answer_stats`; the headline is `headline`'s, and its
+verdict compares with the text-only baseline below where that has the same headline.
 
 Text-only baseline (`evaluation.text_only`): the last answers a predictor reading only the prompt's text
 gives (the most common training answer of the same prompt), scored by the same `answer_stats` and
@@ -108,7 +109,7 @@ def evaluate(restored: ModelRun, examples: list[Example], options: Options) -> d
     report = {**forced, **answers_report(restored, examples, generated, options)}
     report["text_only_baseline"] = text_only_baseline(restored, examples, report["metrics"]["overall"])
     if options.image_reliance:
-        part = image_reliance_report(restored, examples, prompts, generated, options)
+        part = image_reliance_report(restored, examples, prompts, generated, options, report["text_only_baseline"])
         if part is not None:
             report["image_reliance"] = part
     return report
@@ -203,9 +204,10 @@ def _overall(tokenizer, examples: list[Example], texts: list[str]) -> dict:
 
 
 def image_reliance_report(restored: ModelRun, examples: list[Example], prompts: list[dict],
-                          generated: list[list[int]], options: Options) -> dict | None:
+                          generated: list[list[int]], options: Options, baseline: dict | None = None) -> dict | None:
     """The report's `image_reliance` (`evaluation.image_reliance`) of this process's last answers
-    (`prompts` and their `generated` ids, in `hosts.local_indices` order); None without media."""
+    (`prompts` and their `generated` ids, in `hosts.local_indices` order); None without media. `baseline`:
+    the report's `text_only_baseline`, which the verdict compares with where its metric is the headline's."""
     plan = image_reliance.plan_swaps([image_reliance.layout_of(p["vision"]) for p in prompts])
     if sum(image_reliance.global_counts(len(plan.donors), len(plan.unswappable))) == 0:
         return None
@@ -223,7 +225,8 @@ def image_reliance_report(restored: ModelRun, examples: list[Example], prompts: 
     return image_reliance.reliance(
         changed=sum(a != b for a, b in zip(real_texts, swapped_texts, strict=True)), compared=len(compared),
         unswappable=len(plan.unswappable), differing=differing, differing_changed=differing_changed,
-        metric=metric, with_images=value(real), swapped_images=value(fake), lower_is_better=lower_is_better)
+        metric=metric, with_images=value(real), swapped_images=value(fake), lower_is_better=lower_is_better,
+        baseline=baseline["value"] if baseline is not None and baseline["metric"] == metric else None)
 
 
 def text_only_baseline(restored: ModelRun, examples: list[Example], overall: dict) -> dict:
