@@ -41,10 +41,11 @@ def standardised(patches, segments, channels: int = 3):
         n = jax.ops.segment_sum(jnp.full(item.shape, pixels.shape[-1], jnp.float32), item, items)[:, None]
         n = jnp.maximum(n, 1.0)
         mean = jax.ops.segment_sum(pixels.sum(-1), item, items) / n  # [items, C]
-        square = jax.ops.segment_sum((pixels ** 2).sum(-1), item, items) / n
+        centred = pixels - mean[item][..., None]  # two passes: E[x²] − E[x]² loses float32's digits
+        std = jnp.sqrt(jax.ops.segment_sum((centred ** 2).sum(-1), item, items) / n)
         # The floor keeps a flat image's noise from being blown up (tf's rule: 1/sqrt(number of values)).
-        std = jnp.maximum(jnp.sqrt(jnp.maximum(square - mean ** 2, 0.0)), jax.lax.rsqrt(n))
-        out = (pixels - mean[item][..., None]) / std[item][..., None]
+        std = jnp.maximum(std, jax.lax.rsqrt(n))
+        out = centred / std[item][..., None]
         return jnp.where((item > 0)[:, None, None], out, 0.0)
 
     return jax.vmap(per_row)(x, segments).reshape(batch, count, dim).astype(patches.dtype)
