@@ -76,7 +76,20 @@ def test_a_schema_1_target_evaluates_to_the_report_its_own_code_wrote(runs, monk
     read_training_data_here(monkeypatch, TRAINED_ON)
     report = evaluate_workdir(target, EVAL, max_examples=4)
     assert report["text_only_baseline"]["value"] is not None, report["text_only_baseline"]
-    assert _comparable(report) == _comparable(json.loads((FIXTURE / "target-report.json").read_text()))
+    written = _comparable(json.loads((FIXTURE / "target-report.json").read_text()))
+    # Every figure its own code wrote, to the digit; keys a later version adds (image_reliance's verdict and
+    # margin, issue 55) are not the old code's to check.
+    assert _as_written(_comparable(report), written) == written
+    assert report["image_reliance"]["verdict"] in ("looks", "answers_from_text", "moves_without_improving")
+
+
+def _as_written(report, written):
+    """`report` with, in every dict, only the keys `written` holds there (a missing one stays missing)."""
+    if isinstance(report, dict) and isinstance(written, dict):
+        return {key: _as_written(report[key], written[key]) for key in written if key in report}
+    if isinstance(report, list) and isinstance(written, list) and len(report) == len(written):
+        return [_as_written(a, b) for a, b in zip(report, written, strict=True)]
+    return report
 
 
 def test_a_schema_1_drafter_is_checked_against_its_target_by_the_sha256_it_recorded(runs, caplog):
