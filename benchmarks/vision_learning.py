@@ -166,15 +166,19 @@ def trained_seconds(logged: dict[int, float], step: int) -> float | None:
     return logged[max(before)] if before else None
 
 
-def accuracy_of(report: dict, metric: str) -> float:
+def accuracy_of(report: dict) -> float:
+    """The report's VFlash headline (`evaluation.vflash.headline`: point accuracy for point answers, box acc@0.5
+    for boxes), the figure its image reliance compares too."""
+    from valen_jax.evaluation.vflash import headline
+
     overall = report["metrics"]["overall"]
-    return overall["point"]["accuracy"] if metric == "point" else overall["box"]["acc_at_0.5"]
+    return headline(overall)[1](overall)
 
 
-def checkpoint_figures(report: dict, metric: str, seconds: float | None) -> dict:
+def checkpoint_figures(report: dict, seconds: float | None) -> dict:
     part = report["image_reliance"] or {}
     baseline = report.get("text_only_baseline") or {}
-    return {"step": report["step"], "accuracy": accuracy_of(report, metric),
+    return {"step": report["step"], "accuracy": accuracy_of(report),
             "image_reliance": part.get("reliance"), "changed_fraction": part.get("changed_fraction"),
             "accuracy_drop": part.get("drop"), "text_only_baseline": baseline.get("value"),
             "loss": report["loss"], "train_seconds": seconds}
@@ -206,7 +210,7 @@ def run_task(name: str, generator, run: Setup, root: Path, args) -> dict:
     checkpoints = []
     for step in range(args.every, args.steps + 1, args.every):
         report = evaluate_workdir(root / "run", data / "eval.jsonl", step, samples=0)
-        figures = checkpoint_figures(report, metric, trained_seconds(logged, step))
+        figures = checkpoint_figures(report, trained_seconds(logged, step))
         checkpoints.append(figures)
         print(f"{name} step {step}: {metric} accuracy {figures['accuracy']:.3f}, image reliance "
               f"{shown(figures['image_reliance'])} (changed {shown(figures['changed_fraction'])}), accuracy drop "

@@ -57,9 +57,14 @@ CELL_CENTRES = (SIZE / 6, SIZE / 2, 5 * SIZE / 6)  # the 3 × 3 grid's cell cent
 JITTER = 1.0  # px either way around a cell centre: no two discs at the same place, none off their cell
 
 
-def quantise(pixels: float) -> int:
-    """A pixel coordinate on a SIZE-pixel side → seed 004's 0..1000 grid: the library's one quantiser."""
-    return primitives.quantise(pixels, 0, SIZE)
+def quantise(pixels: float, size: int = SIZE) -> int:
+    """A pixel coordinate on a `size`-pixel side → seed 004's 0..1000 grid: the library's one quantiser."""
+    return primitives.quantise(pixels, 0, size)
+
+
+def point_answer(x: float, y: float, size: int = SIZE) -> str:
+    """Seed 004's point answer for pixel (x, y) of a `size`-pixel square image."""
+    return f"<point><{quantise(x, size)}><{quantise(y, size)}></point>"
 
 
 def centre(rng: random.Random, task: str) -> tuple[float, float]:
@@ -80,12 +85,29 @@ def scene(rng: random.Random, cx: float, cy: float, disc: bool = True) -> Image.
     return image
 
 
-def record(rng: random.Random, root: Path, name: str, task: str, disc: bool = True) -> dict:
+def draw_record(rng: random.Random, task: str, disc: bool = True) -> tuple[Image.Image, str, str]:
+    """One scene of issue 25's `task` → (image, question, answer)."""
     cx, cy = centre(rng, task)
-    rel = f"images/{name}.png"
-    scene(rng, cx, cy, disc).save(root / rel)
-    answer = f"<point><{quantise(cx)}><{quantise(cy)}></point>"
-    return {"image": rel, "conversations": [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": answer}]}
+    return scene(rng, cx, cy, disc), QUESTION, point_answer(cx, cy)
+
+
+def write_splits(output: str | Path, counts: dict[str, int], draw) -> dict[str, Path]:
+    """`counts[split]` records of `draw(split)` → (image, question, answer) per split, in order: the images as
+    OUTPUT/images/{split}_{i:05d}.png, the records as OUTPUT/{split}.jsonl → those JSONL paths."""
+    root = Path(output)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, count in counts.items():
+        rows = []
+        for i in range(count):
+            image, question, answer = draw(split)
+            rel = f"images/{split}_{i:05d}.png"
+            image.save(root / rel)
+            rows.append({"image": rel, "conversations": [{"from": "human", "value": question},
+                                                         {"from": "gpt", "value": answer}]})
+        paths[split] = root / f"{split}.jsonl"
+        paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return paths
 
 
 def make(task: str, output: str | Path, train: int, eval_count: int, seed: int = 0,
@@ -94,16 +116,9 @@ def make(task: str, output: str | Path, train: int, eval_count: int, seed: int =
     images without the disc (the eval images keep it)."""
     if task not in TASKS:
         raise ValueError(f"--task={task!r}: one of {', '.join(TASKS)}")
-    root = Path(output)
-    (root / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    paths = {}
-    for split, count in (("train", train), ("eval", eval_count)):
-        rows = [record(rng, root, f"{split}_{i:05d}", task, disc=not (blank and split == "train"))
-                for i in range(count)]
-        paths[split] = root / f"{split}.jsonl"
-        paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return paths
+    return write_splits(output, {"train": train, "eval": eval_count},
+                        lambda split: draw_record(rng, task, disc=not (blank and split == "train")))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -202,15 +217,14 @@ def draw_family_record(rng: random.Random, task: Task) -> tuple[Image.Image, str
     draw = ImageDraw.Draw(image)
     for _ in range(6):  # a few random pixels, as in every task: no two images equal
         image.putpixel((rng.randrange(size), rng.randrange(size)), tuple(rng.randrange(256) for _ in range(3)))
-    r = rng.uniform(*task.radius)
-    taken: list[tuple[float, float, float]] = []
+    r = rng.uniform(*task.radius)  # drawn for every task, so each task's scenes stay the ones measured
     if task.named:
         return _named_scene(rng, task, image, draw)
     if task.answer == "box":
         rx, ry = rng.uniform(*task.radius), rng.uniform(*task.radius)
         cx, cy = rng.uniform(rx + 1, size - rx - 1), rng.uniform(ry + 1, size - ry - 1)
         draw.ellipse((cx - rx, cy - ry, cx + rx, cy + ry), fill=RED)
-        x1, y1, x2, y2 = (primitives.quantise(v, 0, size) for v in (cx - rx, cy - ry, cx + rx, cy + ry))
+        x1, y1, x2, y2 = (quantise(v, size) for v in (cx - rx, cy - ry, cx + rx, cy + ry))
         return image, BOX_QUESTION, f"<ref>red object</ref><objects><box><{x1}><{y1}><{x2}><{y2}></box></objects>"
     if task.answer == "motion":
         # A move of 2r+2 to 2r+8 px in any direction (the marks never touch); the mark where the ball was is a
@@ -225,9 +239,9 @@ def draw_family_record(rng: random.Random, task: Task) -> tuple[Image.Image, str
         (px, py), (nx, ny) = points
         draw.ellipse((px - r, py - r, px + r, py + r), fill=(110, 110, 110))
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=RED)
-        return image, MOTION_QUESTION, f"<point><{primitives.quantise(nx, 0, size)}><{primitives.quantise(ny, 0, size)}></point>"
-    cx, cy = _free_place(rng, taken, r, size)
-    taken.append((cx, cy, r))
+        return image, MOTION_QUESTION, point_answer(nx, ny, size)
+    cx, cy = _free_place(rng, [], r, size)
+    taken = [(cx, cy, r)]
     others = [name for name in COLOURS if name != "red"]
     if task.faint_distractor:  # beside the ball: 2-4 radii from it, half-way between its colour and the background
         background = image.getpixel((0, 0))
@@ -247,8 +261,7 @@ def draw_family_record(rng: random.Random, task: Task) -> tuple[Image.Image, str
     _shape(draw, "disc", cx, cy, r, RED)
     if task.backgrounds:
         image = _noisy(image, rng, 12.0)
-    answer = f"<point><{primitives.quantise(cx, 0, size)}><{primitives.quantise(cy, 0, size)}></point>"
-    return image, POINT_QUESTION.format(name="red ball"), answer
+    return image, POINT_QUESTION.format(name="red ball"), point_answer(cx, cy, size)
 
 
 def _named_scene(rng: random.Random, task: Task, image: Image.Image, draw: ImageDraw.ImageDraw):
@@ -267,8 +280,7 @@ def _named_scene(rng: random.Random, task: Task, image: Image.Image, draw: Image
     unique_shape = shapes.count(shapes[target]) == 1
     name = shapes[target] if unique_shape and rng.random() < 0.5 else f"{colours[target]} {shapes[target]}"
     cx, cy, _ = taken[target]
-    answer = f"<point><{primitives.quantise(cx, 0, task.size)}><{primitives.quantise(cy, 0, task.size)}></point>"
-    return image, POINT_QUESTION.format(name=name), answer
+    return image, POINT_QUESTION.format(name=name), point_answer(cx, cy, task.size)
 
 
 def make_family_task(name: str, output: str | Path, eval_count: int = 100, seed: int = 0,
@@ -278,21 +290,9 @@ def make_family_task(name: str, output: str | Path, eval_count: int = 100, seed:
     if name not in FAMILY:
         raise ValueError(f"--task={name!r}: one of {', '.join(FAMILY)}")
     task = FAMILY[name]
-    root = Path(output)
-    (root / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(f"{name}/{seed}")
-    paths = {}
-    for split, count in (("train", task.train if train is None else train), ("eval", eval_count)):
-        rows = []
-        for i in range(count):
-            image, question, answer = draw_family_record(rng, task)
-            rel = f"images/{split}_{i:05d}.png"
-            image.save(root / rel)
-            rows.append({"image": rel, "conversations": [{"from": "human", "value": question},
-                                                         {"from": "gpt", "value": answer}]})
-        paths[split] = root / f"{split}.jsonl"
-        paths[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return paths
+    return write_splits(output, {"train": task.train if train is None else train, "eval": eval_count},
+                        lambda split: draw_family_record(rng, task))
 
 
 

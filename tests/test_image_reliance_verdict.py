@@ -9,16 +9,15 @@ model and evaluates it where it is right and where it is not.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.train_runs import ROOT, run_module, run_train
+from tests.test_vision_learning import make_vision_tasks
+from tests.train_runs import run_module, run_train
 from valen_jax.evaluation import image_reliance, vflash
 
 LOGGER = "valen_jax.evaluation.image_reliance"
@@ -148,16 +147,6 @@ WARNING = "image reliance: "
 LEFT, RIGHT = "<point><250><500></point>", "<point><750><500></point>"  # the task's two answers
 
 
-def _make_vision_tasks():
-    """data/make_vision_tasks.py loaded by path (a script, not a package); registered in sys.modules before
-    it runs, as its dataclasses need."""
-    spec = importlib.util.spec_from_file_location("make_vision_tasks_for_verdict", ROOT / "data" / "make_vision_tasks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _swap_sides(path: Path, output: Path) -> None:
     """`path`'s records, each answering with the point of a record whose disc is on the other side."""
     other = {LEFT: RIGHT, RIGHT: LEFT}
@@ -174,7 +163,7 @@ def test_a_model_whose_answers_follow_the_image_to_the_wrong_side_is_named_blind
     # at the disc and answer where it is not. On the real references its answers move with the image
     # (reliance ~1) and are no better for it, worse than another record's image and than the text-only
     # baseline: the old warning saw the high reliance and stayed silent.
-    data = _make_vision_tasks().make("leftright", tmp_path / "data", 200, 100, seed=0)
+    data = make_vision_tasks.make("leftright", tmp_path / "data", 200, 100, seed=0)
     _swap_sides(data["train"], data["train"])
     workdir = tmp_path / "run"
     result = run_train("configs/vflash.py:tiny", workdir, "--config.data.format=vflash",
